@@ -1,0 +1,223 @@
+"""Benchmark: vocab_parallel_stats against Megatron's cross-entropy and a full-gather baseline.
+
+Per tp rank: peak memory (MemTracker on CPU, max_memory_allocated on GPU), median time of one
+forward+backward, and the collective calls in forward and in backward, for
+
+* ``ours`` / ``logprob``: ``vocab_parallel_stats(..., entropy="off")``, backward of the logprobs;
+* ``ours`` / ``logprob+entropy``: ``entropy="grad"``, backward of logprobs and entropy;
+* ``megatron`` / ``logprob``: ``tensor_parallel.vocab_parallel_cross_entropy`` (logprob only);
+* ``full_gather`` / ``logprob+entropy``: all-gather the vocabulary, fp32 ``log_softmax``, gather
+  the target, ``-(p * logp).sum()``, autograd backward.
+
+Run (from the repo root)::
+
+    python benchmarks/bench_vocab_parallel.py --tokens 1024 4096 16384 --tp 1 2 4
+
+The driver launches one torchrun job per tp size, prints a markdown table, writes it to
+``benchmarks/results/vocab_parallel.md`` and appends the rows to ``vocab_parallel.csv``. A
+configuration whose estimated memory does not fit on this machine is skipped and marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runner import (  # noqa: E402
+    RESULTS_DIR,
+    Measurement,
+    append_csv,
+    device,
+    environment,
+    init_worker,
+    is_worker,
+    launch,
+    measure,
+    write_worker_rows,
+)
+
+from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
+
+GiB = 1024**3
+# Fixed per-token fp32 allowance in the bound: stats [5, T], gathered [tp, 5, T], outputs, masks.
+BOUND_PER_TOKEN_VECTORS = 48
+
+
+def ours(entropy: str, chunk: int):
+    def make(logits, target, group, vocab):
+        def step():
+            st = vocab_parallel_stats(logits, target, tp_group=group, vocab_size=vocab,
+                                      chunk_size=chunk, entropy=entropy, validate=False)
+            outs = [st.logprobs] + ([st.entropy] if entropy == "grad" else [])
+            return lambda: _backward(outs, logits)
+
+        return step
+
+    return make
+
+
+def megatron(logits, target, group, vocab):
+    from megatron.core import tensor_parallel
+
+    def step():
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, tp_group=group)
+        return lambda: _backward([loss], logits)
+
+    return step
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather the vocabulary shards; backward keeps this rank's columns (same loss on all)."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        ctx.group, ctx.width = group, shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad[..., rank * ctx.width:(rank + 1) * ctx.width], None
+
+
+def full_gather(logits, target, group, vocab):
+    def step():
+        full = _GatherVocab.apply(logits, group)[..., :vocab].float()
+        logp = torch.log_softmax(full, dim=-1)
+        lp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        return lambda: _backward([lp, ent], logits)
+
+    return step
+
+
+def _backward(outputs, leaf):
+    torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    leaf.grad = None
+
+
+def estimate_bytes(provider: str, tokens: int, width: int, tp: int, chunk: int) -> int:
+    """Rough per-rank peak, used only to skip configurations that cannot fit."""
+    shard = tokens * width * 2
+    full = shard * tp
+    if provider == "ours":
+        return 2 * shard + 2 * chunk * width * 4
+    if provider == "megatron":  # bf16 logits + fp32 softmax + grad
+        return 5 * shard
+    return shard + full + 11 * full  # gather (bf16) + several fp32 [T, V] tensors
+
+
+def available_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device()).total_memory
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def worker(args) -> None:
+    group = init_worker()
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    width = -(-args.vocab // (tp * 128)) * 128  # Megatron pads V to a multiple of 128 * tp
+    budget = args.memory_fraction * available_bytes() / (1 if torch.cuda.is_available() else tp)
+    providers = [
+        ("ours", "logprob", ours("off", args.chunk)),
+        ("ours", "logprob+entropy", ours("grad", args.chunk)),
+        ("megatron", "logprob", megatron),
+        ("full_gather", "logprob+entropy", full_gather),
+    ]
+    rows = []
+    for tokens in args.tokens:
+        gen = torch.Generator().manual_seed(tokens)
+        full_logits = None
+        for name, mode, make in providers:
+            row = Measurement(provider=name, mode=mode, tokens=tokens, tp=tp)
+            need = estimate_bytes(name, tokens, width, tp, args.chunk)
+            if need > budget:
+                row.skipped = f"skipped: needs ~{need / GiB:.1f} GiB per rank"
+                rows.append(row)
+                continue
+            if full_logits is None:  # same shard for every provider
+                shard = torch.randn(tokens, width, generator=gen).mul_(2.0)
+                full_logits = shard.to(torch.bfloat16).to(device()).requires_grad_()
+                target = torch.randint(0, args.vocab, (tokens,), generator=gen).to(device())
+                del shard
+            step = make(full_logits, target, group, args.vocab)
+            row.peak_bytes, row.time_ms, row.fwd_collectives, row.bwd_collectives = measure(
+                step, group=group, inputs=(full_logits, target), iters=args.iters)
+            row.extra["shard_bytes"] = full_logits.numel() * 2
+            if name == "ours":
+                bound = (2 * row.extra["shard_bytes"] + 2 * args.chunk * width * 4
+                         + BOUND_PER_TOKEN_VECTORS * tp * tokens * 4)
+                row.extra["bound_ratio"] = round(row.peak_bytes / bound, 3)
+            rows.append(row)
+            if rank == 0:
+                print(f"T={tokens} tp={tp} {name}/{mode}: peak {row.peak_bytes / GiB:.3f} GiB, "
+                      f"{row.time_ms:.0f} ms", flush=True)
+        del full_logits
+    write_worker_rows(args.worker_out, rows)
+    dist.destroy_process_group()
+
+
+def table(rows: list[Measurement]) -> str:
+    """Markdown table; time ratios are against Megatron's logprob-only time in the same run."""
+    base = {(r.tokens, r.tp): r.time_ms for r in rows if r.provider == "megatron" and r.time_ms}
+    gather = {(r.tokens, r.tp): r.time_ms for r in rows
+              if r.provider == "full_gather" and r.time_ms}
+    lines = [
+        "| T | tp | provider | mode | peak/rank GiB | peak / bf16 shard | bound ratio | "
+        "time ms | time / Megatron | full-gather / this | collectives fwd/bwd |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.tokens, r.tp)):
+        if r.skipped:
+            lines.append(f"| {r.tokens} | {r.tp} | {r.provider} | {r.mode} | {r.skipped} "
+                         "| | | | | | |")
+            continue
+        key = (r.tokens, r.tp)
+        ratio = f"{r.time_ms / base[key]:.2f}" if key in base else "n/a"
+        speedup = f"{gather[key] / r.time_ms:.2f}" if key in gather else "n/a"
+        lines.append(
+            f"| {r.tokens} | {r.tp} | {r.provider} | {r.mode} | {r.peak_bytes / GiB:.3f} | "
+            f"{r.peak_bytes / r.extra['shard_bytes']:.2f} | {r.extra.get('bound_ratio', '')} | "
+            f"{r.time_ms:.0f} | {ratio} | {speedup} | {r.fwd_collectives}/{r.bwd_collectives} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--chunk", type=int, default=1024, help="ours: tokens per fp32 chunk")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations (after 1 warm-up)")
+    parser.add_argument("--memory-fraction", type=float, default=0.75,
+                        help="skip a configuration estimated above this share of free memory")
+    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "vocab_parallel"))
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if is_worker():
+        worker(args)
+        return
+    script_args = [a for a in sys.argv[1:]]
+    rows = [m for tp in args.tp for m in launch(os.path.abspath(__file__), tp, script_args)]
+    env = environment()
+    config = f"V={args.vocab} chunk={args.chunk} bf16 iters={args.iters}"
+    text = (f"{config}; {env['device']}; {env['version']}; {env['timestamp']}; "
+            f"glibc malloc defaults, one thread per rank\n\n{table(rows)}\n")
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    append_csv(args.out + ".csv", "vocab_parallel_stats", rows, config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""The ops: pure math (``_math``), collectives (``_comm``) and the autograd Functions."""
+
+from .vocab_parallel import (
+    VocabStats,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+    vocab_parallel_stats,
+)
+
+__all__ = [
+    "VocabStats",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logprobs",
+    "vocab_parallel_stats",
+]

@@ -1,0 +1,295 @@
+"""Exact vocab-parallel log-probs, entropy and cross-entropy without gathering the vocabulary.
+
+One autograd Function covers every chunk: the forward upcasts one ``[chunk, W]`` slice at a time
+into two reused fp32 buffers, packs each shard's statistics into a ``[k, T]`` tensor and merges
+them after a single all-gather; the backward recomputes each chunk and writes its gradient into one
+preallocated tensor of the logits' dtype, with no collective.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+from ._checks import StatsConfig, check_finite, checked_config, host_checks_enabled
+from ._math import (
+    NUM_STATS,
+    chunk_grad,
+    chunk_stats,
+    load_chunk,
+    local_target_index,
+    merge_stats,
+)
+
+class VocabStats(NamedTuple):
+    """Per-token statistics, each fp32 and shaped like ``target``.
+
+    ``logprobs``: log p(target) in nats (with label smoothing: ``sum_j q_j log p_j``, see
+    :func:`vocab_parallel_stats`); ``None`` when no target was given.
+    ``entropy``: ``-sum_j p_j log p_j`` in nats; ``None`` when ``entropy="off"``.
+    ``logsumexp``: ``log sum_j exp(z_j)`` over the real vocabulary; never differentiable.
+    """
+
+    logprobs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    logsumexp: torch.Tensor
+
+
+def _chunks(logits2d, target1d, valid, cfg: StatsConfig):
+    """Yield ``(rows, z, scratch, index, owned)`` per chunk, reusing two fp32 ``[chunk, W]`` buffers.
+
+    ``z`` is the chunk upcast to fp32 (temperature applied, padding at -inf); ``index``/``owned``
+    locate each row's target in this shard (None without targets).
+    """
+    num_tokens = logits2d.shape[0]
+    zbuf = logits2d.new_empty((min(cfg.chunk_size, max(num_tokens, 1)), cfg.layout.width),
+                              dtype=torch.float32)
+    scratch = torch.empty_like(zbuf)
+    for start in range(0, num_tokens, cfg.chunk_size):
+        rows = slice(start, min(start + cfg.chunk_size, num_tokens))
+        index = owned = None
+        if target1d is not None:
+            index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
+        z = load_chunk(logits2d[rows], zbuf, cfg.layout, cfg.temperature)
+        yield rows, z, scratch, index, owned
+
+
+def _flatten(logits, target, cfg: StatsConfig):
+    logits2d = logits.reshape(-1, cfg.layout.width)
+    if target is None:
+        return logits2d, None, None
+    target1d = target.reshape(-1)
+    return logits2d, target1d, target1d != cfg.ignore_index
+
+
+class _VocabParallelStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
+        logits2d, target1d, valid = _flatten(logits, target, cfg)
+        has_target = target is not None
+        want_entropy = cfg.entropy != "off"
+        smoothing = cfg.label_smoothing if has_target else 0.0
+
+        stats = logits2d.new_zeros((NUM_STATS, logits2d.shape[0]), dtype=torch.float32)
+        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, cfg):
+            chunk_stats(z, scratch, index, owned, stats[:, rows], layout=cfg.layout,
+                        entropy=want_entropy, zsum=smoothing > 0.0)
+        merged = merge_stats(_comm.gather_stats(stats, tp_group), valid,
+                             vocab_size=cfg.layout.vocab_size, label_smoothing=smoothing,
+                             entropy=want_entropy, has_target=has_target)
+        if host_checks_enabled(cfg.validate, logits.device):
+            check_finite(merged.logsumexp, valid)
+
+        shape = logits.shape[:-1]
+        logprobs = merged.logprobs.view(shape) if has_target else None
+        entropy = merged.entropy.view(shape) if want_entropy else None
+        lse = merged.logsumexp.view(shape)
+        ctx.cfg = cfg
+        ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None)
+        # One call: a second mark_non_differentiable would replace the first.
+        ctx.mark_non_differentiable(lse, *([entropy] if cfg.entropy == "metric" else []))
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+        logits, target, lse, ent = ctx.saved_tensors
+        cfg: StatsConfig = ctx.cfg
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None
+        logits2d, target1d, valid = _flatten(logits, target, cfg)
+        lse = lse.reshape(-1)
+        # Per-row coefficients carry the temperature and are 0 at ignored rows, whose gradient is
+        # then exactly 0 (their lse is made finite so that p stays finite).
+        keep = valid.float() / cfg.temperature if valid is not None else 1.0 / cfg.temperature
+        coef_lp = grad_logprobs.reshape(-1).float() * keep if grad_logprobs is not None else None
+        coef_h = grad_entropy.reshape(-1).float() * keep if grad_entropy is not None else None
+        if valid is not None:
+            lse = torch.where(valid | torch.isfinite(lse), lse, 0.0)
+        ent = ent.reshape(-1) if ent is not None else None
+
+        grad_logits = torch.empty_like(logits2d)
+        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, cfg):
+            chunk_grad(
+                z, scratch, grad_logits[rows],
+                lse=lse[rows],
+                ent=ent[rows] if coef_h is not None else None,
+                coef_lp=coef_lp[rows] if coef_lp is not None else None,
+                coef_h=coef_h[rows] if coef_h is not None else None,
+                index=index, owned=owned,
+                layout=cfg.layout,
+                label_smoothing=cfg.label_smoothing,
+            )
+        return grad_logits.view(logits.shape), None, None, None
+
+
+def vocab_parallel_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor | None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    entropy: str = "grad",
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    validate: bool = True,
+) -> VocabStats:
+    """Exact per-token log-probs, entropy and logsumexp from vocab-parallel logits.
+
+    Reference semantics (one process, full vocabulary, ``z = logits.float() / temperature`` with
+    columns ``>= vocab_size`` removed)::
+
+        logp = torch.log_softmax(z, -1)
+        logprobs = (1 - eps) * logp.gather(-1, target[..., None])[..., 0] + eps * logp.mean(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        logsumexp = torch.logsumexp(z, -1)
+
+    computed without gathering the vocabulary, without an fp32 copy of the shard and without a
+    one-hot. Method: per-shard sufficient statistics (max, sum of exp, exp-weighted logits, target
+    logit) merged across ranks, ``H = logZ - E_p[z]``; formulas in ``docs/numerics.md``.
+
+    Args:
+        logits: this rank's vocabulary shard ``[..., W]`` (W = padded V / tp), bf16, fp16 or fp32,
+            any leading shape (Megatron ``[s, b, W]``, THD ``[T, 1, W]``, ``[B, S, W]``). Never
+            modified. Rank r holds global columns ``[r*W, (r+1)*W)``.
+        target: int64 global token ids shaped like ``logits.shape[:-1]``, or None to compute only
+            entropy and logsumexp.
+        tp_group: the tensor-parallel group the vocabulary is split over; None means no tensor
+            parallelism (``logits`` holds the whole vocabulary).
+        vocab_size: the real (unpadded) global vocabulary size V; columns at global id >= V are
+            padding and get zero probability. Default ``W * tp``.
+        chunk_size: tokens upcast to fp32 at a time; the workspace is two fp32 ``[chunk, W]``
+            buffers. None picks it from the width and device (``ops._checks.auto_chunk_size``:
+            about 4 MiB per buffer on CPU, 256 MiB on GPU). Results do not depend on it.
+        entropy: ``"off"`` (not computed, returned as None), ``"metric"`` (computed, not
+            differentiable, nothing extra saved) or ``"grad"`` (differentiable:
+            ``dH/dz_j = -p_j (log p_j + H)``).
+        temperature: logits are divided by it (in the fp32 chunk, never copied); gradients too.
+        ignore_index: positions whose target equals it get logprob 0 and entropy 0 and exactly zero
+            gradient; their logsumexp is still reported.
+        label_smoothing: eps in [0, 1). ``logprobs`` becomes ``sum_j q_j log p_j`` with
+            ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real size,
+            never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
+        validate: run the checks that read tensor values on the host (target range, one tiny
+            all-gather comparing shard width, token count, vocab_size, dtype and target across
+            ranks, and finite results). Skipped while a CUDA graph is being captured. Shape, dtype
+            and argument checks always run. Must be equal on all ranks.
+
+    Returns:
+        :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
+        ``logits.shape[:-1]``, identical on every rank of ``tp_group``.
+
+    Communication: one all-gather of ``[5, T]`` fp32 in forward (plus one of 5 int64 when
+    ``validate``), none in backward. Memory beyond the inputs: two fp32 ``[chunk, W]`` buffers and
+    ``O(tp * T)`` fp32 vectors; backward allocates the logits gradient once, in the logits dtype.
+
+    Raises:
+        ValueError: naming the argument, for a non-integer ``target``, leading shapes that differ,
+            a dtype other than bf16/fp16/fp32, ``chunk_size <= 0``, an unknown ``entropy`` mode,
+            ``temperature <= 0``, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that does not
+            fit the shards, full replicated logits passed as a shard, and (with ``validate``)
+            target ids outside ``[0, V)`` other than ``ignore_index``, shards or targets that
+            differ across ranks, and scored rows whose logits are NaN, +inf or all -inf. Without
+            ``validate`` such rows give NaN.
+    """
+    cfg = checked_config(
+        logits,
+        target,
+        tp_group,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        entropy=entropy,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        validate=validate,
+    )
+    return VocabStats(*_VocabParallelStats.apply(logits, target, cfg, tp_group))
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Per-token ``log p(target)`` (fp32, nats, shaped like ``target``) from vocab-parallel logits.
+
+    Equals ``vocab_parallel_stats(..., entropy="off").logprobs``: same arguments, shapes, errors
+    and communication (see :func:`vocab_parallel_stats`). Ignored positions give 0.
+    """
+    return vocab_parallel_stats(
+        logits, target, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
+        entropy="off", temperature=temperature, ignore_index=ignore_index, validate=validate,
+    ).logprobs
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    differentiable: bool = True,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Per-token entropy ``-sum_j p_j log p_j`` (fp32, nats, shaped like ``logits.shape[:-1]``).
+
+    Exact (``H = logZ - E_p[z]``, no sampling), from the shard ``[..., W]`` without gathering it.
+    ``differentiable=False`` is the ``"metric"`` mode: no gradient and nothing saved for one.
+    Arguments, errors and communication as in :func:`vocab_parallel_stats` (no target).
+    """
+    return vocab_parallel_stats(
+        logits, None, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
+        entropy="grad" if differentiable else "metric", temperature=temperature,
+        validate=validate,
+    ).entropy
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Drop-in for Megatron's ``tensor_parallel.vocab_parallel_cross_entropy``.
+
+    Same positional arguments and result: per-token loss ``-log p(target)``, fp32, shaped like
+    ``target`` (Megatron: logits ``[s, b, V/tp]``, target ``[s, b]``), plus ``ignore_index``
+    (loss and gradient 0 there). Unlike the other ops, and like Megatron, ``tp_group=None`` means
+    Megatron's default tensor-parallel group when ``megatron.core.parallel_state`` is initialised
+    (no tensor parallelism otherwise).
+
+    Label smoothing follows ``docs/numerics.md``: ``(1-eps) * nll + eps * (logZ - mean_j z_j)``
+    over the V real columns. Megatron's own version spreads ``eps*K/(K-1)`` with K the local
+    shard width, so its smoothed loss differs from this one (and across tp sizes).
+
+    Raises: as :func:`vocab_parallel_stats`.
+    """
+    if tp_group is None:
+        from ..megatron.compat import default_tp_group
+
+        tp_group = default_tp_group()
+    stats = vocab_parallel_stats(
+        vocab_parallel_logits, target, tp_group=tp_group, vocab_size=vocab_size,
+        chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
+        label_smoothing=label_smoothing, validate=validate,
+    )
+    return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

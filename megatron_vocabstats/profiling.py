@@ -1,0 +1,69 @@
+"""Measurement helpers shared by the tests and benchmarks: peak memory and collective counts.
+
+Peak memory uses torch's own trackers: ``MemTracker`` (``torch.distributed._tools``) on CPU, the
+CUDA caching allocator's ``max_memory_allocated`` on GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all",
+    "all_to_all_single", "reduce", "gather", "scatter", "barrier",
+)
+
+
+@contextmanager
+def count_collectives():
+    """Record the name of every ``torch.distributed`` collective called inside the block.
+
+    Yields a list that grows with each call. It wraps the module attributes, so it sees calls
+    made as ``torch.distributed.<name>(...)`` (ours and Megatron's), not ones bound earlier.
+    """
+    calls: list[str] = []
+    saved = {}
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+        saved[name] = original
+
+        def wrapper(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    try:
+        yield calls
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def peak_memory_bytes(fn: Callable[[], object], *external: object, device=None) -> int:
+    """Peak bytes of tensors alive while ``fn()`` runs (the inputs in ``external`` included).
+
+    CPU: ``MemTracker`` with ``external`` (tensors, modules, optimizers) registered, total over
+    all kinds. CUDA: ``torch.cuda.max_memory_allocated`` after a reset (everything allocated).
+    """
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    if external:
+        tracker.track_external(*external)
+    with tracker:
+        fn()
+    return int(tracker.get_tracker_snapshot("peak")[device]["Total"])

@@ -1,0 +1,105 @@
+# shellcheck shell=bash
+# Sourced helper (scripts that source it run under `set -euo pipefail`).
+#
+#   source scripts/_env.sh
+#   ensure_venv DIR PYVER REQFILE
+#
+# Creates the venv DIR with the pyenv interpreter for PYVER (e.g. 3.12) if it
+# is missing, then installs REQFILE and the project itself (editable, no deps)
+# -- but only when the stamp stored inside the venv does not match the current
+# inputs (hash of REQFILE and of pyproject.toml). A re-run with nothing changed
+# does no pip work at all.
+
+_VS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_VS_STAMP_NAME=".megatron-vocabstats.stamp"
+
+_vs_err() { echo "ensure_venv: error: $*" >&2; }
+
+# Print the path of a Python interpreter for version PYVER (3.12 or 3.12.1).
+_vs_find_python() {
+    local ver="$1" prefix="" root="" cand=""
+    if command -v pyenv >/dev/null 2>&1; then
+        prefix="$(pyenv prefix "$ver" 2>/dev/null | head -n1)" || prefix=""
+        root="$(pyenv root 2>/dev/null)" || root=""
+    fi
+    if [[ -n "$prefix" && -x "$prefix/bin/python" ]]; then
+        echo "$prefix/bin/python"
+        return 0
+    fi
+    # Fallback: glob the pyenv versions dir, newest patch release first.
+    root="${root:-${PYENV_ROOT:-$HOME/.pyenv}}"
+    cand="$(
+        shopt -s nullglob
+        for d in "$root/versions/$ver" "$root/versions/$ver".*; do
+            [[ -x "$d/bin/python" ]] && basename "$d"
+        done | grep -E '^[0-9]+(\.[0-9]+)*$' | sort -V | tail -n1
+    )" || cand=""
+    if [[ -n "$cand" ]]; then
+        echo "$root/versions/$cand/bin/python"
+        return 0
+    fi
+    return 1
+}
+
+# pip with quiet output; drops the machine-local 'Location ... is ignored'
+# warnings (from extra-index-url config), keeps everything else, and keeps
+# pip's exit status (pipefail).
+_vs_pip() {
+    local py="$1"
+    shift
+    "$py" -m pip "$@" 2>&1 | { grep -v -E "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" || true; }
+}
+
+ensure_venv() {
+    if [[ $# -ne 3 ]]; then
+        _vs_err "usage: ensure_venv DIR PYVER REQFILE"
+        return 2
+    fi
+    local dir="$1" pyver="$2" req="$3"
+    local py="$dir/bin/python" stamp="$dir/$_VS_STAMP_NAME" want have="" base t0
+
+    if [[ ! -f "$req" ]]; then
+        _vs_err "requirement file '$req' not found"
+        return 1
+    fi
+
+    # Rebuild a venv that is broken or was made with another Python minor.
+    if [[ -e "$dir" ]]; then
+        if [[ ! -f "$dir/pyvenv.cfg" || ! -x "$py" ]]; then
+            if [[ -f "$dir/pyvenv.cfg" ]]; then
+                echo "ensure_venv: $dir is broken; recreating" >&2
+                rm -rf -- "$dir"
+            else
+                _vs_err "'$dir' exists but is not a venv; remove it by hand"
+                return 1
+            fi
+        elif ! grep -qE "^version(_info)?[[:space:]]*=[[:space:]]*${pyver//./\\.}(\.|$)" "$dir/pyvenv.cfg"; then
+            echo "ensure_venv: $dir was not made with Python $pyver; recreating" >&2
+            rm -rf -- "$dir"
+        fi
+    fi
+
+    if [[ ! -d "$dir" ]]; then
+        if ! base="$(_vs_find_python "$pyver")"; then
+            _vs_err "no Python $pyver found (looked in 'pyenv prefix $pyver' and" \
+                "${PYENV_ROOT:-\$(pyenv root)}/versions/$pyver*); install it with: pyenv install $pyver"
+            return 1
+        fi
+        echo "ensure_venv: creating $dir with $base" >&2
+        "$base" -m venv "$dir"
+    fi
+
+    want="req=$(sha256sum <"$req" | cut -d' ' -f1) pyproject=$(sha256sum <"$_VS_ROOT/pyproject.toml" | cut -d' ' -f1)"
+    [[ -f "$stamp" ]] && have="$(<"$stamp")"
+    if [[ "$have" == "$want" ]]; then
+        return 0
+    fi
+
+    echo "ensure_venv: installing $req into $dir" >&2
+    t0=$SECONDS
+    rm -f -- "$stamp"
+    _vs_pip "$py" install -q -r "$req"
+    _vs_pip "$py" install -q --no-deps -e "$_VS_ROOT"
+    echo "$want" >"$stamp"
+    echo "ensure_venv: $dir ready ($((SECONDS - t0)) s)" >&2
+}

@@ -1,0 +1,59 @@
+"""In-process side of the multi-process tests: run registered cases on every rank, record results.
+
+A case is ``fn(group)`` on a gloo process group spanning all ranks; it passes by returning,
+skips by raising :class:`Skip`, fails by raising anything else. Each rank writes
+``{case: "ok" | "skip: why" | "FAIL: traceback"}`` to ``<out>/rank<r>.json``; the pytest side
+(``tests/unit/conftest.py``) launches the script with torchrun and reports case by case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+class Cases(dict):
+    """A case registry for one script: ``CASES = Cases()`` then ``@CASES.register``."""
+
+    def register(self, fn):
+        self[fn.__name__] = fn
+        return fn
+
+
+class Skip(Exception):
+    """Raised by a case that does not apply to this world size."""
+
+
+def main(cases: Cases) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    # A case that fails on one rank before a collective must not hold the others for long.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = dist.group.WORLD
+    rank = dist.get_rank()
+    results = {}
+    for name, fn in cases.items():
+        if args.only and name not in args.only:
+            continue
+        torch.manual_seed(1234)
+        try:
+            fn(group)
+            results[name] = "ok"
+        except Skip as exc:
+            results[name] = f"skip: {exc}"
+        except Exception:  # noqa: BLE001 - every failure is reported to pytest
+            results[name] = "FAIL: " + traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
