@@ -42,6 +42,7 @@ from _runner import (  # noqa: E402
 )
 
 from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
+from megatron_vocabstats.ops._checks import auto_chunk_size  # noqa: E402
 
 GiB = 1024**3
 # Fixed per-token fp32 allowance in the bound: stats [5, T], gathered [tp, 5, T], outputs, masks.
@@ -52,7 +53,7 @@ def ours(entropy: str, chunk: int):
     def make(logits, target, group, vocab):
         def step():
             st = vocab_parallel_stats(logits, target, tp_group=group, vocab_size=vocab,
-                                      chunk_size=chunk, entropy=entropy, validate=False)
+                                      chunk_size=chunk, entropy=entropy)
             outs = [st.logprobs] + ([st.entropy] if entropy == "grad" else [])
             return lambda: _backward(outs, logits)
 
@@ -62,10 +63,20 @@ def ours(entropy: str, chunk: int):
 
 
 def megatron(logits, target, group, vocab):
+    import inspect
+
     from megatron.core import tensor_parallel
 
+    fn = tensor_parallel.vocab_parallel_cross_entropy
+    if "tp_group" not in inspect.signature(fn).parameters:  # before 0.19: the global TP group
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(dist.get_world_size(group))
+    kwargs = {"tp_group": group} if "tp_group" in inspect.signature(fn).parameters else {}
+
     def step():
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target, tp_group=group)
+        loss = fn(logits, target, **kwargs)
         return lambda: _backward([loss], logits)
 
     return step
@@ -126,10 +137,11 @@ def worker(args) -> None:
     group = init_worker()
     rank, tp = dist.get_rank(), dist.get_world_size()
     width = -(-args.vocab // (tp * 128)) * 128  # Megatron pads V to a multiple of 128 * tp
+    chunk = args.chunk or auto_chunk_size(width, device())
     budget = args.memory_fraction * available_bytes() / (1 if torch.cuda.is_available() else tp)
     providers = [
-        ("ours", "logprob", ours("off", args.chunk)),
-        ("ours", "logprob+entropy", ours("grad", args.chunk)),
+        ("ours", "logprob", ours("off", chunk)),
+        ("ours", "logprob+entropy", ours("grad", chunk)),
         ("megatron", "logprob", megatron),
         ("full_gather", "logprob+entropy", full_gather),
     ]
@@ -139,7 +151,7 @@ def worker(args) -> None:
         full_logits = None
         for name, mode, make in providers:
             row = Measurement(provider=name, mode=mode, tokens=tokens, tp=tp)
-            need = estimate_bytes(name, tokens, width, tp, args.chunk)
+            need = estimate_bytes(name, tokens, width, tp, chunk)
             if need > budget:
                 row.skipped = f"skipped: needs ~{need / GiB:.1f} GiB per rank"
                 rows.append(row)
@@ -154,7 +166,8 @@ def worker(args) -> None:
                 step, group=group, inputs=(full_logits, target), iters=args.iters)
             row.extra["shard_bytes"] = full_logits.numel() * 2
             if name == "ours":
-                bound = (2 * row.extra["shard_bytes"] + 2 * args.chunk * width * 4
+                row.extra["chunk"] = chunk
+                bound = (2 * row.extra["shard_bytes"] + 2 * chunk * width * 4
                          + BOUND_PER_TOKEN_VECTORS * tp * tokens * 4)
                 row.extra["bound_ratio"] = round(row.peak_bytes / bound, 3)
             rows.append(row)
@@ -196,9 +209,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--chunk", type=int, default=1024, help="ours: tokens per fp32 chunk")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="ours: tokens per fp32 chunk (default: the op's auto size)")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations (after 1 warm-up)")
-    parser.add_argument("--memory-fraction", type=float, default=0.75,
+    parser.add_argument("--memory-fraction", type=float, default=0.6,
                         help="skip a configuration estimated above this share of free memory")
     parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "vocab_parallel"))
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -209,7 +223,7 @@ def main() -> None:
     script_args = [a for a in sys.argv[1:]]
     rows = [m for tp in args.tp for m in launch(os.path.abspath(__file__), tp, script_args)]
     env = environment()
-    config = f"V={args.vocab} chunk={args.chunk} bf16 iters={args.iters}"
+    config = f"V={args.vocab} chunk={args.chunk or 'auto'} bf16 iters={args.iters}"
     text = (f"{config}; {env['device']}; {env['version']}; {env['timestamp']}; "
             f"glibc malloc defaults, one thread per rank\n\n{table(rows)}\n")
     print(text)

@@ -1,23 +1,114 @@
 """Feature detection across megatron-core releases, in one place.
 
 Every lookup is lazy: importing this module never imports Megatron, transformer-engine or apex.
+Names are detected with ``hasattr`` / ``inspect.signature``; the version string only appears in
+messages.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import sys
 
 import torch.distributed as dist
+
+SUPPORTED = "megatron-core 0.14 to 0.19"
+
+
+class UnsupportedMegatronError(ImportError):
+    """The installed megatron-core lacks a name the plugin needs."""
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core version string, or ``"not installed"``."""
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001 - metadata may be missing for source checkouts
+        try:
+            import megatron.core
+
+            return getattr(megatron.core, "__version__", "unknown")
+        except ImportError:
+            return "not installed"
+
+
+def language_module_class():
+    """``LanguageModule``; raises :class:`UnsupportedMegatronError` if absent or unusable."""
+    try:
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+    except ImportError as exc:
+        raise UnsupportedMegatronError(
+            f"megatron_vocabstats.patch needs {SUPPORTED}; importing "
+            f"megatron.core.models.common.language_module failed ({exc}); installed: "
+            f"{megatron_core_version()}"
+        ) from exc
+    method = getattr(LanguageModule, "compute_language_model_loss", None)
+    params = list(inspect.signature(method).parameters) if method is not None else []
+    if params[:3] != ["self", "labels", "logits"]:
+        raise UnsupportedMegatronError(
+            f"megatron-core {megatron_core_version()} has no "
+            "LanguageModule.compute_language_model_loss(self, labels, logits); the plugin "
+            f"supports {SUPPORTED}"
+        )
+    return LanguageModule
+
+
+def gpt_model_class():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return GPTModel
+
+
+def has_output_processor(model_cls) -> bool:
+    """True where ``forward`` takes ``output_processor`` (megatron-core 0.18+)."""
+    return "output_processor" in inspect.signature(model_cls.forward).parameters
+
+
+def tp_group_of(module) -> dist.ProcessGroup | None:
+    """The tensor-parallel group a Megatron module uses, the way its release stores it.
+
+    0.16+: ``module.tp_group``; 0.15+: ``module.pg_collection.tp``; 0.14:
+    ``module.model_comm_pgs.tp``; else Megatron's global group (``parallel_state``), else None.
+    """
+    group = getattr(module, "tp_group", None)
+    if group is not None:
+        return group
+    for holder in ("pg_collection", "model_comm_pgs"):
+        group = getattr(getattr(module, holder, None), "tp", None)
+        if group is not None:
+            return group
+    return default_tp_group()
 
 
 def default_tp_group() -> dist.ProcessGroup | None:
     """Megatron's tensor-parallel group if ``parallel_state`` is initialised, else None.
 
-    Only the Megatron drop-in :func:`megatron_vocabstats.vocab_parallel_cross_entropy` reads this
-    global, to keep Megatron's ``tp_group=None`` convention; the ops themselves never do.
+    Only Megatron-facing code reads this global (the drop-in
+    :func:`megatron_vocabstats.vocab_parallel_cross_entropy` keeps Megatron's ``tp_group=None``
+    convention); the ops themselves never do.
     """
     # Megatron's parallel state can only be initialised if Megatron was imported: don't import it.
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def training_module(name: str):
+    """``megatron.training.<name>``, or None where the wheel has no ``megatron.training`` (< 0.17)."""
+    try:
+        return importlib.import_module(f"megatron.training.{name}")
+    except ImportError:
+        return None
+
+
+def transformer_engine_fused_adam_available() -> bool:
+    """True if transformer-engine's ``FusedAdam`` (the precision-aware optimizer) imports."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except Exception:  # noqa: BLE001 - TE raises various errors without CUDA
+        return False
+    return True

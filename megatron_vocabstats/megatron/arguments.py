@@ -1,0 +1,200 @@
+"""The ``--vocab-parallel-stats`` flag family and the config hook that runs before ``validate_args``.
+
+How the import and the flag combine (the plugin is never half on):
+
+* ``import megatron_vocabstats.patch`` patches the loss call sites, turns the plugin on, adds the
+  flags to Megatron's parser and installs the config hook.
+* If Megatron's own argument parsing runs (``megatron.training``), the hook decides from the
+  flags: with ``--vocab-parallel-stats`` the plugin stays on with the flags' settings; without it
+  the plugin is switched off (the patched call sites run Megatron's original code) and our other
+  flags, if given, draw a warning.
+* Where no Megatron parser is used (Megatron-Core alone, or the 0.16 wheel without
+  ``megatron.training``), the import alone keeps it on; ``patch.apply(...)`` sets options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+import warnings
+
+from . import compat, settings
+
+logger = logging.getLogger("megatron_vocabstats")
+
+GROUP_TITLE = "megatron-vocabstats"
+FP8_RECIPE_MULTIPLE = {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}
+VOCAB_SHARD_MULTIPLE = 128
+
+def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the plugin's flags to ``parser`` (once; a second call is a no-op) and return it."""
+    if "--vocab-parallel-stats" in parser._option_string_actions:
+        return parser
+    group = parser.add_argument_group(GROUP_TITLE)
+    group.add_argument("--vocab-parallel-stats", action="store_true",
+                       help="Compute the LM loss with megatron-vocabstats' exact, chunked "
+                       "vocab-parallel op (needs `import megatron_vocabstats.patch`).")
+    group.add_argument("--logprobs-chunk-size", type=int, default=0,
+                       help="Tokens per fp32 chunk of the unfused op; 0 = auto.")
+    group.add_argument("--lm-head-chunk-size", type=int, default=0,
+                       help="Tokens per chunk of the fused LM head (logits never "
+                       "materialised); 0 = unfused.")
+    group.add_argument("--vocab-stats-entropy", choices=settings.ENTROPY_MODES, default="off",
+                       help="Entropy: off, metric (reported, no grad) or grad (differentiable).")
+    group.add_argument("--entropy-coef", type=float, default=0.0,
+                       help="Entropy bonus: per-token loss -logprob - coef * entropy "
+                       "(needs --vocab-stats-entropy grad).")
+    group.add_argument("--vocab-stats-label-smoothing", type=float, default=0.0,
+                       help="Label smoothing over the real vocabulary (numerics.md).")
+    group.add_argument("--precision-aware-optimizer-bf16", action="store_true",
+                       help="Turn on Megatron's precision-aware optimizer with bf16 main grads "
+                       "and bf16 Adam moments, after checking its prerequisites.")
+    return parser
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """An ``extra_args_provider`` for ``pretrain(...)`` / ``parse_args(...)`` adding our flags."""
+    return add_vocab_stats_args(parser)
+
+
+def chain_providers(*providers):
+    """One ``extra_args_provider`` calling each of ``providers`` (None entries skipped) in turn."""
+
+    def provider(parser):
+        for p in providers:
+            if p is not None:
+                parser = p(parser)
+        return parser
+
+    return provider
+
+
+def _precision_aware_optimizer(args) -> None:
+    missing = []
+    if getattr(args, "optimizer", "adam") != "adam":
+        missing.append(f"--optimizer adam (got {args.optimizer})")
+    if not getattr(args, "use_distributed_optimizer", False):
+        missing.append("--use-distributed-optimizer")
+    if not getattr(args, "bf16", False):
+        missing.append("--bf16")
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+        missing.append("no --accumulate-allreduce-grads-in-fp32 (bf16 main grads)")
+    if not compat.transformer_engine_fused_adam_available():
+        missing.append("transformer-engine with FusedAdam importable (GPU extra)")
+    if missing:
+        raise ValueError(
+            "--precision-aware-optimizer-bf16 needs: " + "; ".join(missing)
+        )
+    args.use_precision_aware_optimizer = True
+    args.main_grads_dtype = "bf16"
+    args.exp_avg_dtype = "bf16"
+    args.exp_avg_sq_dtype = "bf16"
+
+
+def fp8_token_alignment(args) -> int:
+    """Per-sequence token padding multiple for FP8: recipe multiple x 2*cp (x tp with SP)."""
+    recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    if recipe not in FP8_RECIPE_MULTIPLE:
+        raise ValueError(f"--fp8-recipe {recipe!r}: unknown to megatron-vocabstats "
+                         f"(known: {sorted(FP8_RECIPE_MULTIPLE)})")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    multiple = FP8_RECIPE_MULTIPLE[recipe] * 2 * cp
+    if getattr(args, "sequence_parallel", False):
+        multiple *= tp
+    return multiple
+
+
+def _fp8(args) -> int:
+    if not getattr(args, "bf16", False):
+        raise ValueError("--fp8-format needs --bf16 (the LM head and the statistics stay bf16); "
+                         "add --bf16 or drop --fp8-format")
+    divisible = getattr(args, "make_vocab_size_divisible_by", VOCAB_SHARD_MULTIPLE)
+    args.make_vocab_size_divisible_by = math.lcm(divisible, VOCAB_SHARD_MULTIPLE)
+    return fp8_token_alignment(args)
+
+
+def config_hook(args) -> settings.PluginSettings:
+    """Set the plugin up from Megatron's parsed ``args``; must run before ``validate_args``.
+
+    Without ``--vocab-parallel-stats`` the plugin is switched off (a warning lists our other flags
+    if any were given). With it: rejects contradictions, applies ``--precision-aware-optimizer-bf16``
+    and the FP8 alignment (``make_vocab_size_divisible_by`` made a multiple of 128; the token
+    padding multiple stored as ``args.vocab_stats_token_alignment``), and stores the settings.
+
+    Raises:
+        ValueError: naming the flags to change, for our path together with
+            ``--cross-entropy-loss-fusion``, an entropy bonus without ``--vocab-stats-entropy
+            grad``, FP8 without bf16, or missing precision-aware-optimizer prerequisites (all of
+            them listed at once).
+    """
+    if not getattr(args, "vocab_parallel_stats", False):
+        defaults = vars(add_vocab_stats_args(argparse.ArgumentParser()).parse_args([]))
+        given = [k for k, v in defaults.items() if getattr(args, k, v) != v]
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            warnings.warn(f"{flags} ignored: megatron-vocabstats is off without "
+                          "--vocab-parallel-stats", stacklevel=2)
+        return settings.update(active=False)
+
+    if getattr(args, "cross_entropy_loss_fusion", False):
+        impl = getattr(args, "cross_entropy_fusion_impl", "native")
+        raise ValueError(
+            f"--vocab-parallel-stats replaces Megatron's loss, but --cross-entropy-loss-fusion "
+            f"(--cross-entropy-fusion-impl {impl}) asks for Megatron's fused one: drop one of them"
+        )
+    if args.entropy_coef and args.vocab_stats_entropy != "grad":
+        raise ValueError(f"--entropy-coef {args.entropy_coef} needs --vocab-stats-entropy grad "
+                         f"(got {args.vocab_stats_entropy})")
+    if args.precision_aware_optimizer_bf16:
+        _precision_aware_optimizer(args)
+    alignment = _fp8(args) if getattr(args, "fp8", None) else 1
+    args.vocab_stats_token_alignment = alignment
+    return settings.update(
+        active=True,
+        logprobs_chunk_size=args.logprobs_chunk_size or None,
+        lm_head_chunk_size=args.lm_head_chunk_size,
+        entropy=args.vocab_stats_entropy,
+        entropy_coef=args.entropy_coef,
+        label_smoothing=args.vocab_stats_label_smoothing,
+        token_alignment=alignment,
+    )
+
+
+def _before_validate(original):
+    @functools.wraps(original)
+    def validate(args, *rest, **kwargs):
+        config_hook(args)
+        return original(args, *rest, **kwargs)
+
+    return validate
+
+
+def _with_our_flags(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser, *rest, **kwargs):
+        return add_vocab_stats_args(original(parser, *rest, **kwargs))
+
+    return add_megatron_arguments
+
+
+def install(patcher) -> list[str]:
+    """Wrap Megatron's parser and validators with ``patcher``; returns what was wrapped.
+
+    ``arguments.add_megatron_arguments`` gains our flags; ``validate_args`` in
+    ``arguments`` and, where it is imported by name (0.14-0.17), in ``initialize``, and
+    ``yaml_arguments.validate_yaml`` (the ``--yaml-cfg`` path) run :func:`config_hook` first.
+    Nothing happens where ``megatron.training`` is absent.
+    """
+    targets = [("arguments", "add_megatron_arguments", _with_our_flags),
+               ("arguments", "validate_args", _before_validate),
+               ("initialize", "validate_args", _before_validate),
+               ("yaml_arguments", "validate_yaml", _before_validate)]
+    wrapped = []
+    for module_name, attr, factory in targets:
+        module = compat.training_module(module_name)
+        if module is not None and hasattr(module, attr) and patcher.replace(module, attr, factory):
+            wrapped.append(f"megatron.training.{module_name}.{attr}")
+    return wrapped

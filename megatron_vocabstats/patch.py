@@ -1,0 +1,73 @@
+"""``import megatron_vocabstats.patch``: one line, before the model is built, turns the plugin on.
+
+It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path reaches:
+``GPTModel``, ``HybridModel`` and the MTP layers call it through ``self``) with the exact, chunked
+vocab-parallel op, adds the ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the
+config hook before ``validate_args`` (see :mod:`megatron_vocabstats.megatron.arguments` for how
+the import and the flag combine). ``apply(**settings)`` / ``remove()`` give explicit control;
+applying twice patches once and ``remove()`` restores every original object.
+
+Raises ``UnsupportedMegatronError`` (an ``ImportError``) at import when megatron-core is missing
+or lacks the names the plugin needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .megatron import arguments, compat, model, settings
+from .megatron._patching import PATCHER
+
+logger = logging.getLogger("megatron_vocabstats")
+
+__all__ = ["apply", "remove", "is_applied", "patched_names"]
+
+
+def _log_rank0(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info(message)
+
+
+def apply(**options) -> settings.PluginSettings:
+    """Patch Megatron and turn the plugin on with ``options`` (fields of ``PluginSettings``).
+
+    Idempotent: what is already patched stays as it is; the options are applied every call.
+    Returns the settings in force.
+
+    Raises:
+        UnsupportedMegatronError: megatron-core missing or without the needed names.
+        ValueError: an unknown or invalid option.
+    """
+    language_module = compat.language_module_class()
+    new_settings = settings.update(active=True, **options)
+    patched = []
+    if PATCHER.replace(language_module, "compute_language_model_loss",
+                       model.make_compute_language_model_loss):
+        patched.append("LanguageModule.compute_language_model_loss")
+    patched += arguments.install(PATCHER)
+    if patched:
+        _log_rank0(f"megatron-vocabstats: patched {', '.join(patched)} for megatron-core "
+                   f"{compat.megatron_core_version()}")
+    return new_settings
+
+
+def remove() -> list[str]:
+    """Restore every original Megatron object and turn the plugin off; returns what was restored."""
+    restored = PATCHER.remove_all()
+    settings.update(active=False)
+    if restored:
+        _log_rank0(f"megatron-vocabstats: restored {', '.join(restored)}")
+    return restored
+
+
+def is_applied() -> bool:
+    return bool(PATCHER.applied)
+
+
+def patched_names() -> list[str]:
+    """``module.Class.attr`` of every binding currently replaced."""
+    return PATCHER.names()
+
+
+apply()

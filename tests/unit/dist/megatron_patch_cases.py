@@ -1,0 +1,89 @@
+"""A tiny Megatron-Core GPTModel on tp gloo ranks: the patched loss equals Megatron's own.
+
+Run by tests/unit/test_megatron_patch_dist.py (marked ``megatron``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import Cases, main  # noqa: E402
+
+CASES = Cases()
+VOCAB, SEQ, BATCH = 250, 12, 2
+
+
+def tiny_gpt(tp: int, *, seed: int = 7, **config):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_vocabstats.megatron.cpu import install_cpu_shims
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    install_cpu_shims()
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                            use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                            params_dtype=torch.float32, hidden_dropout=0.0,
+                            attention_dropout=0.0, **config)
+    # The vocabulary is padded to a multiple of 128 * tp, as Megatron-LM does.
+    padded = -(-VOCAB // (128 * tp)) * 128 * tp
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=padded, max_sequence_length=SEQ)
+
+
+def batch():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    return ids, pos, labels
+
+
+def loss_and_grads(model):
+    ids, pos, labels = batch()
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, pos, None, labels=labels)
+    weights = torch.linspace(0.5, 1.5, loss.numel()).view_as(loss)
+    (loss * weights).sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@CASES.register
+def patched_loss_and_grads_equal_megatron(group):
+    from megatron_vocabstats import patch
+    from megatron_vocabstats.megatron import model as patched_model
+
+    tp = dist.get_world_size()
+    model = tiny_gpt(tp)
+    patch.remove()
+    native_loss, native_grads = loss_and_grads(model)
+    calls = []
+    original = patched_model.vocab_parallel_stats
+    patched_model.vocab_parallel_stats = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        patch.apply()
+        ours_loss, ours_grads = loss_and_grads(model)
+    finally:
+        patched_model.vocab_parallel_stats = original
+        patch.remove()
+    assert calls, "the loss call site did not reach megatron-vocabstats"
+    assert ours_loss.shape == native_loss.shape == (BATCH, SEQ)
+    err = (ours_loss - native_loss).abs().max().item()
+    assert err <= 1e-5 * native_loss.abs().max().item(), f"per-token loss differs by {err}"
+    for name, grad in native_grads.items():
+        diff = (ours_grads[name] - grad).abs().max().item()
+        scale = grad.abs().max().item()
+        assert diff <= 1e-5 * max(scale, 1e-3), f"{name}: gradient differs by {diff} (max {scale})"
+
+
+if __name__ == "__main__":
+    main(CASES)

@@ -1,0 +1,216 @@
+"""The one-line patch, the flag family and the config hook, on the installed megatron-core."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+pytest.importorskip("megatron.core")
+
+from megatron.core.models.common.language_module.language_module import (  # noqa: E402
+    LanguageModule,
+)
+
+from megatron_vocabstats.megatron import compat, settings  # noqa: E402
+from megatron_vocabstats.megatron._patching import MARKER  # noqa: E402
+
+ORIGINAL_LOSS = LanguageModule.__dict__["compute_language_model_loss"]
+MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--lr", "1e-4",
+              "--train-iters", "1"]
+
+
+@pytest.fixture
+def patch():
+    import megatron_vocabstats.patch as module
+
+    module.apply()
+    yield module
+    module.remove()
+
+
+def test_import_twice_patches_once_and_remove_restores_exactly(patch):
+    first = LanguageModule.__dict__["compute_language_model_loss"]
+    assert getattr(first, MARKER) and first.__wrapped__ is ORIGINAL_LOSS
+    names = patch.patched_names()
+    importlib.reload(patch)  # a second import executes apply() again
+    patch.apply()
+    assert LanguageModule.__dict__["compute_language_model_loss"] is first
+    assert patch.patched_names() == names
+    arguments = compat.training_module("arguments")
+    wrapped = [getattr(arguments, n) for n in ("add_megatron_arguments", "validate_args")] \
+        if arguments else []
+    originals = [w.__wrapped__ for w in wrapped]
+    patch.remove()
+    assert LanguageModule.__dict__["compute_language_model_loss"] is ORIGINAL_LOSS
+    for name, original in zip(("add_megatron_arguments", "validate_args"), originals):
+        assert getattr(arguments, name) is original
+    assert not patch.is_applied() and not settings.current().active
+
+
+def test_call_site_reaches_ours(patch, monkeypatch):
+    from megatron_vocabstats.megatron import model as patched_model
+
+    calls = []
+    original = patched_model.vocab_parallel_stats
+    monkeypatch.setattr(patched_model, "vocab_parallel_stats",
+                        lambda *a, **k: calls.append(k) or original(*a, **k))
+    logits = torch.randn(5, 2, 16, requires_grad=True)  # [s, b, V]
+    labels = torch.randint(0, 16, (2, 5))  # [b, s]
+    fake = torch.nn.Module()  # a LanguageModule instance only needs a tp group here
+    fake.tp_group = None
+    loss = LanguageModule.compute_language_model_loss(fake, labels, logits)
+    assert len(calls) == 1 and loss.shape == (2, 5) and loss.dtype == torch.float32
+    ref = torch.nn.functional.cross_entropy(logits.detach().double().permute(1, 2, 0), labels,
+                                            reduction="none")
+    assert (loss.double() - ref).abs().max().item() <= 1e-5
+    assert fake.last_vocab_stats.logprobs.shape == (2, 5)
+
+
+def test_entropy_bonus_and_label_smoothing_reach_the_loss(patch):
+    patch.apply(entropy="grad", entropy_coef=0.1, label_smoothing=0.2)
+    logits = torch.randn(4, 1, 32)
+    labels = torch.randint(0, 32, (1, 4))
+    fake = torch.nn.Module()
+    fake.tp_group = None
+    loss = LanguageModule.compute_language_model_loss(fake, labels, logits)
+    z = logits.double().transpose(0, 1)
+    ce = torch.nn.functional.cross_entropy(z.permute(0, 2, 1), labels, reduction="none",
+                                           label_smoothing=0.2)
+    logp = torch.log_softmax(z, -1)
+    expected = ce - 0.1 * -(logp.exp() * logp).sum(-1)
+    assert (loss.double() - expected).abs().max().item() <= 1e-5
+
+
+def test_rank0_logs_once(caplog, monkeypatch):
+    import megatron_vocabstats.patch as module
+
+    module.remove()
+    with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+        module.apply()
+        module.apply()
+    patched = [r for r in caplog.records if "patched" in r.getMessage()]
+    assert len(patched) == 1 and compat.megatron_core_version() in patched[0].getMessage()
+    module.remove()
+    monkeypatch.setenv("RANK", "1")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+        module.apply()
+    assert not [r for r in caplog.records if "patched" in r.getMessage()]
+    module.remove()
+
+
+def test_unsupported_release_fails_at_import(monkeypatch):
+    import megatron_vocabstats.patch as module
+
+    module.remove()
+    monkeypatch.delattr(LanguageModule, "compute_language_model_loss")
+    with pytest.raises(ImportError, match="compute_language_model_loss"):
+        importlib.reload(module)
+    monkeypatch.undo()
+    importlib.reload(module)
+    module.remove()
+
+
+# ---- flags and the config hook: need megatron.training (the 0.17+ wheel) ----
+
+def _parse(argv, monkeypatch):
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MODEL_ARGS, *argv])
+    return arguments, arguments.parse_args()
+
+
+def test_flags_parse_through_megatron_parser(patch, monkeypatch):
+    _, args = _parse(["--vocab-parallel-stats", "--logprobs-chunk-size", "64",
+                      "--lm-head-chunk-size", "512", "--vocab-stats-entropy", "grad",
+                      "--entropy-coef", "0.01"], monkeypatch)
+    assert args.vocab_parallel_stats and args.logprobs_chunk_size == 64
+    assert args.lm_head_chunk_size == 512 and args.vocab_stats_entropy == "grad"
+    assert args.entropy_coef == 0.01
+
+
+def test_extra_args_provider_chains():
+    import argparse
+
+    from megatron_vocabstats.megatron.arguments import chain_providers, extra_args_provider
+
+    def other(parser):
+        parser.add_argument("--mine", type=int, default=3)
+        return parser
+
+    parser = chain_providers(other, extra_args_provider)(argparse.ArgumentParser())
+    args = parser.parse_args(["--mine", "4", "--vocab-parallel-stats"])
+    assert args.mine == 4 and args.vocab_parallel_stats
+
+
+def test_config_hook_runs_before_validate_args(patch, monkeypatch):
+    # The hook sets string dtypes that only Megatron's validate_args maps to torch dtypes: were
+    # the hook to run after it, main_grads_dtype would still be the string "bf16".
+    monkeypatch.setattr(compat, "transformer_engine_fused_adam_available", lambda: True)
+    arguments, args = _parse(["--vocab-parallel-stats", "--precision-aware-optimizer-bf16",
+                              "--bf16", "--use-distributed-optimizer",
+                              "--vocab-stats-entropy", "metric"], monkeypatch)
+    arguments.validate_args(args, {})
+    assert args.use_precision_aware_optimizer
+    assert args.main_grads_dtype is torch.bfloat16 and args.exp_avg_dtype is torch.bfloat16
+    assert settings.current().active and settings.current().entropy == "metric"
+
+
+def test_precision_aware_prerequisites_listed_together(patch, monkeypatch):
+    monkeypatch.setattr(compat, "transformer_engine_fused_adam_available", lambda: False)
+    arguments, args = _parse(["--vocab-parallel-stats", "--precision-aware-optimizer-bf16",
+                              "--optimizer", "sgd"], monkeypatch)
+    with pytest.raises(ValueError) as err:
+        arguments.validate_args(args, {})
+    for missing in ("--optimizer adam", "--use-distributed-optimizer", "--bf16", "FusedAdam"):
+        assert missing in str(err.value)
+
+
+def test_fp8_alignment_and_vocab_divisibility(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--bf16", "--fp8-format", "e4m3",
+                      "--fp8-recipe", "mxfp8", "--make-vocab-size-divisible-by", "96",
+                      "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                      "--context-parallel-size", "2"], monkeypatch)
+    config_hook(args)
+    assert args.make_vocab_size_divisible_by == 384  # lcm(96, 128)
+    assert args.vocab_stats_token_alignment == 32 * 2 * 2 * 2
+    assert settings.current().token_alignment == 256
+
+
+def test_fp8_without_bf16_is_rejected(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--fp8-format", "hybrid"], monkeypatch)
+    with pytest.raises(ValueError, match="--fp8-format needs --bf16"):
+        config_hook(args)
+
+
+def test_conflicting_flags_name_both(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--cross-entropy-loss-fusion"], monkeypatch)
+    with pytest.raises(ValueError, match="--vocab-parallel-stats.*--cross-entropy-loss-fusion"):
+        config_hook(args)
+    _, args = _parse(["--vocab-parallel-stats", "--entropy-coef", "0.1"], monkeypatch)
+    with pytest.raises(ValueError, match="--entropy-coef.*--vocab-stats-entropy grad"):
+        config_hook(args)
+
+
+def test_our_flags_without_the_switch_warn_and_turn_off(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--logprobs-chunk-size", "8"], monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config_hook(args)
+    assert any("--logprobs-chunk-size" in str(w.message) for w in caught)
+    assert not settings.current().active
