@@ -2,7 +2,9 @@
 
 It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path reaches:
 ``GPTModel``, ``HybridModel`` and the MTP layers call it through ``self``) with the exact, chunked
-vocab-parallel op, adds the ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the
+vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes ``GPTModel``'s loss straight
+from the hidden states without materialising the logits (through ``forward``'s
+``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17); it adds the ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the
 config hook before ``validate_args`` (see :mod:`megatron_vocabstats.megatron.arguments` for how
 the import and the flag combine). ``apply(**settings)`` / ``remove()`` give explicit control;
 applying twice patches once and ``remove()`` restores every original object.
@@ -45,6 +47,13 @@ def apply(**options) -> settings.PluginSettings:
     if PATCHER.replace(language_module, "compute_language_model_loss",
                        model.make_compute_language_model_loss):
         patched.append("LanguageModule.compute_language_model_loss")
+    gpt_model = compat.gpt_model_class()
+    if compat.has_output_processor(gpt_model):  # 0.18+: the official output_processor hook
+        hook, factory = "forward", model.make_gpt_forward
+    else:
+        hook, factory = "_postprocess", model.make_gpt_postprocess
+    if PATCHER.replace(gpt_model, hook, factory):
+        patched.append(f"GPTModel.{hook} (fused LM head when lm_head_chunk_size > 0)")
     patched += arguments.install(PATCHER)
     if patched:
         _log_rank0(f"megatron-vocabstats: patched {', '.join(patched)} for megatron-core "

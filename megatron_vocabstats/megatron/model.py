@@ -7,6 +7,7 @@ original unchanged whenever the plugin is inactive (see :data:`.settings.SETTING
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -59,3 +60,103 @@ def make_compute_language_model_loss(original):
         return per_token_loss(stats, cfg).transpose(0, 1).contiguous()
 
     return compute_language_model_loss
+
+
+def _fusable(output_layer, config) -> bool:
+    """The fused head reproduces ``output_layer``'s logits: no bias, no MuP output scaling."""
+    return getattr(output_layer, "bias", None) is None and not getattr(config, "use_mup", False)
+
+
+def fused_language_model_loss(module, output_layer, output_weight, hidden_states, labels,
+                              cfg: settings.PluginSettings) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` straight from ``hidden_states [s(/tp), b, h]``, no logits.
+
+    ``output_weight`` is the tied embedding (or None: ``output_layer.weight``). Sequence
+    parallelism and gradient-accumulation fusion (``main_grad``) follow ``output_layer``.
+    """
+    from ..ops.fused_linear import linear_vocab_parallel_stats
+
+    weight = output_weight if output_weight is not None else output_layer.weight
+    stats = linear_vocab_parallel_stats(
+        hidden_states,
+        weight,
+        labels.transpose(0, 1).contiguous(),
+        tp_group=tp_group_of(output_layer),
+        sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
+        vocab_size=cfg.vocab_size,
+        chunk_size=cfg.lm_head_chunk_size,
+        entropy=cfg.entropy,
+        label_smoothing=cfg.label_smoothing,
+        accumulate_into_main_grad=bool(getattr(output_layer, "gradient_accumulation_fusion",
+                                               False)) and hasattr(weight, "main_grad"),
+        validate=cfg.validate,
+    )
+    _stash(module, stats)
+    return per_token_loss(stats, cfg).transpose(0, 1).contiguous()
+
+
+def _wants_fused(cfg: settings.PluginSettings, labels) -> bool:
+    return cfg.active and cfg.lm_head_chunk_size > 0 and labels is not None
+
+
+def fused_output_processor(*, hidden_states, output_layer, output_weight, labels,
+                           runtime_gather_output=None, compute_language_model_loss=None,
+                           scale_logits=None, config=None, **_):
+    """``GPTModel.forward(output_processor=...)`` hook (megatron-core 0.18+): the fused LM head.
+
+    With labels and ``lm_head_chunk_size > 0`` it returns the per-token loss ``[b, s]`` without
+    materialising the logits; otherwise (no labels: logits requested, or a bias / MuP scaling the
+    fused head does not reproduce) it runs Megatron's own output layer and loss.
+    """
+    cfg = settings.current()
+    module = getattr(compute_language_model_loss, "__self__", None)
+    if _wants_fused(cfg, labels) and _fusable(output_layer, config):
+        return fused_language_model_loss(module, output_layer, output_weight, hidden_states,
+                                         labels, cfg)
+    logits, _ = output_layer(hidden_states, weight=output_weight,
+                             runtime_gather_output=runtime_gather_output)
+    if scale_logits is not None:
+        logits = scale_logits(logits)
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()
+    return compute_language_model_loss(labels, logits)
+
+
+def make_gpt_forward(original):
+    """``GPTModel.forward`` passing :func:`fused_output_processor` when the fused head is on."""
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        cfg = settings.current()
+        if cfg.active and cfg.lm_head_chunk_size > 0 and kwargs.get("output_processor") is None:
+            kwargs["output_processor"] = fused_output_processor
+        return original(self, *args, **kwargs)
+
+    return forward
+
+
+def make_gpt_postprocess(original):
+    """``GPTModel._postprocess`` with the fused head (megatron-core 0.16-0.17, no hook there).
+
+    Takes over only for training/eval loss without MTP; everything else runs the original.
+    """
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _postprocess(self, *args, **kwargs):
+        cfg = settings.current()
+        bound = signature.bind(self, *args, **kwargs)
+        labels = bound.arguments.get("labels")
+        fused = (_wants_fused(cfg, labels) and self.post_process
+                 and not getattr(self.config, "mtp_num_layers", None)
+                 and bound.arguments.get("inference_context") is None
+                 and bound.arguments.get("inference_params") is None
+                 and _fusable(self.output_layer, self.config))
+        if not fused:
+            return original(self, *args, **kwargs)
+        weight = (self.shared_embedding_or_output_weight()
+                  if self.share_embeddings_and_output_weights else None)
+        return fused_language_model_loss(self, self.output_layer, weight,
+                                         bound.arguments["hidden_states"], labels, cfg)
+
+    return _postprocess

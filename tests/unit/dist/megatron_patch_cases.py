@@ -18,7 +18,7 @@ CASES = Cases()
 VOCAB, SEQ, BATCH = 250, 12, 2
 
 
-def tiny_gpt(tp: int, *, seed: int = 7, **config):
+def tiny_gpt(tp: int, *, seed: int = 7, share_embeddings_and_output_weights=False, **config):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -37,7 +37,8 @@ def tiny_gpt(tp: int, *, seed: int = 7, **config):
     # The vocabulary is padded to a multiple of 128 * tp, as Megatron-LM does.
     padded = -(-VOCAB // (128 * tp)) * 128 * tp
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=padded, max_sequence_length=SEQ)
+                    vocab_size=padded, max_sequence_length=SEQ,
+                    share_embeddings_and_output_weights=share_embeddings_and_output_weights)
 
 
 def batch():
@@ -57,25 +58,26 @@ def loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@CASES.register
-def patched_loss_and_grads_equal_megatron(group):
+def compare_with_native(*, options, spy, **gpt_config):
+    """Loss and gradients of one tiny GPT without, then with, the patch (``options``)."""
+    import megatron_vocabstats.ops.fused_linear as fused_module
     from megatron_vocabstats import patch
     from megatron_vocabstats.megatron import model as patched_model
 
-    tp = dist.get_world_size()
-    model = tiny_gpt(tp)
+    owner = fused_module if spy == "linear_vocab_parallel_stats" else patched_model
+    model = tiny_gpt(dist.get_world_size(), **gpt_config)
     patch.remove()
     native_loss, native_grads = loss_and_grads(model)
     calls = []
-    original = patched_model.vocab_parallel_stats
-    patched_model.vocab_parallel_stats = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = getattr(owner, spy)
+    setattr(owner, spy, lambda *a, **k: calls.append(1) or original(*a, **k))
     try:
-        patch.apply()
+        patch.apply(**options)
         ours_loss, ours_grads = loss_and_grads(model)
     finally:
-        patched_model.vocab_parallel_stats = original
+        setattr(owner, spy, original)
         patch.remove()
-    assert calls, "the loss call site did not reach megatron-vocabstats"
+    assert calls, f"the loss call site did not reach {spy}"
     assert ours_loss.shape == native_loss.shape == (BATCH, SEQ)
     err = (ours_loss - native_loss).abs().max().item()
     assert err <= 1e-5 * native_loss.abs().max().item(), f"per-token loss differs by {err}"
@@ -83,6 +85,24 @@ def patched_loss_and_grads_equal_megatron(group):
         diff = (ours_grads[name] - grad).abs().max().item()
         scale = grad.abs().max().item()
         assert diff <= 1e-5 * max(scale, 1e-3), f"{name}: gradient differs by {diff} (max {scale})"
+
+
+@CASES.register
+def patched_loss_and_grads_equal_megatron(group):
+    compare_with_native(options={}, spy="vocab_parallel_stats")
+
+
+@CASES.register
+def fused_head_equals_megatron(group):
+    compare_with_native(options={"lm_head_chunk_size": 5}, spy="linear_vocab_parallel_stats")
+
+
+@CASES.register
+def fused_head_tied_embeddings(group):
+    # Sequence parallelism is covered by the fused op's own tests: Megatron's CPU layer spec
+    # (torch LayerNorm) refuses sequence_parallel without apex or transformer-engine.
+    compare_with_native(options={"lm_head_chunk_size": 7}, spy="linear_vocab_parallel_stats",
+                        share_embeddings_and_output_weights=True)
 
 
 if __name__ == "__main__":
