@@ -4,6 +4,18 @@ Public API only; importing it has no side effects (the Megatron patch is
 ``import megatron_vocabstats.patch``).
 """
 
+from .losses import (
+    LossOutput,
+    StatsOptions,
+    StepBatch,
+    logprobs_step,
+    make_forward_step,
+    nll_loss,
+    policy_loss,
+    score_tokens,
+    sft_loss,
+    token_loss,
+)
 from .ops import (
     VocabStats,
     vocab_parallel_cross_entropy,
@@ -11,10 +23,40 @@ from .ops import (
     vocab_parallel_logprobs,
     vocab_parallel_stats,
 )
+from .packing import (
+    PackedBatch,
+    context_parallel_indices,
+    gather_from_context_parallel,
+    make_packed_seq_params,
+    pack_sequences,
+    sequence_alignment,
+    shard_for_context_parallel,
+    shift_packed_labels,
+    unpack_sequences,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LossOutput",
+    "StatsOptions",
+    "StepBatch",
+    "logprobs_step",
+    "make_forward_step",
+    "nll_loss",
+    "policy_loss",
+    "score_tokens",
+    "sft_loss",
+    "token_loss",
+    "PackedBatch",
+    "context_parallel_indices",
+    "gather_from_context_parallel",
+    "make_packed_seq_params",
+    "pack_sequences",
+    "sequence_alignment",
+    "shard_for_context_parallel",
+    "shift_packed_labels",
+    "unpack_sequences",
     "VocabStats",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",

@@ -94,17 +94,25 @@ def _precision_aware_optimizer(args) -> None:
 
 
 def fp8_token_alignment(args) -> int:
-    """Per-sequence token padding multiple for FP8: recipe multiple x 2*cp (x tp with SP)."""
+    """Per-sequence token padding multiple under FP8 for this run's cp / tp / sequence parallel.
+
+    The recipe's per-shard multiple (16 tensorwise or delayed, 32 mxfp8, 128 blockwise) combined
+    with the context-parallel split and sequence parallelism by
+    :func:`megatron_vocabstats.packing.sequence_alignment` (the smallest padding that keeps every
+    shard's token count a multiple of the recipe's).
+    """
+    from ..packing import sequence_alignment
+
     recipe = getattr(args, "fp8_recipe", None) or "delayed"
     if recipe not in FP8_RECIPE_MULTIPLE:
         raise ValueError(f"--fp8-recipe {recipe!r}: unknown to megatron-vocabstats "
                          f"(known: {sorted(FP8_RECIPE_MULTIPLE)})")
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    multiple = FP8_RECIPE_MULTIPLE[recipe] * 2 * cp
-    if getattr(args, "sequence_parallel", False):
-        multiple *= tp
-    return multiple
+    return sequence_alignment(
+        cp_size=getattr(args, "context_parallel_size", 1) or 1,
+        tp_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        fp8_multiple=FP8_RECIPE_MULTIPLE[recipe],
+    )
 
 
 def _fp8(args) -> int:

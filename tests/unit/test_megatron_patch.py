@@ -182,8 +182,10 @@ def test_fp8_alignment_and_vocab_divisibility(patch, monkeypatch):
                       "--context-parallel-size", "2"], monkeypatch)
     config_hook(args)
     assert args.make_vocab_size_divisible_by == 384  # lcm(96, 128)
-    assert args.vocab_stats_token_alignment == 32 * 2 * 2 * 2
-    assert settings.current().token_alignment == 256
+    # mxfp8 wants 32 tokens per shard: cp=2 x tp=2 (sequence parallel) x 32 = 128, which also
+    # splits every sequence into 2 * cp equal chunks.
+    assert args.vocab_stats_token_alignment == 128
+    assert settings.current().token_alignment == 128
 
 
 def test_fp8_without_bf16_is_rejected(patch, monkeypatch):
