@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .ops import _comm
-from .ops._checks import host_checks_enabled
+from .megatron.compat import packed_seq_params_class
+from .ops._checks import agree_across_ranks, host_checks_enabled
 
 IGNORE_INDEX = -100
 
@@ -427,14 +428,6 @@ def pack_sequences(
     )
 
 
-def _packed_seq_params_class():
-    try:
-        from megatron.core.packed_seq_params import PackedSeqParams
-    except ImportError:
-        return None
-    return PackedSeqParams
-
-
 def make_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                            max_seqlen: int, *, pad_between_seqs: bool | None = None):
     """Megatron's ``PackedSeqParams(qkv_format="thd", ...)`` for the installed megatron-core.
@@ -461,7 +454,7 @@ def make_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Te
         Nothing of its own; the values are passed through unchecked (:func:`pack_sequences`
         builds them consistent).
     """
-    cls = _packed_seq_params_class()
+    cls = packed_seq_params_class()
     if cls is None:
         return None
     if dataclasses.is_dataclass(cls):
@@ -704,16 +697,9 @@ def gather_from_context_parallel(
             raise
         error = exc
     if exchange:
-        table = _comm.all_gather_ints([int(error is not None), *row], cp_group, device=device)
-        if error is not None:
-            raise error
-        failed = [r for r, t in enumerate(table) if t[0]]
-        if failed:
-            raise ValueError(f"ranks {failed} of cp_group rejected their inputs (see their errors)")
-        for col, name in enumerate(_GATHER_AGREEMENT, start=1):
-            if any(t[col] != table[0][col] for t in table):
-                raise ValueError(f"{name} differ across the ranks of cp_group; every rank must "
-                                 "pass its own shard of the same packed layout")
+        agree_across_ranks(error, row, _GATHER_AGREEMENT, cp_group, device=device,
+                           group_name="cp_group",
+                           hint="every rank must pass its own shard of the same packed layout")
     positions = _cp_positions(cu, total, cp, torch.arange(cp, device=device)).reshape(-1)
     inverse = torch.zeros_like(positions).scatter_(
         0, positions, torch.arange(total, device=device))

@@ -67,6 +67,15 @@ def has_output_processor(model_cls) -> bool:
     return "output_processor" in inspect.signature(model_cls.forward).parameters
 
 
+def packed_seq_params_class():
+    """Megatron's ``PackedSeqParams`` dataclass, or None where megatron-core is not importable."""
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+    except ImportError:
+        return None
+    return PackedSeqParams
+
+
 def tp_group_of(module) -> dist.ProcessGroup | None:
     """The tensor-parallel group a Megatron module uses, the way its release stores it.
 

@@ -143,6 +143,30 @@ _AGREEMENT = ("logits shard width", "token count", "vocab_size", "logits dtype",
               "entropy mode", "ignore_index")
 
 
+def agree_across_ranks(error: ValueError | None, values: list[int] | None,
+                       names: tuple[str, ...], group: dist.ProcessGroup, *, device,
+                       group_name: str, hint: str) -> None:
+    """Make a local input error, or a disagreement between ranks, raise on every rank.
+
+    One all-gather of ``[error flag, *values]`` (int64) over ``group``: this rank re-raises its
+    own ``error``; the others raise a ``ValueError`` naming the ranks that rejected their inputs;
+    otherwise the first of ``names`` whose value differs across ranks is reported, with ``hint``.
+    ``values`` may be None when ``error`` is set.
+    """
+    row = values if values is not None else [-1] * len(names)
+    table = _comm.all_gather_ints([int(error is not None), *row], group, device=device)
+    if error is not None:
+        raise error
+    failed = [r for r, t in enumerate(table) if t[0]]
+    if failed:
+        raise ValueError(f"ranks {failed} of {group_name} rejected their inputs (see their errors)")
+    for col, name in enumerate(names, start=1):
+        seen = [t[col] for t in table]
+        if any(v != seen[0] for v in seen):
+            raise ValueError(f"{name} differs across the ranks of {group_name} (in rank order: "
+                             f"{seen}); {hint}")
+
+
 def checked_config(logits, target, tp_group: dist.ProcessGroup | None, **options) -> StatsConfig:
     """Validate the inputs of one call and return its :class:`StatsConfig`.
 
@@ -160,7 +184,7 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, **options
         cfg = _check_local(logits, target, tp_group, **options)
     except ValueError as exc:
         error = exc
-    mine = [-1] * len(_AGREEMENT)
+    mine = None
     if cfg is not None:
         mine = [
             cfg.layout.width,
@@ -171,20 +195,10 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, **options
             ENTROPY_MODES.index(cfg.entropy),
             cfg.ignore_index,
         ]
-    table = _comm.all_gather_ints([int(error is not None), *mine], tp_group, device=logits.device)
-    if error is not None:
-        raise error
-    failed = [r for r, row in enumerate(table) if row[0]]
-    if failed:
-        raise ValueError(f"ranks {failed} of tp_group rejected their inputs (see their errors)")
-    for col, name in enumerate(_AGREEMENT, start=1):
-        seen = [row[col] for row in table]
-        if any(v != seen[0] for v in seen):
-            raise ValueError(
-                f"{name} differs across the ranks of tp_group (in rank order: {seen}); every "
-                "tensor-parallel rank must pass the same tokens, targets and options, and its own "
-                "equal-width vocabulary shard"
-            )
+    agree_across_ranks(error, mine, _AGREEMENT, tp_group, device=logits.device,
+                       group_name="tp_group",
+                       hint="every tensor-parallel rank must pass the same tokens, targets and "
+                       "options, and its own equal-width vocabulary shard")
     return cfg
 
 
