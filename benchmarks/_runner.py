@@ -57,6 +57,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def available_bytes() -> int:
+    """Memory a configuration may use: the GPU's total, or the host's ``MemAvailable``."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device()).total_memory
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
 def init_worker() -> dist.ProcessGroup:
     dev = device()
     if dev.type == "cuda":
@@ -73,12 +82,14 @@ def _max_over_ranks(value: float, group) -> float:
 
 
 def measure(step: Callable[[], Callable[[], None]], *, group, inputs, iters: int,
-            warmup: int = 1) -> tuple[int, float, int, int]:
+            warmup: int = 1, cpu_ms: list[float] | None = None) -> tuple[int, float, int, int]:
     """Peak bytes, median ms, and forward/backward collective counts of ``step``.
 
     ``step()`` runs a forward and returns the matching backward closure; ``inputs`` are the
     tensors alive before it starts (counted in the peak). Timed iterations run a fixed number of
-    times on every rank, each bracketed by barriers so ranks stay in step.
+    times on every rank, each bracketed by barriers so ranks stay in step. If ``cpu_ms`` is a
+    list, the process CPU time of each timed iteration (max over ranks) is appended to it: on a
+    shared CPU it is far less sensitive than wall time to other jobs.
     """
     with count_collectives() as fwd_calls:
         backward = step()
@@ -91,13 +102,15 @@ def measure(step: Callable[[], Callable[[], None]], *, group, inputs, iters: int
         dist.barrier(group=group)
         if device().type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step()()
         if device().type == "cuda":
             torch.cuda.synchronize()
         elapsed = _max_over_ranks(time.perf_counter() - start, group)
         if i >= warmup:
             times.append(elapsed * 1e3)
+            if cpu_ms is not None:
+                cpu_ms.append(_max_over_ranks(time.process_time() - cpu_start, group) * 1e3)
     return peak, statistics.median(times), len(fwd_calls), len(bwd_calls)
 
 
@@ -147,3 +160,21 @@ def append_csv(path: str, op: str, rows: list[Measurement], config: str) -> None
                                  "metric": metric, "unit": unit, "tokens": r.tokens, "tp": r.tp,
                                  "value": "" if value is None else value,
                                  "config": r.skipped or config, **env})
+
+
+def drive(script: str, tps: list[int], script_args: list[str], *, op: str, config: str,
+          table: Callable[[list[Measurement]], str], out: str, note: str = "",
+          append_md: bool = False) -> list[Measurement]:
+    """Driver side of a benchmark script: one torchrun job per tp size, then the markdown table
+    (printed, and written to ``out + ".md"``) and the long-format rows (appended to
+    ``out + ".csv"``). Returns rank 0's measurements."""
+    rows = [m for tp in tps for m in launch(script, tp, script_args)]
+    env = environment()
+    text = (f"{config}; {env['device']}; {env['version']}; {env['timestamp']}"
+            f"{'; ' + note if note else ''}\n\n{table(rows)}\n")
+    print(text)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".md", "a" if append_md else "w") as f:
+        f.write(text)
+    append_csv(out + ".csv", op, rows, config)
+    return rows

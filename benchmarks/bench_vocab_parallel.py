@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -31,12 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runner import (  # noqa: E402
     RESULTS_DIR,
     Measurement,
-    append_csv,
+    available_bytes,
     device,
-    environment,
+    drive,
     init_worker,
     is_worker,
-    launch,
     measure,
     write_worker_rows,
 )
@@ -125,14 +125,6 @@ def estimate_bytes(provider: str, tokens: int, width: int, tp: int, chunk: int) 
     return shard + 11 * full  # gathered bf16 + fp32 upcast, log_softmax, exp, grads (measured 11x)
 
 
-def available_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device()).total_memory
-    with open("/proc/meminfo") as f:
-        info = dict(line.split(":", 1) for line in f)
-    return int(info["MemAvailable"].split()[0]) * 1024
-
-
 def worker(args) -> None:
     group = init_worker()
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -162,8 +154,10 @@ def worker(args) -> None:
                 target = torch.randint(0, args.vocab, (tokens,), generator=gen).to(device())
                 del shard
             step = make(full_logits, target, group, args.vocab)
+            cpu_ms = []
             row.peak_bytes, row.time_ms, row.fwd_collectives, row.bwd_collectives = measure(
-                step, group=group, inputs=(full_logits, target), iters=args.iters)
+                step, group=group, inputs=(full_logits, target), iters=args.iters, cpu_ms=cpu_ms)
+            row.extra["cpu_ms"] = round(statistics.median(cpu_ms), 1)
             row.extra["shard_bytes"] = full_logits.numel() * 2
             if name == "ours":
                 row.extra["chunk"] = chunk
@@ -180,27 +174,32 @@ def worker(args) -> None:
 
 
 def table(rows: list[Measurement]) -> str:
-    """Markdown table; time ratios are against Megatron's logprob-only time in the same run."""
-    base = {(r.tokens, r.tp): r.time_ms for r in rows if r.provider == "megatron" and r.time_ms}
-    gather = {(r.tokens, r.tp): r.time_ms for r in rows
-              if r.provider == "full_gather" and r.time_ms}
+    """Markdown table; ratios are against Megatron's logprob-only run and the full gather, in the
+    same run. CPU time (max over ranks) is what to compare on a shared CPU; wall time is shown
+    too."""
+    def by(provider, key):
+        return {(r.tokens, r.tp): r.extra[key] if key in r.extra else getattr(r, key)
+                for r in rows if r.provider == provider and not r.skipped}
+
+    megatron, gather = by("megatron", "cpu_ms"), by("full_gather", "cpu_ms")
     lines = [
         "| T | tp | provider | mode | peak/rank GiB | peak / bf16 shard | bound ratio | "
-        "time ms | time / Megatron | full-gather / this | collectives fwd/bwd |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "wall ms | CPU ms | CPU / Megatron | full-gather CPU / this | collectives fwd/bwd |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in sorted(rows, key=lambda r: (r.tokens, r.tp)):
         if r.skipped:
             lines.append(f"| {r.tokens} | {r.tp} | {r.provider} | {r.mode} | {r.skipped} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
-        key = (r.tokens, r.tp)
-        ratio = f"{r.time_ms / base[key]:.2f}" if key in base else "n/a"
-        speedup = f"{gather[key] / r.time_ms:.2f}" if key in gather else "n/a"
+        key, cpu = (r.tokens, r.tp), r.extra["cpu_ms"]
+        ratio = f"{cpu / megatron[key]:.2f}" if key in megatron else "n/a"
+        speedup = f"{gather[key] / cpu:.2f}" if key in gather else "n/a"
         lines.append(
             f"| {r.tokens} | {r.tp} | {r.provider} | {r.mode} | {r.peak_bytes / GiB:.3f} | "
             f"{r.peak_bytes / r.extra['shard_bytes']:.2f} | {r.extra.get('bound_ratio', '')} | "
-            f"{r.time_ms:.0f} | {ratio} | {speedup} | {r.fwd_collectives}/{r.bwd_collectives} |")
+            f"{r.time_ms:.0f} | {cpu:.0f} | {ratio} | {speedup} | "
+            f"{r.fwd_collectives}/{r.bwd_collectives} |")
     return "\n".join(lines)
 
 
@@ -220,18 +219,9 @@ def main() -> None:
     if is_worker():
         worker(args)
         return
-    script_args = [a for a in sys.argv[1:]]
-    rows = [m for tp in args.tp for m in launch(os.path.abspath(__file__), tp, script_args)]
-    env = environment()
-    config = f"V={args.vocab} chunk={args.chunk or 'auto'} bf16 iters={args.iters}"
-    text = (f"{config}; {env['device']}; {env['version']}; {env['timestamp']}; "
-            f"glibc malloc defaults, one thread per rank\n\n{table(rows)}\n")
-    print(text)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    append_csv(args.out + ".csv", "vocab_parallel_stats", rows, config)
-
+    drive(os.path.abspath(__file__), args.tp, sys.argv[1:], op="vocab_parallel_stats",
+          config=f"V={args.vocab} chunk={args.chunk or 'auto'} bf16 iters={args.iters}",
+          table=table, out=args.out, note="glibc malloc defaults, one thread per rank")
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,8 @@ from .losses import (
 )
 from .ops import (
     VocabStats,
+    linear_vocab_parallel_cross_entropy,
+    linear_vocab_parallel_stats,
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
@@ -58,6 +60,8 @@ __all__ = [
     "shift_packed_labels",
     "unpack_sequences",
     "VocabStats",
+    "linear_vocab_parallel_cross_entropy",
+    "linear_vocab_parallel_stats",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",

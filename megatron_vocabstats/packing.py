@@ -619,7 +619,7 @@ class _GatherFromContextParallel(torch.autograd.Function):
         ctx.dim = dim
         ctx.save_for_backward(own)
         local = x.movedim(dim, 0)
-        gathered = _comm._all_gather_flat(local, group)
+        gathered = _comm.all_gather_flat(local, group)
         full = gathered.reshape(-1, *local.shape[1:]).index_select(0, inverse)
         return full.movedim(0, dim)
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "all_to_all",
+    "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "broadcast", "all_to_all",
     "all_to_all_single", "reduce", "gather", "scatter", "barrier",
 )
 

@@ -63,8 +63,18 @@ def make_compute_language_model_loss(original):
 
 
 def _fusable(output_layer, config) -> bool:
-    """The fused head reproduces ``output_layer``'s logits: no bias, no MuP output scaling."""
-    return getattr(output_layer, "bias", None) is None and not getattr(config, "use_mup", False)
+    """Whether the fused head reproduces ``output_layer`` and its backward contract.
+
+    Not with a bias or MuP output scaling (other logits), nor where the layer skips the tp
+    reduction of its input gradient (``disable_grad_reduce``) or defers its weight gradient
+    (``grad_output_buffer`` / ``defer_embedding_wgrad_compute``): the fused op reduces dX and
+    produces dW itself.
+    """
+    return (getattr(output_layer, "bias", None) is None
+            and not getattr(config, "use_mup", False)
+            and not getattr(output_layer, "disable_grad_reduce", False)
+            and getattr(output_layer, "grad_output_buffer", None) is None
+            and not getattr(config, "defer_embedding_wgrad_compute", False))
 
 
 def fused_language_model_loss(module, output_layer, output_weight, hidden_states, labels,

@@ -1,5 +1,6 @@
 """The ops: pure math (``_math``), collectives (``_comm``) and the autograd Functions."""
 
+from .fused_linear import linear_vocab_parallel_cross_entropy, linear_vocab_parallel_stats
 from .vocab_parallel import (
     VocabStats,
     vocab_parallel_cross_entropy,
@@ -10,6 +11,8 @@ from .vocab_parallel import (
 
 __all__ = [
     "VocabStats",
+    "linear_vocab_parallel_cross_entropy",
+    "linear_vocab_parallel_stats",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",

@@ -167,23 +167,29 @@ def agree_across_ranks(error: ValueError | None, values: list[int] | None,
                              f"{seen}); {hint}")
 
 
-def checked_config(logits, target, tp_group: dist.ProcessGroup | None, **options) -> StatsConfig:
+def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
+                   local_error: ValueError | None = None, **options) -> StatsConfig:
     """Validate the inputs of one call and return its :class:`StatsConfig`.
 
     Raises ``ValueError`` naming the argument (see :func:`vocab_parallel_stats`). With
-    ``validate`` on a group of size > 1, costs one all-gather of a few int64 numbers.
+    ``validate`` on a group of size > 1, costs one all-gather of a few int64 numbers, through
+    which an error on one rank (its own check, or ``local_error`` found by a caller such as the
+    fused op) raises on every rank.
     """
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"logits must be a tensor [..., V/tp], got {type(logits).__name__}")
     _, tp = _comm.group_rank_size(tp_group)
     if tp == 1 or not host_checks_enabled(bool(options["validate"]), logits.device):
+        if local_error is not None:
+            raise local_error
         return _check_local(logits, target, tp_group, **options)
 
-    error, cfg = None, None
-    try:
-        cfg = _check_local(logits, target, tp_group, **options)
-    except ValueError as exc:
-        error = exc
+    error, cfg = local_error, None
+    if error is None:
+        try:
+            cfg = _check_local(logits, target, tp_group, **options)
+        except ValueError as exc:
+            error = exc
     mine = None
     if cfg is not None:
         mine = [

@@ -19,7 +19,7 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _all_gather_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """One all-gather of a contiguous tensor: returns ``[size, *tensor.shape]`` in rank order."""
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
@@ -39,7 +39,7 @@ def gather_stats(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     """
     if group is None or dist.get_world_size(group) == 1:
         return local.unsqueeze(0)
-    return _all_gather_flat(local, group)
+    return all_gather_flat(local, group)
 
 
 def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, device) -> list[list[int]]:
@@ -49,4 +49,59 @@ def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, device) 
     hang or silently wrong number that mismatched shards would cause into a clear error.
     """
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
-    return _all_gather_flat(mine, group).tolist()
+    return all_gather_flat(mine, group).tolist()
+
+
+def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Megatron's sequence-parallel gather: every rank's ``[s, ...]`` shard, concatenated along
+    dim 0 in rank order (``[tp * s, ...]``), from one all-gather; ``shard`` itself for tp=1.
+
+    All shards must have the same shape (check it first: a mismatch fails or hangs in the
+    collective).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return shard
+    gathered = all_gather_flat(shard, group)
+    return gathered.view(gathered.shape[0] * gathered.shape[1], *shard.shape[1:])
+
+
+def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Inverse of :func:`gather_sequence` for gradients: the sum of ``full`` ``[tp * s, ...]`` over
+    the ranks of ``group``, of which this rank keeps rows ``[rank * s, (rank + 1) * s)``.
+
+    One reduce-scatter; on a gloo build without reduce-scatter, one all-reduce (in place on
+    ``full``, which the caller must own) and a slice give the same sums.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return full
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if full.shape[0] % size:
+        raise ValueError(f"reduce_scatter_sequence: {full.shape[0]} rows do not split over "
+                         f"{size} ranks")
+    full = full.contiguous()
+    out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
+    # torch >= 2.12 names it reduce_scatter_single; both take the input concatenated along dim 0.
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        scatter(out, full, group=group)
+    except RuntimeError:
+        if dist.get_backend(group) != "gloo":
+            raise
+        return reduce_scatter_by_all_reduce(full, group)
+    return out
+
+
+def reduce_scatter_by_all_reduce(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The CPU fallback of :func:`reduce_scatter_sequence`: all-reduce ``full`` in place, keep
+    this rank's rows (a copy, so that ``full`` can be freed)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    dist.all_reduce(full, group=group)
+    rows = full.shape[0] // size
+    return full[rank * rows:(rank + 1) * rows].clone()
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place (one all-reduce; nothing for tp=1); returns it."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor

@@ -199,3 +199,31 @@ def chunk_grad(
         hit = torch.where(owned, coef_lp * (1.0 - label_smoothing), 0.0)
         grad.scatter_add_(1, index.unsqueeze(1), hit.unsqueeze(1))
     out.copy_(grad)
+
+
+def grad_coefficients(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(coef_lp, coef_h)`` of :func:`chunk_grad` from upstream gradients shaped like the tokens.
+
+    Flattened fp32 ``g / tau``, exactly 0 at rows where ``valid`` is False (their gradient is then
+    exactly 0); None where that upstream gradient is None.
+    """
+    keep = valid.float() / temperature if valid is not None else 1.0 / temperature
+    coef_lp = grad_logprobs.reshape(-1).float() * keep if grad_logprobs is not None else None
+    coef_h = grad_entropy.reshape(-1).float() * keep if grad_entropy is not None else None
+    return coef_lp, coef_h
+
+
+def finite_lse(lse: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``lse`` with non-finite values at rows that are not ``valid`` replaced by 0.
+
+    :func:`chunk_grad` needs a finite lse at ignored rows (e.g. fully masked ones) so that their
+    zero gradient is not ``0 * NaN``.
+    """
+    if valid is None:
+        return lse
+    return torch.where(valid | torch.isfinite(lse), lse, 0.0)

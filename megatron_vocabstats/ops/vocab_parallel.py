@@ -19,6 +19,8 @@ from ._math import (
     NUM_STATS,
     chunk_grad,
     chunk_stats,
+    finite_lse,
+    grad_coefficients,
     load_chunk,
     local_target_index,
     merge_stats,
@@ -102,14 +104,10 @@ class _VocabParallelStats(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None
         logits2d, target1d, valid = _flatten(logits, target, cfg)
-        lse = lse.reshape(-1)
-        # Per-row coefficients carry the temperature and are 0 at ignored rows, whose gradient is
-        # then exactly 0 (their lse is made finite so that p stays finite).
-        keep = valid.float() / cfg.temperature if valid is not None else 1.0 / cfg.temperature
-        coef_lp = grad_logprobs.reshape(-1).float() * keep if grad_logprobs is not None else None
-        coef_h = grad_entropy.reshape(-1).float() * keep if grad_entropy is not None else None
-        if valid is not None:
-            lse = torch.where(valid | torch.isfinite(lse), lse, 0.0)
+        # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
+        # exactly 0 (their lse is made finite so that p stays finite).
+        coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, cfg.temperature)
+        lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
 
         grad_logits = torch.empty_like(logits2d)
