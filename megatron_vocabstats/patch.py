@@ -31,30 +31,54 @@ def _log_rank0(message: str) -> None:
         logger.info(message)
 
 
-def apply(**options) -> settings.PluginSettings:
-    """Patch Megatron and turn the plugin on with ``options`` (fields of ``PluginSettings``).
+def _targets():
+    """``(owner, attribute, replacement factory, label)`` of every Megatron binding to replace.
 
-    Idempotent: what is already patched stays as it is; the options are applied every call.
-    Returns the settings in force.
-
-    Raises:
-        UnsupportedMegatronError: megatron-core missing or without the needed names.
-        ValueError: an unknown or invalid option.
+    Resolved before anything is patched, so that an unsupported release fails with nothing
+    changed (never half on).
     """
     language_module = compat.language_module_class()
-    new_settings = settings.update(active=True, **options)
-    patched = []
-    if PATCHER.replace(language_module, "compute_language_model_loss",
-                       model.make_compute_language_model_loss):
-        patched.append("LanguageModule.compute_language_model_loss")
     gpt_model = compat.gpt_model_class()
     if compat.has_output_processor(gpt_model):  # 0.18+: the official output_processor hook
         hook, factory = "forward", model.make_gpt_forward
-    else:
+    elif hasattr(gpt_model, "_postprocess"):
         hook, factory = "_postprocess", model.make_gpt_postprocess
-    if PATCHER.replace(gpt_model, hook, factory):
-        patched.append(f"GPTModel.{hook} (fused LM head when lm_head_chunk_size > 0)")
-    patched += arguments.install(PATCHER)
+    else:
+        raise compat.UnsupportedMegatronError(
+            f"megatron-core {compat.megatron_core_version()}: GPTModel has neither "
+            f"forward(output_processor=...) nor _postprocess; the plugin supports {compat.SUPPORTED}"
+        )
+    return [
+        (language_module, "compute_language_model_loss", model.make_compute_language_model_loss,
+         "LanguageModule.compute_language_model_loss"),
+        (gpt_model, hook, factory, f"GPTModel.{hook} (fused LM head when lm_head_chunk_size > 0)"),
+    ]
+
+
+def apply(**options) -> settings.PluginSettings:
+    """Patch Megatron and turn the plugin on with ``options`` (fields of ``PluginSettings``).
+
+    Idempotent: what is already patched stays as it is; the given options replace the current
+    ones (``remove()`` resets them to the defaults). Where Megatron's own argument parsing runs
+    later, its config hook decides from ``--vocab-parallel-stats`` whether the plugin stays on.
+    Returns the settings in force.
+
+    Raises:
+        UnsupportedMegatronError: megatron-core missing or without the needed names (nothing is
+            patched then).
+        ValueError: an unknown or invalid option (nothing is patched then).
+    """
+    targets = _targets()
+    new_settings = settings.update(active=True, **options)
+    patched = []
+    try:
+        for owner, name, factory, label in targets:
+            if PATCHER.replace(owner, name, factory):
+                patched.append(label)
+        patched += arguments.install(PATCHER)
+    except BaseException:
+        remove()
+        raise
     if patched:
         _log_rank0(f"megatron-vocabstats: patched {', '.join(patched)} for megatron-core "
                    f"{compat.megatron_core_version()}")
@@ -64,7 +88,7 @@ def apply(**options) -> settings.PluginSettings:
 def remove() -> list[str]:
     """Restore every original Megatron object and turn the plugin off; returns what was restored."""
     restored = PATCHER.remove_all()
-    settings.update(active=False)
+    settings.reset()
     if restored:
         _log_rank0(f"megatron-vocabstats: restored {', '.join(restored)}")
     return restored

@@ -133,13 +133,22 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
 
 
 def make_gpt_forward(original):
-    """``GPTModel.forward`` passing :func:`fused_output_processor` when the fused head is on."""
+    """``GPTModel.forward`` passing :func:`fused_output_processor` when the fused head applies.
+
+    Only for a loss (labels given) outside inference; logits requests and inference keep
+    Megatron's own output path (last-token logits, sequence-parallel gather).
+    """
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         cfg = settings.current()
         if cfg.active and cfg.lm_head_chunk_size > 0 and kwargs.get("output_processor") is None:
-            kwargs["output_processor"] = fused_output_processor
+            bound = signature.bind(self, *args, **kwargs).arguments
+            if (_wants_fused(cfg, bound.get("labels"))
+                    and bound.get("inference_context") is None
+                    and bound.get("inference_params") is None):
+                kwargs["output_processor"] = fused_output_processor
         return original(self, *args, **kwargs)
 
     return forward

@@ -73,5 +73,12 @@ def update(**changes) -> PluginSettings:
     return SETTINGS
 
 
+def reset() -> PluginSettings:
+    """Back to the defaults, plugin off."""
+    global SETTINGS
+    SETTINGS = PluginSettings(active=False)
+    return SETTINGS
+
+
 def current() -> PluginSettings:
     return SETTINGS

@@ -9,6 +9,7 @@ one rank raises on every rank instead of leaving the others waiting in a collect
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -140,7 +141,11 @@ def _target_checksum(target: torch.Tensor | None) -> int:
 
 
 _AGREEMENT = ("logits shard width", "token count", "vocab_size", "logits dtype", "target",
-              "entropy mode", "ignore_index")
+              "entropy mode", "ignore_index", "temperature", "label_smoothing")
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 def agree_across_ranks(error: ValueError | None, values: list[int] | None,
@@ -188,7 +193,7 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
     if error is None:
         try:
             cfg = _check_local(logits, target, tp_group, **options)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # a TypeError too must not leave the others waiting
             error = exc
     mine = None
     if cfg is not None:
@@ -200,6 +205,8 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
             _target_checksum(target),
             ENTROPY_MODES.index(cfg.entropy),
             cfg.ignore_index,
+            _float_bits(cfg.temperature),
+            _float_bits(cfg.label_smoothing),
         ]
     agree_across_ranks(error, mine, _AGREEMENT, tp_group, device=logits.device,
                        group_name="tp_group",

@@ -26,6 +26,8 @@ import torch
 # p * log p give 0 rather than 0 * (-inf) = NaN. A shard whose maximum is Z_FLOOR has no live
 # column for that row and reports m_r = -inf, s_r = u_r = 0.
 Z_FLOOR = -1.0e30
+# Below the log of the smallest positive fp32 (about -103.3): exp(LOGP_MIN) == 0.
+LOGP_MIN = -1.0e4
 
 # Row order of the packed per-shard statistics tensor [NUM_STATS, T].
 STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM = range(5)
@@ -65,7 +67,7 @@ def load_chunk(logits: torch.Tensor, out: torch.Tensor, layout: ShardLayout, tem
 
 def local_target_index(target: torch.Tensor, valid: torch.Tensor, layout: ShardLayout):
     """Map global target ids to local columns: ``(index clamped to [0, W), owned mask)``."""
-    local = target - layout.vocab_start
+    local = target.long() - layout.vocab_start  # gather/scatter index with int64
     owned = valid & (local >= 0) & (local < layout.width)
     return local.clamp(0, layout.width - 1), owned
 
@@ -150,12 +152,13 @@ def merge_stats(
     if has_target:
         target_logit = gathered[:, STAT_TARGET].sum(dim=0)
         target_logit = torch.where(target_logit > Z_FLOOR, target_logit, float("-inf"))
-        logprobs = target_logit - lse
+        # (t - m) - log S, not t - (m + log S): no rounding at the scale of large logits.
+        logprobs = (target_logit - m_safe) - log_sumexp
         if label_smoothing > 0.0:
             zsum = gathered[:, STAT_ZSUM].sum(dim=0)
             # A real column at -inf makes the smoothed loss infinite; say so instead of ~-1e30.
             zsum = torch.where(zsum > 0.5 * Z_FLOOR, zsum, float("-inf"))
-            mean_logp = zsum / vocab_size - lse
+            mean_logp = (zsum / vocab_size - m_safe) - log_sumexp
             logprobs = (1.0 - label_smoothing) * logprobs + label_smoothing * mean_logp
         logprobs = torch.where(valid, logprobs, 0.0)
     return MergedStats(logsumexp=lse, logprobs=logprobs, entropy=ent)
@@ -172,6 +175,7 @@ def chunk_grad(
     coef_h: torch.Tensor | None,
     index: torch.Tensor | None,
     owned: torch.Tensor | None,
+    valid: torch.Tensor | None,
     layout: ShardLayout,
     label_smoothing: float,
 ) -> None:
@@ -180,7 +184,8 @@ def chunk_grad(
     ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``out``: the chunk's rows of
     the gradient, in the logits dtype. ``coef_lp = g_lp / tau`` and ``coef_h = g_H / tau`` per row,
     already 0 at ignored rows (whose gradient is then exactly 0), or None when that output gets no
-    gradient. ``lse`` must be finite at ignored rows. One fp32 pass computes
+    gradient. ``lse`` must be finite at ignored rows, and rows with ``valid`` False are zeroed
+    at the end (NaN or +inf logits there included). One fp32 pass computes
     ``p * (-coef_h (log p + H) - coef_lp)``; the target and smoothing terms are added in fp32
     before the single cast to ``out``.
     """
@@ -188,6 +193,9 @@ def chunk_grad(
     logp = z.sub_(lse.unsqueeze(1))
     p = torch.exp(logp, out=scratch[:n])
     if coef_h is not None:
+        # Where p == 0 (masked or padding columns, log p ~ Z_FLOOR) keep coef_h * log p finite,
+        # or p * inf = NaN for large upstream gradients; no column with p > 0 is changed.
+        logp.clamp_(min=LOGP_MIN)
         shift = coef_h * ent if coef_lp is None else coef_h * ent + coef_lp
         grad = p.mul_(logp.mul_(coef_h.neg().unsqueeze(1)).sub_(shift.unsqueeze(1)))
     else:
@@ -198,6 +206,8 @@ def chunk_grad(
             grad[:, : layout.real_width].add_(uniform.unsqueeze(1))
         hit = torch.where(owned, coef_lp * (1.0 - label_smoothing), 0.0)
         grad.scatter_add_(1, index.unsqueeze(1), hit.unsqueeze(1))
+    if valid is not None:
+        grad.masked_fill_(~valid.unsqueeze(1), 0.0)
     out.copy_(grad)
 
 

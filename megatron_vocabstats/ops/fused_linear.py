@@ -302,8 +302,8 @@ def _forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, stats, 
             out[name][rows] = getattr(part, name)
         z = load_chunk(logits, bufs.z, sc.layout, sc.temperature)
         chunk_grad(z, bufs.scratch, logits, lse=finite_lse(part.logsumexp, valid[rows]), ent=None,
-                   coef_lp=coef_lp[rows], coef_h=None, index=index, owned=owned, layout=sc.layout,
-                   label_smoothing=sc.label_smoothing)
+                   coef_lp=coef_lp[rows], coef_h=None, index=index, owned=owned,
+                   valid=valid[rows], layout=sc.layout, label_smoothing=sc.label_smoothing)
         _input_grads_of_chunk(logits, hidden2d[rows], weight,
                               dx2d[rows] if dx2d is not None else None, acc, bufs)
     return MergedStats(**{name: out.get(name) for name in ("logsumexp", "logprobs", "entropy")}), \
@@ -382,7 +382,8 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
             ent=ent[rows] if ent is not None else None,
             coef_lp=coef_lp[rows] if coef_lp is not None else None,
             coef_h=coef_h[rows] if coef_h is not None else None,
-            index=index, owned=owned, layout=sc.layout, label_smoothing=sc.label_smoothing,
+            index=index, owned=owned, valid=valid[rows] if valid is not None else None,
+            layout=sc.layout, label_smoothing=sc.label_smoothing,
         )
         _input_grads_of_chunk(logits, hidden2d[rows], weight,
                               dx2d[rows] if dx2d is not None else None, acc, bufs)

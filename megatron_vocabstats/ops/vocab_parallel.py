@@ -119,6 +119,7 @@ class _VocabParallelStats(torch.autograd.Function):
                 coef_lp=coef_lp[rows] if coef_lp is not None else None,
                 coef_h=coef_h[rows] if coef_h is not None else None,
                 index=index, owned=owned,
+                valid=valid[rows] if valid is not None else None,
                 layout=cfg.layout,
                 label_smoothing=cfg.label_smoothing,
             )

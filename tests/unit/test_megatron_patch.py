@@ -18,6 +18,7 @@ from megatron.core.models.common.language_module.language_module import (  # noq
 )
 
 from megatron_vocabstats.megatron import compat, settings  # noqa: E402
+from megatron_vocabstats.megatron._patching import _ABSENT as ABSENT  # noqa: E402
 from megatron_vocabstats.megatron._patching import MARKER  # noqa: E402
 
 ORIGINAL_LOSS = LanguageModule.__dict__["compute_language_model_loss"]
@@ -37,22 +38,43 @@ def patch():
 
 
 def test_import_twice_patches_once_and_remove_restores_exactly(patch):
+    from megatron_vocabstats.megatron._patching import PATCHER
+
     first = LanguageModule.__dict__["compute_language_model_loss"]
     assert getattr(first, MARKER) and first.__wrapped__ is ORIGINAL_LOSS
     names = patch.patched_names()
+    bindings = [(r.owner, r.name, getattr(r.owner, r.name), r.original) for r in PATCHER.applied]
+    assert len(bindings) >= 2  # the loss method and the GPTModel hook, at least
     importlib.reload(patch)  # a second import executes apply() again
     patch.apply()
-    assert LanguageModule.__dict__["compute_language_model_loss"] is first
     assert patch.patched_names() == names
-    arguments = compat.training_module("arguments")
-    wrapped = [getattr(arguments, n) for n in ("add_megatron_arguments", "validate_args")] \
-        if arguments else []
-    originals = [w.__wrapped__ for w in wrapped]
+    assert all(getattr(owner, name) is ours for owner, name, ours, _ in bindings)
     patch.remove()
+    for owner, name, _, original in bindings:
+        assert vars(owner).get(name, ABSENT) is original, f"{name} not restored"
     assert LanguageModule.__dict__["compute_language_model_loss"] is ORIGINAL_LOSS
-    for name, original in zip(("add_megatron_arguments", "validate_args"), originals):
-        assert getattr(arguments, name) is original
-    assert not patch.is_applied() and not settings.current().active
+    assert not patch.is_applied()
+    assert settings.current() == settings.PluginSettings(active=False)
+
+
+def test_inactive_plugin_runs_megatron_own_loss(patch, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core import tensor_parallel
+
+    from megatron_vocabstats.megatron import model as patched_model
+
+    ours, theirs = [], []
+    monkeypatch.setattr(patched_model, "vocab_parallel_stats", lambda *a, **k: ours.append(1))
+    monkeypatch.setattr(tensor_parallel, "vocab_parallel_cross_entropy",
+                        lambda logits, labels, *a, **k: theirs.append(1) or labels.float())
+    settings.update(active=False)  # what the config hook does without --vocab-parallel-stats
+    fake = torch.nn.Module()
+    fake.tp_group = None
+    fake.config = SimpleNamespace(cross_entropy_loss_fusion=False)
+    LanguageModule.compute_language_model_loss(fake, torch.zeros(1, 2, dtype=torch.long),
+                                               torch.randn(2, 1, 4))
+    assert theirs == [1] and ours == []
 
 
 def test_call_site_reaches_ours(patch, monkeypatch):
@@ -160,6 +182,7 @@ def test_config_hook_runs_before_validate_args(patch, monkeypatch):
     arguments.validate_args(args, {})
     assert args.use_precision_aware_optimizer
     assert args.main_grads_dtype is torch.bfloat16 and args.exp_avg_dtype is torch.bfloat16
+    assert args.exp_avg_sq_dtype is torch.bfloat16
     assert settings.current().active and settings.current().entropy == "metric"
 
 
@@ -173,19 +196,21 @@ def test_precision_aware_prerequisites_listed_together(patch, monkeypatch):
         assert missing in str(err.value)
 
 
-def test_fp8_alignment_and_vocab_divisibility(patch, monkeypatch):
+@pytest.mark.parametrize("recipe, per_shard", [("tensorwise", 16), ("delayed", 16),
+                                               ("mxfp8", 32), ("blockwise", 128)])
+def test_fp8_alignment_and_vocab_divisibility(patch, monkeypatch, recipe, per_shard):
     from megatron_vocabstats.megatron.arguments import config_hook
 
     _, args = _parse(["--vocab-parallel-stats", "--bf16", "--fp8-format", "e4m3",
-                      "--fp8-recipe", "mxfp8", "--make-vocab-size-divisible-by", "96",
+                      "--fp8-recipe", recipe, "--make-vocab-size-divisible-by", "96",
                       "--tensor-model-parallel-size", "2", "--sequence-parallel",
                       "--context-parallel-size", "2"], monkeypatch)
     config_hook(args)
     assert args.make_vocab_size_divisible_by == 384  # lcm(96, 128)
-    # mxfp8 wants 32 tokens per shard: cp=2 x tp=2 (sequence parallel) x 32 = 128, which also
-    # splits every sequence into 2 * cp equal chunks.
-    assert args.vocab_stats_token_alignment == 128
-    assert settings.current().token_alignment == 128
+    # Each of the cp=2 x tp=2 (sequence parallel) shards holds a multiple of the recipe's token
+    # count, and every sequence splits into 2 * cp equal chunks: cp * tp * per_shard tokens.
+    assert args.vocab_stats_token_alignment == 2 * 2 * per_shard
+    assert settings.current().token_alignment == 2 * 2 * per_shard
 
 
 def test_fp8_without_bf16_is_rejected(patch, monkeypatch):

@@ -154,6 +154,33 @@ def test_ignored_rows_are_zero_and_finite_even_when_fully_masked():
     assert torch.isfinite(leaf.grad).all()
 
 
+def test_nan_logits_in_an_ignored_row_give_zero_gradient():
+    logits = torch.randn(3, 8)
+    logits[1, 2] = float("nan")
+    logits[1, 5] = float("inf")
+    leaf = logits.clone().requires_grad_()
+    st = vocab_parallel_stats(leaf, torch.tensor([1, -100, 3]))
+    (st.logprobs.sum() + st.entropy.sum()).backward()
+    assert torch.equal(leaf.grad[1], torch.zeros(8)) and torch.isfinite(leaf.grad).all()
+
+
+def test_large_entropy_gradient_stays_finite_with_padding_columns():
+    # log p of a padding column is ~-1e30: a large upstream gradient must not turn 0 * inf into NaN.
+    # (Megatron's fp16 loss scale starts at 2**32.)
+    logits = torch.randn(2, 8).requires_grad_()
+    st = vocab_parallel_stats(logits, torch.tensor([0, 1]), vocab_size=7)
+    (st.entropy.sum() * 2.0**32).backward()
+    assert torch.isfinite(logits.grad).all() and torch.equal(logits.grad[:, 7], torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8], ids=str)
+def test_narrow_integer_targets(dtype):
+    logits = torch.randn(4, 10)
+    target = torch.tensor([1, 2, 3, 9])
+    expected = vocab_parallel_stats(logits, target).logprobs
+    assert torch.equal(vocab_parallel_stats(logits, target.to(dtype)).logprobs, expected)
+
+
 def test_fully_masked_scored_row_raises_or_gives_nan():
     logits = torch.randn(2, 6)
     logits[0] = float("-inf")

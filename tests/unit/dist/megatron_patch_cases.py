@@ -105,5 +105,22 @@ def fused_head_tied_embeddings(group):
                         share_embeddings_and_output_weights=True)
 
 
+@CASES.register
+def fused_setting_keeps_logits_requests_native(group):
+    from megatron_vocabstats import patch
+
+    model = tiny_gpt(dist.get_world_size())
+    ids, pos, _ = batch()
+    patch.remove()
+    with torch.no_grad():
+        native = model(ids, pos, None)
+        patch.apply(lm_head_chunk_size=5)
+        try:
+            ours = model(ids, pos, None)
+        finally:
+            patch.remove()
+    assert ours.shape == native.shape and torch.equal(ours, native), "logits path changed"
+
+
 if __name__ == "__main__":
     main(CASES)

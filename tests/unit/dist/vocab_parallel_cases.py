@@ -234,15 +234,30 @@ def mismatched_shard_widths_raise_everywhere(group):
     rank, tp = rank_size(group)
     if tp < 2:
         raise Skip("needs tp >= 2")
-    width = 16 if rank == 0 else 17
+    width = 16 if rank == 0 else 17  # vocab_size=16*tp-1 fits either width: only the width differs
     logits = torch.randn(5, width)
     target = torch.zeros(5, dtype=torch.long)
     try:
-        vocab_parallel_stats(logits, target, tp_group=group)
+        vocab_parallel_stats(logits, target, tp_group=group, vocab_size=16 * tp - 1)
     except ValueError as exc:
-        assert "width" in str(exc) or "rejected" in str(exc), str(exc)
+        assert "logits shard width differs" in str(exc), str(exc)
     else:
         raise AssertionError("mismatched shard widths were accepted")
+
+
+@CASES.register
+def mismatched_options_raise_everywhere(group):
+    rank, tp = rank_size(group)
+    if tp < 2:
+        raise Skip("needs tp >= 2")
+    logits, target = torch.randn(5, 16), torch.zeros(5, dtype=torch.long)
+    for option, mine in (("temperature", 1.0 + rank), ("label_smoothing", 0.1 * rank)):
+        try:
+            vocab_parallel_stats(logits, target, tp_group=group, **{option: mine})
+        except ValueError as exc:
+            assert f"{option} differs" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{option} that differs across ranks was accepted")
 
 
 @CASES.register

@@ -1,0 +1,238 @@
+"""The GSM8K example (examples/gsm8k): data handling, bad input, and every mode under torchrun.
+
+The multi-process cases (``dist/gsm8k_cases.py``, one torchrun launch on 2 gloo ranks with
+tp = 2) run SFT, GRPO and scoring at a tiny size through the example's command line and check
+their outputs against float64 references. The tests here check the data layer and that bad
+input stops the run with a clear error before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from conftest import check_case
+
+pytestmark = pytest.mark.megatron
+pytest.importorskip("megatron.core")
+pytest.importorskip("mistral_common")
+pytest.importorskip("tqdm")
+pytest.importorskip("matplotlib")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from dist.gsm8k_cases import CASES  # noqa: E402
+from examples.gsm8k import data, report  # noqa: E402
+from examples.gsm8k.grpo import group_advantages  # noqa: E402
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "384"]
+ROW = {"question": "Tom has 3 apples and eats 1. How many are left?",
+       "answer": "He has 3 - 1 = <<3-1=2>>2 left.\nSo 2 apples.\n#### 2"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mode_under_torchrun(name):
+    check_case("gsm8k_cases.py", 2, name)
+
+
+# --------------------------------------------------------------------------- data layer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.load_tokenizer()
+
+
+def test_tokenizer_is_tekken(tokenizer):
+    assert tokenizer.n_words == 131072
+    ex = data.encode_gsm8k(tokenizer, ROW["question"], ROW["answer"])
+    assert ex.prompt[0] == tokenizer.bos_id and ex.response[-1] == tokenizer.eos_id
+    assert tokenizer.decode(ex.response[:-1]) == ROW["answer"]
+
+
+@pytest.mark.parametrize("text, want", [("x\n#### 72", "72"), ("#### 1,080", "1080"),
+                                        ("#### $4.50", "4.5"), ("#### -3", "-3"),
+                                        ("#### 5.", "5"), ("no answer", None),
+                                        ("#### many", None)])
+def test_final_answer(text, want):
+    assert data.final_answer(text) == want
+
+
+def test_stand_in_rollouts_and_rewards():
+    answers = data.corrupted_answers(ROW["answer"], 8, random.Random(0))
+    assert answers[0] == ROW["answer"]
+    rewards = [data.reward(a, ROW["answer"]) for a in answers]
+    assert rewards == [1.0, 0.0, 1.0, 0.0] * 2
+    assert data.final_answer(answers[1]) not in (None, "2")
+    assert "####" not in answers[3]
+
+
+def test_group_advantages_are_normalised_per_group():
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+    adv = group_advantages(rewards)
+    torch.testing.assert_close(adv[0], torch.tensor([1.0, -1.0, 1.0, -1.0]), rtol=0, atol=1e-5)
+    assert torch.equal(adv[1], torch.zeros(4))
+    ref = (rewards[2] - rewards[2].mean()) / rewards[2].std(unbiased=False)
+    torch.testing.assert_close(adv[2], ref, rtol=0, atol=1e-5)
+
+
+def test_pack_rows_is_greedy_in_order():
+    assert data.pack_rows([3, 5, 2, 7, 1], 8, 1) == [[0, 1], [2], [3, 4]]
+    assert data.pack_rows([3, 3, 3], 8, 4) == [[0, 1], [2]]
+
+
+def test_batch_masks_response_tokens_and_blocks_attention():
+    examples = [data.Example([1, 5, 6], [7, 8, 2]), data.Example([1, 9], [10, 2]),
+                data.Example([1, 4, 4, 4], [11])]
+    batch = data.make_batch(examples, seq_length=24, alignment=4, device=torch.device("cpu"),
+                            thd=False)
+    tokens = batch.model_inputs["input_ids"][0].tolist()
+    mask = batch.model_inputs["attention_mask"][0, 0]
+    want_loss, want_seq, want_labels, start = [0.0] * 24, [2] * 24, [0] * 24, 0
+    for n, ex in enumerate(examples):
+        seq = ex.prompt + ex.response
+        padded = -(-len(seq) // 4) * 4
+        assert tokens[start:start + len(seq)] == seq
+        for p in range(len(seq) - 1):
+            want_labels[start + p] = seq[p + 1]
+            want_loss[start + p] = float(p + 1 >= len(ex.prompt))
+        want_seq[start:start + padded] = [n] * padded
+        start += padded
+    assert batch.loss_mask[0].tolist() == want_loss
+    assert batch.labels[0].tolist() == want_labels
+    assert batch.real_tokens == sum(e.num_tokens for e in examples) and batch.num_sequences == 3
+    for i in range(24):
+        for j in range(24):
+            assert bool(mask[i, j]) == (want_seq[i] != want_seq[j] or j > i), (i, j)
+
+
+def test_write_outputs_is_all_or_nothing(tmp_path):
+    good, bad = tmp_path / "a.json", tmp_path / "b.json"
+
+    def broken(f):
+        f.write("partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        report.write_outputs({str(good): report.json_writer({"x": 1}),
+                              str(bad): (broken, False)})
+    assert os.listdir(tmp_path) == []
+    report.write_outputs({str(good): report.json_writer({"x": float("nan")})})
+    assert json.loads(good.read_text()) == {"x": None}
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def cli():
+    """``examples.gsm8k.cli``, leaving the plugin's patch and settings as they were."""
+    from megatron_vocabstats.megatron import settings
+
+    module = sys.modules.get("megatron_vocabstats.patch")
+    was_applied = module is not None and module.is_applied()
+    before = dataclasses.asdict(settings.current())
+    from examples.gsm8k import cli as module_cli
+
+    yield module_cli
+    if not was_applied:
+        sys.modules["megatron_vocabstats.patch"].remove()
+    settings.update(**before)
+
+
+def write_jsonl(path, rows, raw=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + raw)
+    return str(path)
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    write_jsonl(d / "train.jsonl", [ROW] * 4)
+    write_jsonl(d / "test.jsonl", [ROW] * 2)
+    return d
+
+
+def fails(cli, capsys, argv, *needles):
+    """``cli.main(argv)`` exits 2 with an ``error:`` line holding every needle."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_missing_data_file(cli, capsys, tmp_path, gsm8k_dir):
+    (gsm8k_dir / "test.jsonl").unlink()
+    out = tmp_path / "out"
+    fails(cli, capsys, ["sft", *TINY, "--data-dir", str(gsm8k_dir), "--out", str(out)],
+          "--data-dir", "test.jsonl", "not found")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("raw, needles", [
+    ('{"question": "q", "answer": "a\\n#### 1"\n', ("train.jsonl:5", "not valid JSON")),
+    ('["q", "a"]\n', ("train.jsonl:5", "JSON object")),
+    ('{"question": "q"}\n', ("train.jsonl:5", "'answer'")),
+    ('{"question": "q", "answer": "no final number"}\n', ("row 5", "####")),
+])
+def test_malformed_data_file(cli, capsys, tmp_path, gsm8k_dir, raw, needles):
+    write_jsonl(gsm8k_dir / "train.jsonl", [ROW] * 4, raw)
+    out = tmp_path / "out"
+    fails(cli, capsys, ["sft", *TINY, "--data-dir", str(gsm8k_dir), "--out", str(out)],
+          "--data-dir", *needles)
+    assert not out.exists()
+
+
+def test_empty_scoring_file(cli, capsys, tmp_path):
+    source, target = tmp_path / "in.jsonl", tmp_path / "scores.jsonl"
+    source.write_text("\n\n")
+    fails(cli, capsys, ["score", *TINY, "--input", str(source), "--output", str(target)],
+          "--input", "holds no rows")
+    assert not target.exists()
+
+
+def test_response_with_no_tokens(cli, capsys, tmp_path):
+    target = tmp_path / "scores.jsonl"
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "response": "b"},
+                                                 {"prompt": "c", "response": ""}])
+    fails(cli, capsys, ["score", *TINY, "--input", source, "--output", str(target)],
+          "--input", "row 2", "zero tokens")
+    assert not target.exists()
+
+
+def test_response_longer_than_a_row(cli, capsys, tmp_path):
+    target = tmp_path / "scores.jsonl"
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "response": "word " * 500}])
+    fails(cli, capsys, ["score", *TINY, "--input", source, "--output", str(target)],
+          "--input", "row 1", "--seq-length 384")
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--tp", "3"], ("--tp 3", "--num-attention-heads 4")),
+    (["--num-attention-heads", "6"], ("--num-attention-heads 6", "--hidden-size 64")),
+    (["--cp", "2"], ("--cp 2", "CUDA")),
+])
+def test_layout_that_cannot_work(cli, capsys, tmp_path, gsm8k_dir, flags, needles):
+    out = tmp_path / "out"
+    fails(cli, capsys, ["sft", *TINY, *flags, "--data-dir", str(gsm8k_dir), "--out", str(out)],
+          *needles)
+    assert not out.exists()
+
+
+def test_checkpoint_of_another_model(cli, capsys, tmp_path, gsm8k_dir):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "meta.json").write_text(json.dumps({"hidden_size": 128}))
+    fails(cli, capsys, ["sft", *TINY, "--data-dir", str(gsm8k_dir), "--load", str(ckpt),
+                        "--out", str(tmp_path / "out")], "--load", "hidden_size")
