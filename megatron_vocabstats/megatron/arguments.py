@@ -48,6 +48,9 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "(needs --vocab-stats-entropy grad).")
     group.add_argument("--vocab-stats-label-smoothing", type=float, default=0.0,
                        help="Label smoothing over the real vocabulary (numerics.md).")
+    group.add_argument("--vocab-stats-skip-checks", action="store_true",
+                       help="Skip the op's host-side input checks (target range, cross-rank "
+                       "agreement, finite results): no host sync in the loss.")
     group.add_argument("--precision-aware-optimizer-bf16", action="store_true",
                        help="Turn on Megatron's precision-aware optimizer with bf16 main grads "
                        "and bf16 Adam moments, after checking its prerequisites.")
@@ -167,6 +170,7 @@ def config_hook(args) -> settings.PluginSettings:
         entropy=args.vocab_stats_entropy,
         entropy_coef=args.entropy_coef,
         label_smoothing=args.vocab_stats_label_smoothing,
+        validate=not args.vocab_stats_skip_checks,
         token_alignment=alignment,
     )
 

@@ -24,8 +24,9 @@ class PluginSettings:
     ``entropy_coef``: per-token loss becomes ``-logprob - entropy_coef * H`` (needs
     entropy="grad") [--entropy-coef]; ``label_smoothing`` [--vocab-stats-label-smoothing];
     ``vocab_size``: the real vocabulary size, None = the padded size (padding columns then take
-    part in the softmax exactly as in Megatron's own loss); ``validate``: run the op's host-side
-    input checks (skipped during CUDA graph capture anyway); ``token_alignment``: per-sequence
+    part in the softmax exactly as in Megatron's own loss; set it with ``patch.apply``);
+    ``validate``: run the op's host-side input checks, a host sync per loss call (skipped during
+    CUDA graph capture anyway) [--vocab-stats-skip-checks turns them off]; ``token_alignment``: per-sequence
     padding multiple derived by the config hook (FP8 recipe x 2*cp x tp with sequence parallel),
     for :mod:`megatron_vocabstats.packing`.
     """

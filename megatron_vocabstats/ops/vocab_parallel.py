@@ -176,9 +176,11 @@ def vocab_parallel_stats(
             ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real size,
             never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
         validate: run the checks that read tensor values on the host (target range, one tiny
-            all-gather comparing shard width, token count, vocab_size, dtype and target across
-            ranks, and finite results). Skipped while a CUDA graph is being captured. Shape, dtype
-            and argument checks always run. Must be equal on all ranks.
+            all-gather comparing shard width, token count, vocab_size, dtype, targets and options
+            across ranks, and finite results). Skipped while a CUDA graph is being captured.
+            Without it, ranks that disagree are not detected (a wrong result or a failed
+            collective). This rank's shape, dtype and argument checks always run. Must be equal
+            on all ranks. Logits at or below -1e30 count as -inf.
 
     Returns:
         :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
