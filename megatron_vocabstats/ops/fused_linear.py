@@ -42,7 +42,7 @@ from ._math import (
     local_target_index,
     merge_stats,
 )
-from .vocab_parallel import VocabStats
+from .vocab_parallel import VocabStats, function_outputs
 
 # CPU auto chunking: tokens per chunk from the bytes of one fp32 [chunk, W] buffer. Unlike the
 # core op, whose chunks only stream logits, every chunk here re-reads the whole [W, H] weight for
@@ -248,8 +248,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         if host_checks_enabled(sc.validate, hidden.device):
             check_finite(merged.logsumexp, valid)
 
-        lse, logprobs, entropy = (None if t is None else t.view(total_shape[:-1])
-                                  for t in (merged.logsumexp, merged.logprobs, merged.entropy))
+        logprobs, entropy, lse = function_outputs(ctx, merged, total_shape[:-1], sc.entropy)
         ctx.cfg, ctx.tp_group = cfg, tp_group
         ctx.main_grad = weight.main_grad if cfg.accumulate_into_main_grad else None
         if cfg.forward_grad:
@@ -261,9 +260,6 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, target, lse,
                                   entropy if sc.entropy == "grad" else None)
-        # One call: a second mark_non_differentiable would replace the first.
-        ctx.mark_non_differentiable(lse, *([entropy] if sc.entropy == "metric" else []))
-        ctx.set_materialize_grads(False)
         return logprobs, entropy, lse
 
     @staticmethod

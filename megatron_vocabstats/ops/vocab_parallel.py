@@ -17,6 +17,7 @@ from . import _comm
 from ._checks import StatsConfig, check_finite, checked_config, host_checks_enabled
 from ._math import (
     NUM_STATS,
+    MergedStats,
     chunk_grad,
     chunk_stats,
     finite_lse,
@@ -38,6 +39,20 @@ class VocabStats(NamedTuple):
     logprobs: torch.Tensor | None
     entropy: torch.Tensor | None
     logsumexp: torch.Tensor
+
+
+def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
+    """``(logprobs, entropy, logsumexp)`` of an autograd Function's forward, viewed as ``shape``.
+
+    Marks logsumexp (and the entropy in "metric" mode) non-differentiable and lets backward see
+    None for outputs that get no gradient.
+    """
+    logprobs, entropy, lse = (None if t is None else t.view(shape)
+                              for t in (merged.logprobs, merged.entropy, merged.logsumexp))
+    # One call: a second mark_non_differentiable would replace the first.
+    ctx.mark_non_differentiable(lse, *([entropy] if entropy_mode == "metric" else []))
+    ctx.set_materialize_grads(False)
+    return logprobs, entropy, lse
 
 
 def _chunks(logits2d, target1d, valid, cfg: StatsConfig):
@@ -85,15 +100,9 @@ class _VocabParallelStats(torch.autograd.Function):
         if host_checks_enabled(cfg.validate, logits.device):
             check_finite(merged.logsumexp, valid)
 
-        shape = logits.shape[:-1]
-        logprobs = merged.logprobs.view(shape) if has_target else None
-        entropy = merged.entropy.view(shape) if want_entropy else None
-        lse = merged.logsumexp.view(shape)
+        logprobs, entropy, lse = function_outputs(ctx, merged, logits.shape[:-1], cfg.entropy)
         ctx.cfg = cfg
         ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None)
-        # One call: a second mark_non_differentiable would replace the first.
-        ctx.mark_non_differentiable(lse, *([entropy] if cfg.entropy == "metric" else []))
-        ctx.set_materialize_grads(False)
         return logprobs, entropy, lse
 
     @staticmethod
