@@ -3,7 +3,8 @@
 Megatron-Core builds three things on ``cuda`` unconditionally: the global memory buffer that
 tensor/sequence-parallel all-gathers borrow from, the default causal attention mask, and the CUDA
 RNG tracker that model-parallel initialisation forks. :func:`install_cpu_shims` replaces exactly
-those three, on CPU-only machines only; it is a no-op when CUDA is available. It is not part of the
+those three, on CPU-only machines only; it is a no-op when CUDA is available. Its pipeline
+schedules also create a counter on ``cuda``: run them inside :func:`cuda_factories_on_cpu`. It is not part of the
 plugin's training path and is never applied by ``import megatron_vocabstats.patch``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
 
@@ -50,6 +52,25 @@ class _CpuRNGTracker:
     @contextlib.contextmanager
     def fork(self, name=None):
         yield
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def cuda_factories_on_cpu():
+    """A context in which tensor factories asked for ``device="cuda"`` build on the CPU instead.
+
+    Megatron's pipeline schedules create their token counter with ``torch.zeros(...,
+    device="cuda")`` unconditionally; wrap ``get_forward_backward_func()(...)`` in this to run
+    them on a CPU-only machine. A no-op context when CUDA is available.
+    """
+    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaFactoriesOnCpu()
 
 
 def install_cpu_shims() -> bool:

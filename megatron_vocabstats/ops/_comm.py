@@ -74,7 +74,7 @@ def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup | None)
     """
     if group is None or dist.get_world_size(group) == 1:
         return full
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    size = dist.get_world_size(group)
     if full.shape[0] % size:
         raise ValueError(f"reduce_scatter_sequence: {full.shape[0]} rows do not split over "
                          f"{size} ranks")

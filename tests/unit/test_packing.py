@@ -304,7 +304,7 @@ def test_cp1_and_no_group_are_identity():
 
 
 def test_unpack_matches_loop_reference_and_is_differentiable():
-    lengths, padded = [3, 0, 5, 1], [4, 0, 8, 4]
+    lengths = [3, 0, 5, 1]  # padded to [4, 0, 8, 4]
     cu = torch.tensor([0, 3, 3, 8, 9])
     cu_p = torch.tensor([0, 4, 4, 12, 16])
     values = torch.randn(16, 2, dtype=torch.float64, requires_grad=True)

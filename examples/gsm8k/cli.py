@@ -1,0 +1,288 @@
+"""Command line of the GSM8K example: ``python -m examples.gsm8k {sft,grpo,score} [flags]``.
+
+The plugin comes in as a user adds it to a script with its own argument parser: the one-line
+``import megatron_vocabstats.patch``, the flag family from
+``megatron_vocabstats.megatron.arguments.extra_args_provider`` and, after parsing,
+``config_hook(args)``, which turns the plugin on with ``--vocab-parallel-stats`` (off without).
+
+Every check of the input (data files, sizes, tp against heads, world size) runs before any
+output is written; errors are ``ValueError`` with the flag named, printed as ``error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+# Notices of torch/Megatron that do not apply to this example (no CUDA, apex or
+# transformer-engine; CUDA-graph and CUDA_DEVICE_MAX_CONNECTIONS advice; GPTModel's deprecation
+# in favour of HybridModel, which the plugin patches alike).
+warnings.filterwarnings("ignore", message=".*([Tt]ransformer[ -][Ee]ngine|Apex|absl).*")
+warnings.filterwarnings("ignore", message=".*(full scope is deprecated|CUDA_DEVICE_MAX_CONN).*")
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+
+import megatron_vocabstats.patch  # noqa: E402,F401 - the one line that brings the plugin in
+
+DESCRIPTION = "Train / score a Megatron-Core GPT on GSM8K with megatron-vocabstats."
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    from megatron_vocabstats.megatron.arguments import extra_args_provider
+
+    from .data import DEFAULT_DATA_DIR
+
+    g = parser.add_argument_group("model and parallelism")
+    g.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size (needs CUDA + transformer-engine)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism (needs transformer-engine or apex norms)")
+    g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=512, help="model width")
+    g.add_argument("--num-attention-heads", type=int, default=8,
+                   help="attention heads (a multiple of --tp)")
+    g.add_argument("--ffn-hidden-size", type=int, default=0, help="0 = 4 x hidden")
+    g.add_argument("--seq-length", type=int, default=1024,
+                   help="tokens per packed row (one microbatch)")
+    g.add_argument("--position-embedding", choices=("learned_absolute", "rope"),
+                   default="learned_absolute",
+                   help="rope needs CUDA (Megatron builds its frequencies there)")
+    g.add_argument("--tie-embeddings", action="store_true",
+                   help="share the input embedding and the LM head weight")
+    g.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout (0 keeps the comparison exact)")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="initialisation, data order and rollouts")
+    g.add_argument("--load", default=None, help="checkpoint directory to start from")
+    g.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    g.add_argument("--tokenizer", default=None,
+                   help="Tekken tokenizer JSON (default: the one in the mistral-common wheel)")
+    g = parser.add_argument_group("data and output")
+    g.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
+                   help="directory with GSM8K train.jsonl and test.jsonl")
+    g.add_argument("--out", default="outputs/gsm8k", help="directory for reports")
+    extra_args_provider(parser)
+
+
+def _training(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    g.add_argument("--micro-batches", type=int, default=1,
+                   help="packed rows per step per data-parallel rank")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    g.add_argument("--warmup-steps", type=int, default=3,
+                   help="linear warmup, then cosine decay to 10%% of --lr")
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay of the matrices")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 = no clipping")
+    g.add_argument("--train-examples", type=int, default=0, help="0 = all")
+    g.add_argument("--repeat-batch", action="store_true",
+                   help="train on the first step's rows every step (a check that loss falls)")
+
+
+# Mode-specific flags: (flag, type, default, help).
+SFT_FLAGS = [
+    ("--test-examples", int, 32, "held-out test questions for the NLL before/after"),
+    ("--compare-batches", int, 1, "packed rows on which the loss paths are compared"),
+    ("--compare-chunk", int, 256,
+     "fused LM-head chunk of the comparison when --lm-head-chunk-size is 0"),
+]
+GRPO_FLAGS = [
+    ("--questions-per-step", int, 4, "questions per step per data-parallel rank"),
+    ("--group-size", int, 4, "answers per question"),
+    ("--ppo-epochs", int, 2, "policy updates per batch of rollouts"),
+    ("--clip-eps", float, 0.2,
+     "PPO ratio clip; the entropy bonus is --entropy-coef (with --vocab-stats-entropy grad)"),
+]
+
+
+def _flags(parser: argparse.ArgumentParser, title: str, flags) -> None:
+    group = parser.add_argument_group(title)
+    for flag, kind, default, text in flags:
+        group.add_argument(flag, type=kind, default=default, help=text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m examples.gsm8k", description=DESCRIPTION)
+    modes = parser.add_subparsers(dest="mode", required=True)
+    sft = modes.add_parser("sft", help="supervised fine-tuning on answers + report")
+    grpo = modes.add_parser("grpo", help="GRPO-style policy steps on stand-in rollouts")
+    score = modes.add_parser("score", help="per-token logprobs and entropy of a JSONL file")
+    for mode in (sft, grpo, score):
+        _common(mode)
+    for mode in (sft, grpo):
+        _training(mode)
+    _flags(sft, "evaluation and comparison", SFT_FLAGS)
+    _flags(grpo, "policy", GRPO_FLAGS)
+    g = score.add_argument_group("scoring")
+    g.add_argument("--input", required=True, help='JSONL of {"prompt": ..., "response": ...}')
+    g.add_argument("--output", required=True, help="JSONL written with per-token results")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse ``argv`` and apply the plugin's config hook; ``ValueError`` for bad values."""
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    args = build_parser().parse_args(argv)
+    config_hook(args)
+    positive = ["steps", "micro_batches", "test_examples", "compare_batches", "compare_chunk",
+                "questions_per_step", "group_size", "ppo_epochs"]
+    for name in positive:
+        if getattr(args, name, 1) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.bf16 and not _cuda():
+        raise ValueError("--bf16 needs CUDA (Megatron's schedule autocasts on 'cuda'); drop it "
+                         "on CPU")
+    if args.position_embedding == "rope" and not _cuda():
+        raise ValueError("--position-embedding rope needs CUDA (Megatron's rotary embedding "
+                         "moves its frequencies to the GPU); use learned_absolute on CPU")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} exists and is not a directory")
+    if args.mode == "score" and os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a directory; name the JSONL file to write")
+    if args.mode == "grpo" and args.group_size < 2:
+        raise ValueError("--group-size must be >= 2 (advantages are normalised within a group)")
+    return args
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_inputs(args) -> dict:
+    """Tokenizer and tokenised examples of the mode; every data error raises here."""
+    from .data import (encode_gsm8k, encode_scoring_rows, load_gsm8k, load_tokenizer,
+                       read_jsonl)
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    out = {"tokenizer": tokenizer}
+    if args.mode == "score":
+        rows = read_jsonl(args.input, ("prompt", "response"), what="--input")
+        out["rows"] = rows
+        out["examples"] = encode_scoring_rows(tokenizer, rows, what="--input")
+        return out
+    train = load_gsm8k(os.path.join(args.data_dir, "train.jsonl"), what="--data-dir",
+                       limit=args.train_examples or None)
+    out["train_rows"] = train
+    out["train"] = [encode_gsm8k(tokenizer, r["question"], r["answer"]) for r in train]
+    if args.mode == "sft":
+        test = load_gsm8k(os.path.join(args.data_dir, "test.jsonl"), what="--data-dir",
+                          limit=args.test_examples)
+        out["test"] = [encode_gsm8k(tokenizer, r["question"], r["answer"]) for r in test]
+    return out
+
+
+def _fits(examples, seq_length: int, alignment: int, slack: int = 0) -> list[bool]:
+    """Whether each example (plus ``slack`` tokens) fits one row of ``seq_length`` tokens."""
+    return [-(-(e.num_tokens + slack) // alignment) * alignment <= seq_length for e in examples]
+
+
+def main(argv=None) -> int:
+    """Run one mode; returns the process exit code (2 for bad input, 1 for a failed check)."""
+    try:
+        args = parse_args(argv)
+        return _run(args)
+    except ValueError as exc:
+        # Every rank raises the same error; one copy is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+@dataclass
+class Setup:
+    """Everything a mode needs, built by :func:`setup`."""
+
+    args: argparse.Namespace
+    inputs: dict
+    shape: object
+    alignment: int
+    thd: bool
+    par: object
+    model: object
+
+
+def check_inputs(args) -> tuple[dict, object, int]:
+    """All input checks that need no process group: data, tokenizer, sizes, checkpoint.
+
+    Returns ``(inputs, shape, alignment)``; raises ``ValueError`` naming the flag.
+    """
+    from megatron_vocabstats.packing import sequence_alignment
+
+    from . import model as model_lib
+
+    inputs = load_inputs(args)
+    shape = model_lib.model_shape(args, inputs["tokenizer"].n_words)
+    alignment = sequence_alignment(args.cp, args.tp, args.sequence_parallel)
+    if args.seq_length % alignment:
+        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of {alignment} "
+                         f"(the per-sequence alignment for --tp {args.tp} --cp {args.cp}"
+                         f"{' with --sequence-parallel' if args.sequence_parallel else ''})")
+    if args.load:
+        model_lib.check_checkpoint(args.load, shape)
+    if "examples" in inputs:  # scoring: every row must fit
+        fits = _fits(inputs["examples"], args.seq_length, alignment)
+        if not all(fits):
+            first = fits.index(False)
+            raise ValueError(f"--input: row {first + 1} has {inputs['examples'][first].num_tokens} "
+                             f"tokens, more than --seq-length {args.seq_length}")
+    # Training data: examples longer than a row are left out. GRPO's stand-in answers may be a
+    # few tokens longer than the reference (a changed final number), hence the slack.
+    for key, rows_key in (("train", "train_rows"), ("test", None)):
+        if key not in inputs:
+            continue
+        fits = _fits(inputs[key], args.seq_length, alignment, 8 if args.mode == "grpo" else 0)
+        if not any(fits):
+            raise ValueError(f"--data-dir: no {key} example fits --seq-length {args.seq_length}")
+        inputs[key] = [e for e, ok in zip(inputs[key], fits) if ok]
+        if rows_key:
+            inputs[rows_key] = [r for r, ok in zip(inputs[rows_key], fits) if ok]
+    return inputs, shape, alignment
+
+
+def setup(args) -> Setup:
+    """Check the inputs, then join the process group and build (and load) the model."""
+    from . import model as model_lib
+
+    inputs, shape, alignment = check_inputs(args)
+    par = model_lib.init_parallel(args.tp, args.cp, args.seed)
+    gpt = model_lib.build_model(shape, args, par)
+    if args.load:
+        model_lib.load_checkpoint(gpt, args.load, par)
+    return Setup(args, inputs, shape, alignment, model_lib.thd_attention_available(), par, gpt)
+
+
+def _describe(run: Setup) -> str:
+    from megatron_vocabstats.megatron import settings
+
+    shape, par = run.shape, run.par
+    n = sum(p.numel() for p in run.model.parameters())
+    return (f"GPTModel: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+            f"{shape.num_attention_heads} heads, vocab {shape.vocab_size} (padded "
+            f"{shape.padded_vocab_size}); {n / 1e6:.1f}M parameters per rank; tp {par.tp} "
+            f"cp {par.cp} dp {par.dp} on {par.device.type} "
+            f"({'nccl' if par.device.type == 'cuda' else 'gloo'}); plugin {settings.current()}")
+
+
+def _run(args) -> int:
+    from . import grpo, score, sft
+    from .model import save_checkpoint
+
+    run = setup(args)
+    if run.par.is_main:
+        print(_describe(run), flush=True)
+    mode = {"sft": sft, "grpo": grpo, "score": score}[args.mode]
+    result = mode.run(run.model, run.inputs, args, run.par, run.alignment, run.thd)
+    code = 1 if args.mode == "sft" and not result["comparison"]["ok"] else 0
+    if args.save:
+        save_checkpoint(run.model, args.save, run.shape, run.par)
+    return code

@@ -1,0 +1,175 @@
+"""Printing and writing results: plain-text tables, atomic JSON / PNG / JSONL outputs.
+
+Every output file is first written in full to a temporary file in its own directory and then
+renamed over the target (``os.replace`` is atomic on POSIX), so an error or an interrupted run
+never leaves a half-written file; :func:`write_outputs` writes several files and renames them
+only once all of them are complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+
+MIB = 1024 * 1024
+
+
+def atomic_write(path: str, write: Callable, *, binary: bool = False) -> None:
+    """Write ``path`` through ``write(file)`` into a temporary file, then rename it into place."""
+    _replace_all([(_write_temp(path, write, binary), path)])
+
+
+def _write_temp(path: str, write: Callable, binary: bool) -> str:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})
+                       ) as f:
+            write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual file mode
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _replace_all(pairs: Sequence[tuple[str, str]]) -> None:
+    for tmp, path in pairs:
+        os.replace(tmp, path)
+
+
+def write_outputs(files: Mapping[str, tuple[Callable, bool]]) -> None:
+    """Write every ``path -> (write(file), binary)`` to temporary files, then rename them all.
+
+    If any writer raises, the temporary files written so far are removed and no target changes.
+    """
+    done = []
+    try:
+        for path, (write, binary) in files.items():
+            done.append((_write_temp(path, write, binary), path))
+    except BaseException:
+        for tmp, _ in done:
+            os.unlink(tmp)
+        raise
+    _replace_all(done)
+
+
+def json_writer(payload) -> tuple[Callable, bool]:
+    """A :func:`write_outputs` entry writing ``payload`` as indented JSON (NaN as null)."""
+    return (lambda f: json.dump(_finite(payload), f, indent=1, sort_keys=False), False)
+
+
+def jsonl_writer(rows: Sequence[Mapping]) -> tuple[Callable, bool]:
+    """A :func:`write_outputs` entry writing one JSON object per line."""
+
+    def write(f):
+        for row in rows:
+            f.write(json.dumps(_finite(row)) + "\n")
+
+    return write, False
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
+    """A plain-text table with aligned columns (first column left, others right)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def line(row):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths)))
+
+    rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+    out = ([title] if title else []) + [line(cells[0]), rule] + [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def mib(n: float) -> str:
+    return f"{n / MIB:.1f} MiB"
+
+
+def _matplotlib():
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    return matplotlib
+
+
+def sft_figure(result: Mapping) -> Callable:
+    """A PNG writer: training loss per step (test NLL before/after marked) and memory bars."""
+
+    def write(f):
+        _matplotlib()
+        import matplotlib.pyplot as plt
+
+        fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+        steps = [s["step"] for s in result["train"]]
+        ax_loss.plot(steps, [s["loss"] for s in result["train"]],
+                     label="train loss (answer tokens)")
+        test = result["test_nll"]
+        ax_loss.scatter([0, steps[-1] if steps else 0], [test["before"], test["after"]],
+                        color="C3", zorder=3, label="held-out test NLL (before / after)")
+        ax_loss.set_xlabel("step")
+        ax_loss.set_ylabel("nats / answer token")
+        ax_loss.set_title("GSM8K SFT")
+        ax_loss.legend()
+        legs = result["comparison"]["legs"]
+        ranks = len(legs[0]["peak_bytes_per_rank"])
+        width = 0.8 / ranks
+        for r in range(ranks):
+            xs = [i + (r - (ranks - 1) / 2) * width for i in range(len(legs))]
+            ax_mem.bar(xs, [leg["peak_bytes_per_rank"][r] / MIB for leg in legs], width,
+                       label=f"rank {r}")
+        ax_mem.set_xticks(range(len(legs)), [leg["name"] for leg in legs])
+        ax_mem.set_ylabel("MiB")
+        ax_mem.set_title("peak memory of the LM head + loss (forward + backward)")
+        ax_mem.legend()
+        fig.tight_layout()
+        fig.savefig(f, format="png", dpi=110)
+        plt.close(fig)
+
+    return write
+
+
+def curves_figure(rows: Sequence[Mapping], keys: Sequence[str], title: str) -> Callable:
+    """A PNG writer: one small panel per metric in ``keys`` against ``row["step"]``."""
+
+    def write(f):
+        _matplotlib()
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
+        steps = [r["step"] for r in rows]
+        for ax, key in zip(axes, keys):
+            ax.plot(steps, [r[key] for r in rows], marker="o")
+            ax.set_title(key)
+            ax.set_xlabel("step")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(f, format="png", dpi=110)
+        plt.close(fig)
+
+    return write
