@@ -57,8 +57,9 @@ def host_checks_enabled(validate: bool, device: torch.device) -> bool:
 def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None) -> ShardLayout:
     """The :class:`ShardLayout` of rank ``rank`` of ``tp`` equal shards of ``width`` columns.
 
-    Raises ``ValueError`` if ``vocab_size`` cannot be the real size of such shards, or if the
-    "shard" already holds the whole vocabulary under tp > 1.
+    The padding (global columns ``>= vocab_size``) may fill whole shards, as Megatron's padding to
+    a multiple of ``make_vocab_size_divisible_by * tp`` does for small vocabularies. Raises
+    ``ValueError`` if ``vocab_size`` is not an int in ``[1, width * tp]``.
     """
     if width == 0:
         raise ValueError("logits: the vocabulary dimension (last) is empty")
@@ -67,15 +68,10 @@ def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None) -> Shar
         vocab_size = padded
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
         raise ValueError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-    if tp > 1 and vocab_size <= width:
+    if not 0 < vocab_size <= padded:
         raise ValueError(
-            f"logits: last dim {width} already covers vocab_size={vocab_size} on a tp={tp} "
-            "group: pass this rank's vocabulary shard [..., V/tp], not the full replicated logits"
-        )
-    if not (padded - width < vocab_size <= padded):
-        raise ValueError(
-            f"vocab_size={vocab_size} does not fit shards of width {width} on tp={tp}: it must "
-            f"lie in ({padded - width}, {padded}] (equal shards, padding only in the last one)"
+            f"vocab_size={vocab_size} does not fit {tp} shard(s) of width {width}: it must lie in "
+            f"[1, {padded}] (the shards hold the padded vocabulary)"
         )
     start = rank * width
     real = max(0, min(width, vocab_size - start))
@@ -150,15 +146,16 @@ def _float_bits(x: float) -> int:
 
 def agree_across_ranks(error: ValueError | None, values: list[int] | None,
                        names: tuple[str, ...], group: dist.ProcessGroup, *, device,
-                       group_name: str, hint: str) -> None:
+                       group_name: str, hint: str, extra: int = 0) -> list[list[int]]:
     """Make a local input error, or a disagreement between ranks, raise on every rank.
 
     One all-gather of ``[error flag, *values]`` (int64) over ``group``: this rank re-raises its
     own ``error``; the others raise a ``ValueError`` naming the ranks that rejected their inputs;
     otherwise the first of ``names`` whose value differs across ranks is reported, with ``hint``.
-    ``values`` may be None when ``error`` is set.
+    ``values`` may be None when ``error`` is set; its last ``extra`` columns are exchanged but not
+    compared. Returns the table of every rank's row (flag first).
     """
-    row = values if values is not None else [-1] * len(names)
+    row = values if values is not None else [-1] * (len(names) + extra)
     table = _comm.all_gather_ints([int(error is not None), *row], group, device=device)
     if error is not None:
         raise error
@@ -170,6 +167,7 @@ def agree_across_ranks(error: ValueError | None, values: list[int] | None,
         if any(v != seen[0] for v in seen):
             raise ValueError(f"{name} differs across the ranks of {group_name} (in rank order: "
                              f"{seen}); {hint}")
+    return table
 
 
 def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
@@ -208,10 +206,26 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
             _float_bits(cfg.temperature),
             _float_bits(cfg.label_smoothing),
         ]
-    agree_across_ranks(error, mine, _AGREEMENT, tp_group, device=logits.device,
-                       group_name="tp_group",
-                       hint="every tensor-parallel rank must pass the same tokens, targets and "
-                       "options, and its own equal-width vocabulary shard")
+    # A shard as wide as the real vocabulary may be a Megatron shard (small vocabulary, whole
+    # shards of padding) or the full logits replicated on every rank: the first row tells (equal
+    # on every rank only if replicated, or if that row is constant). The fused op passes a
+    # stride-0 stand-in with no data: nothing to sample there.
+    ambiguous = (cfg is not None and cfg.layout.width >= cfg.layout.vocab_size
+                 and logits.numel() > 0 and logits.stride(-1) != 0)
+    sample = 0
+    if ambiguous:
+        sample = _float_bits(float(logits.reshape(-1, cfg.layout.width)[0].double().sum()))
+    table = agree_across_ranks(error, None if mine is None else [*mine, sample], _AGREEMENT,
+                               tp_group, device=logits.device, group_name="tp_group",
+                               hint="every tensor-parallel rank must pass the same tokens, "
+                               "targets and options, and its own equal-width vocabulary shard",
+                               extra=1)
+    if ambiguous and all(row[-1] == table[0][-1] for row in table):
+        raise ValueError(
+            f"logits: every rank of the tp={tp} group holds the same [..., {cfg.layout.width}] "
+            f"logits, as wide as vocab_size={cfg.layout.vocab_size}: pass this rank's vocabulary "
+            "shard [..., V/tp], not the full replicated logits"
+        )
     return cfg
 
 

@@ -171,7 +171,8 @@ def vocab_parallel_stats(
         tp_group: the tensor-parallel group the vocabulary is split over; None means no tensor
             parallelism (``logits`` holds the whole vocabulary).
         vocab_size: the real (unpadded) global vocabulary size V; columns at global id >= V are
-            padding and get zero probability. Default ``W * tp``.
+            padding and get zero probability (they may fill whole shards, as Megatron's
+            padding of a small vocabulary does). Default ``W * tp``.
         chunk_size: tokens upcast to fp32 at a time; the workspace is two fp32 ``[chunk, W]``
             buffers. None picks it from the width and device (``ops._checks.auto_chunk_size``:
             about 4 MiB per buffer on CPU, 256 MiB on GPU). Results do not depend on it.
@@ -203,7 +204,8 @@ def vocab_parallel_stats(
         ValueError: naming the argument, for a non-integer ``target``, leading shapes that differ,
             a dtype other than bf16/fp16/fp32, ``chunk_size <= 0``, an unknown ``entropy`` mode,
             ``temperature <= 0``, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that does not
-            fit the shards, full replicated logits passed as a shard, and (with ``validate``)
+            fit the shards, and (with ``validate``) full replicated logits passed as a shard (as
+            wide as the real vocabulary, first row equal on every rank),
             target ids outside ``[0, V)`` other than ``ignore_index``, shards or targets that
             differ across ranks, and scored rows whose logits are NaN, +inf or all -inf. Without
             ``validate`` such rows give NaN.

@@ -307,6 +307,25 @@ def replicated_full_vocab_is_rejected(group):
 
 
 @CASES.register
+def padding_filling_whole_shards(group):
+    # Megatron pads a small vocabulary to a multiple of 128 * tp: V=100 on tp=2 gives 256 columns,
+    # so rank 1's shard is all padding and rank 0's is as wide as the real vocabulary.
+    rank, tp = rank_size(group)
+    vocab, width = 7, 8
+    full = torch.randn(6, width * tp, dtype=torch.float64) * 2
+    target = torch.randint(0, vocab, (6,))
+    shard = full[:, rank * width:(rank + 1) * width].float().requires_grad_()
+    st = vocab_parallel_stats(shard, target, tp_group=group, vocab_size=vocab)
+    (st.logprobs.sum() + st.entropy.sum()).backward()
+    ones = torch.ones(6, dtype=torch.float64)
+    ref_lp, ref_h, _, ref_grad = reference_grads(full, target, vocab, ones, ones)
+    assert_close(st.logprobs, ref_lp, rtol=1e-5, atol=1e-5, what="logprobs")
+    assert_close(st.entropy, ref_h, rtol=1e-5, atol=1e-5, what="entropy")
+    assert_close(shard.grad, my_columns(ref_grad, group, width), rtol=1e-5, atol=1e-6,
+                 what="gradient")
+
+
+@CASES.register
 def wrappers_match_stats(group):
     _, shard, target = make_case(group, vocab=101)
     st = vocab_parallel_stats(shard, target, tp_group=group, vocab_size=101, entropy="metric")
