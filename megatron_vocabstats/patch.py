@@ -95,6 +95,7 @@ def remove() -> list[str]:
 
 
 def is_applied() -> bool:
+    """True while any Megatron binding is replaced (between ``apply()`` and ``remove()``)."""
     return bool(PATCHER.applied)
 
 
