@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-ENTROPY_MODES = ("off", "metric", "grad")
+from ..ops._checks import ENTROPY_MODES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

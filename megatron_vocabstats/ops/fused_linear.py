@@ -42,7 +42,7 @@ from ._math import (
     local_target_index,
     merge_stats,
 )
-from .vocab_parallel import VocabStats, function_outputs
+from .vocab_parallel import VocabStats, flatten_target, function_outputs
 
 # CPU auto chunking: tokens per chunk from the bytes of one fp32 [chunk, W] buffer. Unlike the
 # core op, whose chunks only stream logits, every chunk here re-reads the whole [W, H] weight for
@@ -175,13 +175,6 @@ def _input_grads_of_chunk(grad, h, weight, dx_rows, acc, bufs: _ChunkBuffers) ->
         _accumulate_wgrad(acc, grad, h, bufs)
 
 
-def _flatten_target(target, ignore_index: int):
-    if target is None:
-        return None, None
-    target1d = target.reshape(-1)
-    return target1d, target1d != ignore_index
-
-
 def _weight_grad_buffer(weight, main_grad) -> torch.Tensor:
     """The fp32 ``[W, H]`` accumulator: an fp32 ``main_grad`` itself, else fresh zeros."""
     if main_grad is not None and main_grad.dtype == torch.float32:
@@ -224,7 +217,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         total = _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
         total_shape = total.shape
         hidden2d = total.reshape(-1, total_shape[-1])
-        target1d, valid = _flatten_target(target, sc.ignore_index)
+        target1d, valid = flatten_target(target, sc.ignore_index)
         has_target = target is not None
         want_entropy = sc.entropy != "off"
         merge = functools.partial(
@@ -363,7 +356,7 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
     tp_group = ctx.tp_group
     total = _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
     hidden2d = total.reshape(-1, total.shape[-1])
-    target1d, valid = _flatten_target(target, sc.ignore_index)
+    target1d, valid = flatten_target(target, sc.ignore_index)
     coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, sc.temperature)
     lse = finite_lse(lse.reshape(-1), valid)
     ent = ent.reshape(-1) if coef_h is not None else None

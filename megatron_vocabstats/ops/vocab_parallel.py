@@ -74,12 +74,16 @@ def _chunks(logits2d, target1d, valid, cfg: StatsConfig):
         yield rows, z, scratch, index, owned
 
 
-def _flatten(logits, target, cfg: StatsConfig):
-    logits2d = logits.reshape(-1, cfg.layout.width)
+def flatten_target(target, ignore_index: int):
+    """``(target [T], valid [T] bool)`` of a target of any leading shape; ``(None, None)`` for None."""
     if target is None:
-        return logits2d, None, None
+        return None, None
     target1d = target.reshape(-1)
-    return logits2d, target1d, target1d != cfg.ignore_index
+    return target1d, target1d != ignore_index
+
+
+def _flatten(logits, target, cfg: StatsConfig):
+    return (logits.reshape(-1, cfg.layout.width), *flatten_target(target, cfg.ignore_index))
 
 
 class _VocabParallelStats(torch.autograd.Function):
