@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -21,8 +22,13 @@ def step_rows(rows: PackedRows, step: int, args, par: Parallel) -> list[Batch]:
     return [rows[k % len(rows)] for k in mine]
 
 
-def train(model, train_rows: PackedRows, args, par: Parallel) -> list[dict]:
-    """``args.steps`` optimizer steps; returns per-step loss, grad norm, lr, tokens/s."""
+def train(model, train_rows: PackedRows, args, par: Parallel, step_hook=None) -> list[dict]:
+    """``args.steps`` optimizer steps; returns per-step loss, grad norm, lr, tokens/s.
+
+    ``step_hook(step, model, optimizer)``, if given, returns a context manager entered around
+    each step's forward/backward/optimizer work (``step`` counts from 1); the profiler
+    (``python -m megatron_vocabstats.profile``) uses it to wrap the steps it measures.
+    """
     from tqdm import tqdm
 
     optimizer, scheduler = make_optimizer(model, args)
@@ -31,13 +37,16 @@ def train(model, train_rows: PackedRows, args, par: Parallel) -> list[dict]:
                mininterval=0.5)
     for step in bar:
         rows = step_rows(train_rows, step, args, par)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        results = run_schedule(model, labels_forward_step(), [shard_batch(b, par) for b in rows],
-                               forward_only=False, seq_length=args.seq_length)
-        norm = clip_grad_norm_(model, args.clip_grad, par)
-        optimizer.step()
-        scheduler.step()
+        hooked = step_hook(step + 1, model, optimizer) if step_hook else contextlib.nullcontext()
+        with hooked:
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            results = run_schedule(model, labels_forward_step(),
+                                   [shard_batch(b, par) for b in rows],
+                                   forward_only=False, seq_length=args.seq_length)
+            norm = clip_grad_norm_(model, args.clip_grad, par)
+            optimizer.step()
+            scheduler.step()
         loss = reduce_reports(results, ["lm loss"], par)["lm loss"]
         seconds = time.perf_counter() - start
         real = sum(b.real_tokens for b in rows) * par.dp

@@ -1,0 +1,342 @@
+"""Memory trials: what is alive at the peak of a training step, by kind, with a timeline.
+
+Two back ends, both with torch's own instruments, both producing the same raw record
+(``memory.raw.json``, see :func:`raw_record`) from which :mod:`.summary` writes the summaries:
+
+- CPU: ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which classifies every tensor
+  storage as parameter / buffer / gradient / activation / temp / optimizer state and keeps
+  per-module snapshots (pre/post/peak of forward and backward). :class:`TimelineMemTracker`
+  also keeps its running total after every operator, which is the timeline; the tracker's own
+  peak is the maximum of that timeline by construction (both are updated at the same point).
+- CUDA: the caching allocator's history (``torch.cuda.memory._record_memory_history``),
+  recorded from before the model is built so that every block carries the Python stack that
+  allocated it. A snapshot at the start and at the end of the step (``_snapshot()``; the end one
+  is also written with ``_dump_snapshot`` for https://pytorch.org/memory_viz) gives the blocks
+  alive at the start and the allocator's actions during the step; :func:`replay_trace` turns
+  them into a timeline and the list of blocks alive at the peak, each put in a kind by
+  :func:`classify_frames` from its stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+RAW_FILE = "memory.raw.json"
+SNAPSHOT_FILE = "snapshot.pickle"
+MAX_TIMELINE_POINTS = 20000
+
+# MemTracker's reference types, named as in the summaries.
+MEMTRACKER_KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients",
+                    "Activation": "activations", "Temp": "backward temporaries",
+                    "Optstate": "optimizer state", "Other": "other"}
+
+# Kinds of CUDA blocks, decided from the Python frames of the allocating stack: the first rule
+# with a frame whose function name is in ``names`` or whose file path holds one of ``paths``
+# wins; a block matching none is "workspace".
+KIND_RULES: tuple[tuple[str, frozenset, tuple], ...] = (
+    ("logits and their gradients",
+     frozenset({"_postprocess", "output_layer", "compute_language_model_loss",
+                "vocab_parallel_cross_entropy"}),
+     ("megatron_vocabstats/ops/", "megatron_vocabstats/megatron/model.py", "cross_entropy")),
+    ("optimizer state", frozenset({"step", "_init_group"}), ("torch/optim/",)),
+    ("parameters", frozenset({"build_model", "load_checkpoint", "_initialize_affine_weight_cpu"}),
+     ()),
+    ("gradients", frozenset({"backward", "backward_step", "finalize_grads"}),
+     ("torch/autograd/",)),
+    ("activations", frozenset({"forward", "forward_step"}), ()),
+)
+WORKSPACE = "workspace"
+CUDA_KINDS = tuple(rule[0] for rule in KIND_RULES) + (WORKSPACE,)
+
+
+def classify_frames(frames: Sequence[Mapping]) -> str:
+    """The kind of an allocation from its stack (``[{"filename", "line", "name"}, ...]``).
+
+    Rules (:data:`KIND_RULES`) are tried in order; within a rule any frame may match. Returns
+    :data:`WORKSPACE` when none matches (collective buffers, clipping temporaries, ...).
+    """
+    for kind, names, paths in KIND_RULES:
+        for frame in frames:
+            filename = frame.get("filename", "").replace("\\", "/")
+            if frame.get("name") in names or any(p in filename for p in paths):
+                return kind
+    return WORKSPACE
+
+
+def _where(frames: Sequence[Mapping]) -> str:
+    """The innermost frame outside torch itself, as ``file:line function``."""
+    for frame in frames:
+        filename = frame.get("filename", "").replace("\\", "/")
+        if "/torch/" not in filename and not filename.startswith("??"):
+            return f"{filename}:{frame.get('line', 0)} {frame.get('name', '?')}"
+    return "(torch internals)" if frames else "(no stack recorded)"
+
+
+# --------------------------------------------------------------------------- raw record
+
+
+def thin(n: int, keep: Iterable[int], max_points: int = MAX_TIMELINE_POINTS) -> list[int]:
+    """Indices of ``n`` samples to store: every k-th so that at most ~``max_points`` remain,
+    plus ``keep`` (the peak), sorted."""
+    stride = max(1, -(-n // max_points))
+    return sorted(set(range(0, n, stride)) | {i for i in keep if 0 <= i < n})
+
+
+def raw_record(*, backend: str, x: Sequence[float], x_label: str, phase: Sequence[str],
+               by_kind: Mapping[str, Sequence[int]], largest: Sequence[Mapping] = (),
+               modules: Sequence[Mapping] = (), reported_peak: int | None = None,
+               extra: Mapping | None = None) -> dict:
+    """The raw memory record of one trial (what ``memory.raw.json`` holds).
+
+    ``by_kind[k][i]``: bytes of kind ``k`` alive at sample ``i``; the total is their sum.
+    ``largest``: blocks alive at the peak (``{"bytes", "kind", "where"}``), largest first.
+    ``reported_peak``: the instrument's own peak (MemTracker), kept to check against the
+    timeline. The timeline is thinned to :data:`MAX_TIMELINE_POINTS` keeping the peak sample.
+    """
+    kinds = list(by_kind)
+    total = [sum(by_kind[k][i] for k in kinds) for i in range(len(x))]
+    peak_index = max(range(len(total)), key=total.__getitem__) if total else 0
+    keep = thin(len(total), [peak_index])
+    return {
+        "backend": backend,
+        "units": "bytes",
+        "kinds": kinds,
+        "timeline": {"x": [x[i] for i in keep], "x_label": x_label,
+                     "phase": [phase[i] for i in keep], "total": [total[i] for i in keep],
+                     "by_kind": {k: [by_kind[k][i] for i in keep] for k in kinds},
+                     "samples": len(total)},
+        "reported_peak": reported_peak,
+        "largest_at_peak": list(largest),
+        "modules": list(modules),
+        **(dict(extra) if extra else {}),
+    }
+
+
+def write_raw(trial_dir: str, raw: Mapping) -> None:
+    """Write ``raw`` as ``trial_dir/memory.raw.json`` (the input of the summaries)."""
+    os.makedirs(trial_dir, exist_ok=True)
+    with open(os.path.join(trial_dir, RAW_FILE), "w") as f:
+        json.dump(raw, f)
+
+
+# --------------------------------------------------------------------------- CPU: MemTracker
+
+
+def _memtracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TimelineMemTracker(MemTracker):
+        """``MemTracker`` that also records its running snapshot after every operator.
+
+        ``samples``: ``(phase, {kind: bytes})`` per operator, the first one taken on entry.
+        MemTracker updates its peak in ``_update_peak_stats`` after each operator; sampling
+        there makes the tracker's peak equal the maximum of the samples.
+        """
+
+        def __init__(self, device: torch.device):
+            super().__init__()
+            self.device = device
+            self.samples: list[tuple[str, dict[str, int]]] = []
+
+        def _phase(self) -> str:
+            if self._in_opt:
+                return "optimizer"
+            if self._mod_tracker.is_bw:
+                return "backward"
+            return "forward" if set(self._mod_tracker.parents) - {"Global"} else "outside modules"
+
+        def _sample(self, phase: str) -> None:
+            snap = self._curr_mem_snap.get(self.device, {})
+            self.samples.append((phase, {getattr(k, "value", k): v for k, v in snap.items()
+                                         if getattr(k, "value", k) in MEMTRACKER_KINDS}))
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            self._sample(self._phase())
+
+        def __enter__(self):
+            first = self._depth == 0
+            out = super().__enter__()
+            if first:
+                self._sample("start")
+            return out
+
+    return TimelineMemTracker
+
+
+def _snapshot_total(snaps: Sequence[Mapping], device: torch.device) -> int:
+    """Largest ``Total`` of a module's snapshots (one per call) on ``device``; 0 if none."""
+    return max((int(s.get(device, {}).get("Total", 0)) for s in snaps), default=0)
+
+
+def memtracker_modules(tracker, device: torch.device) -> list[dict]:
+    """Per-module numbers of a MemTracker in call order: parameter, buffer, input and output
+    bytes, and the device total at the module's forward and backward peaks."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    rows = []
+    for stats in tracker.memory_tracking.values():
+        rows.append({
+            "name": stats.mod_fqn,
+            "parameters": int(getattr(stats, "parameter_mem", 0)),
+            "buffers": int(getattr(stats, "buffer_mem", 0)),
+            "inputs": int(getattr(stats, "input_mem", 0)),
+            "outputs": int(getattr(stats, "output_mem", 0)),
+            "peak_forward": _snapshot_total(stats.snapshots.get(_ModState.PEAK_FW, []), device),
+            "peak_backward": _snapshot_total(stats.snapshots.get(_ModState.PEAK_BW, []), device),
+        })
+    return rows
+
+
+def memtracker_raw(tracker, device: torch.device) -> dict:
+    """The raw record (:func:`raw_record`) of a finished :class:`TimelineMemTracker`."""
+    kinds = list(MEMTRACKER_KINDS)
+    by_kind = {MEMTRACKER_KINDS[k]: [s.get(k, 0) for _, s in tracker.samples] for k in kinds}
+    peak = tracker.get_tracker_snapshot("peak").get(device, {})
+    return raw_record(backend="memtracker", x=list(range(len(tracker.samples))),
+                      x_label="operator", phase=[p for p, _ in tracker.samples],
+                      by_kind=by_kind, modules=memtracker_modules(tracker, device),
+                      reported_peak=int(peak.get("Total", 0)),
+                      extra={"device": str(device)})
+
+
+@contextmanager
+def cpu_memory_step(trial_dir: str, model, optimizer, device: torch.device):
+    """Track one step under MemTracker (model and optimizer registered); write the raw record.
+
+    Tensors alive before the step and held by neither the model nor the optimizer are not seen
+    (MemTracker tracks what is created inside its context or registered with it).
+    """
+    tracker = _memtracker_class()(device)
+    tracker.track_external(model, optimizer)
+    with tracker, warnings.catch_warnings():
+        # ModTracker's notice for backward hooks of modules already collected; harmless here.
+        warnings.filterwarnings("ignore", message="Module is None")
+        yield
+    write_raw(trial_dir, memtracker_raw(tracker, device))
+
+
+# --------------------------------------------------------------------------- CUDA: snapshots
+
+
+def live_blocks(snapshot: Mapping, device: int) -> list[dict]:
+    """Blocks in use (``state == "active_allocated"``) on ``device`` in a ``_snapshot()`` dict:
+    ``[{"addr", "size", "frames"}]``."""
+    out = []
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        for block in seg.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                out.append({"addr": block["address"], "size": block["size"],
+                            "frames": block.get("frames", [])})
+    return out
+
+
+def events_after(before: Mapping, after: Mapping, device: int) -> list[dict]:
+    """The allocator actions of ``after``'s trace that came after ``before`` was taken.
+
+    Entries carry ``time_us``; those later than the last entry of ``before`` are kept. Without
+    timestamps, the entries past ``before``'s trace length are kept (correct while the ring
+    buffer has not wrapped, i.e. ``max_entries`` was not reached).
+    """
+    old = before.get("device_traces", [[]] * (device + 1))[device]
+    new = after.get("device_traces", [[]] * (device + 1))[device]
+    if old and all("time_us" in e for e in old[-1:]) and all("time_us" in e for e in new):
+        last = old[-1]["time_us"]
+        return [e for e in new if e["time_us"] > last]
+    return list(new[len(old):])
+
+
+def replay_trace(baseline: Sequence[Mapping], events: Sequence[Mapping]) -> dict:
+    """Timeline and peak contents from the blocks alive at the start and the actions after.
+
+    ``baseline``: :func:`live_blocks` at the start. ``events``: trace entries; ``alloc`` adds a
+    block, ``free_completed`` removes it (memory stays in use until the free completes, which
+    is later than ``free_requested`` for blocks used on other streams); other actions
+    (segment_alloc/free, snapshot, oom) do not change what tensors hold. Returns the raw
+    record (:func:`raw_record`) with ``x`` the time since the first action (us; the action's
+    index when the trace has no ``time_us``)."""
+    live: dict[int, tuple[int, str, list]] = {}
+    sums = dict.fromkeys(CUDA_KINDS, 0)
+    for block in baseline:
+        kind = classify_frames(block["frames"])
+        live[block["addr"]] = (block["size"], kind, block["frames"])
+        sums[kind] += block["size"]
+    series = {k: [v] for k, v in sums.items()}
+    x, phase = [0.0], ["start"]
+    t0 = float(events[0].get("time_us", 0)) if events else 0.0
+    best, best_live, unmatched = sum(sums.values()), dict(live), 0
+    for i, entry in enumerate(events):
+        action = entry.get("action")
+        if action == "alloc":
+            kind = classify_frames(entry.get("frames", []))
+            live[entry["addr"]] = (entry["size"], kind, entry.get("frames", []))
+            sums[kind] += entry["size"]
+        elif action == "free_completed":
+            if entry["addr"] not in live:
+                unmatched += 1
+                continue
+            size, kind, _ = live.pop(entry["addr"])
+            sums[kind] -= size
+        else:
+            continue
+        for k, v in sums.items():
+            series[k].append(v)
+        x.append(float(entry["time_us"]) - t0 if "time_us" in entry else float(i + 1))
+        phase.append("step")
+        total = sum(sums.values())
+        if total > best:
+            best, best_live = total, dict(live)
+    largest = sorted(({"bytes": size, "kind": kind, "where": _where(frames)}
+                      for size, kind, frames in best_live.values()),
+                     key=lambda item: -item["bytes"])
+    return raw_record(backend="cuda_snapshot", x=x,
+                      x_label="time since the step's first allocator action (us)"
+                      if events and "time_us" in events[0] else "allocator action",
+                      phase=phase, by_kind=series, largest=largest[:50],
+                      extra={"unmatched_frees": unmatched, "live_at_peak": len(best_live)})
+
+
+class CudaMemoryRecorder:
+    """The CUDA allocator history for one trial, on one rank.
+
+    :meth:`start` before the model is built, :meth:`step` around each profiled step,
+    :meth:`stop` at the end. ``max_entries`` bounds the history's ring buffer.
+    """
+
+    def __init__(self, max_entries: int = 1_000_000):
+        self.max_entries = max_entries
+
+    def start(self) -> None:
+        """Start recording allocations with their Python stacks (and frees)."""
+        torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
+
+    def stop(self) -> None:
+        """Stop recording (the history is dropped)."""
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    @contextmanager
+    def step(self, trial_dir: str):
+        """Around one step: write ``snapshot.pickle`` (memory_viz) and ``memory.raw.json``."""
+        device = torch.cuda.current_device()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory._snapshot()
+        yield
+        torch.cuda.synchronize()
+        os.makedirs(trial_dir, exist_ok=True)
+        path = os.path.join(trial_dir, SNAPSHOT_FILE)
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            after = pickle.load(f)
+        raw = replay_trace(live_blocks(before, device), events_after(before, after, device))
+        raw["device"] = f"cuda:{device}"
+        raw["allocated_after_step"] = torch.cuda.memory_allocated()
+        write_raw(trial_dir, raw)

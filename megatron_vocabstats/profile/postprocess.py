@@ -1,0 +1,54 @@
+"""``python -m megatron_vocabstats.profile summarize OUT``: rewrite every trial's summaries.
+
+Reads only the raw files a run left (``trial.json``, ``memory.raw.json``, ``trace.json``), so it
+works on a copied output directory, after a run was interrupted between trials, or after the
+summary code changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import summary
+
+INDEX_MD = "index.md"
+
+
+def trial_dirs(out_dir: str) -> list[str]:
+    """Subdirectories of ``out_dir`` holding a ``trial.json``, sorted by name."""
+    return sorted(os.path.join(out_dir, d) for d in os.listdir(out_dir)
+                  if os.path.isfile(os.path.join(out_dir, d, summary.TRIAL_FILE)))
+
+
+def write_index(out_dir: str, summaries: list[dict]) -> None:
+    """``OUT/index.md``: one row per trial with its headline number."""
+    rows = []
+    for s in summaries:
+        if s["kind"] == "memory":
+            head = f"peak {summary.mib(s['peak_bytes'])} in {s['peak_at']['phase']}"
+        else:
+            head = (f"{s['host']['operators']} host ops over {s['host']['span_us'] / 1000:,.1f} "
+                    f"ms; {s['device']['kernels']} kernels")
+        rows.append([f"[{s['trial']}]({s['trial']}/{summary.SUMMARY_MD})", s["kind"], s["rank"],
+                     s["step"], head])
+    text = "# Profile trials\n\n" + summary.md_table(["trial", "kind", "rank", "step", "headline"],
+                                                     rows) + "\n"
+    with open(os.path.join(out_dir, INDEX_MD), "w") as f:
+        f.write(text)
+
+
+def summarize(out_dir: str) -> list[dict]:
+    """Rewrite ``summary.json``, ``summary.md``, ``timeline.png`` / trace views of every trial
+    in ``out_dir`` and ``index.md``; returns the summaries.
+
+    ``ValueError`` if ``out_dir`` is not a directory or holds no trial.
+    """
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} is not a directory")
+    dirs = trial_dirs(out_dir)
+    if not dirs:
+        raise ValueError(f"{out_dir} holds no trial (no */{summary.TRIAL_FILE}); give the --out "
+                         "directory of a profile run")
+    summaries = [summary.write_trial_summary(d) for d in dirs]
+    write_index(out_dir, summaries)
+    return summaries

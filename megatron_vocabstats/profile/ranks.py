@@ -1,0 +1,87 @@
+"""Which ranks, steps and trials to profile: parsing and checking of the selection flags.
+
+Everything here is pure (no process group, no files) so that a bad selection is refused on every
+rank before any model is built.
+"""
+
+from __future__ import annotations
+
+TRIAL_KINDS = ("memory", "kernels")
+
+
+def _parse_int_list(spec: str, flag: str) -> list[int]:
+    """``"0,2-4"`` -> ``[0, 2, 3, 4]`` (sorted, unique); ``ValueError`` naming ``flag``."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"{flag} {spec!r}: empty item (write e.g. 0,2-4)")
+        lo, sep, hi = part.partition("-")
+        try:
+            first = int(lo)
+            last = int(hi) if sep else first
+        except ValueError:
+            raise ValueError(f"{flag} {spec!r}: {part!r} is not a number or a range a-b"
+                             ) from None
+        if first < 0 or last < first:
+            raise ValueError(f"{flag} {spec!r}: {part!r} is not a range a-b with 0 <= a <= b")
+        out.update(range(first, last + 1))
+    return sorted(out)
+
+
+def default_ranks(world: int, pipeline_stages: int = 1) -> list[int]:
+    """Rank 0 of each pipeline stage: ``[s * world // pp for s in range(pp)]``.
+
+    Megatron orders ranks tp-cp-dp-pp, so pipeline stage ``s`` holds the contiguous block of
+    ``world // pp`` ranks starting at ``s * world // pp``. ``ValueError`` if ``pp`` does not
+    divide ``world``.
+    """
+    if pipeline_stages < 1 or world % pipeline_stages:
+        raise ValueError(f"the pipeline-parallel size {pipeline_stages} must divide the world "
+                         f"size {world}")
+    block = world // pipeline_stages
+    return [s * block for s in range(pipeline_stages)]
+
+
+def parse_ranks(spec: str | None, world: int, pipeline_stages: int = 1,
+                flag: str = "--ranks") -> list[int]:
+    """The ranks to profile, sorted.
+
+    ``spec``: ``None`` -> :func:`default_ranks`; ``""`` -> every rank; else a comma list of
+    ranks and inclusive ranges (``"0,2-4"``). ``ValueError`` naming ``flag`` for a malformed
+    list or a rank ``>= world``.
+    """
+    if spec is None:
+        return default_ranks(world, pipeline_stages)
+    if not spec.strip():
+        return list(range(world))
+    ranks = _parse_int_list(spec, flag)
+    missing = [r for r in ranks if r >= world]
+    if missing:
+        raise ValueError(f"{flag} {spec!r} names rank(s) {missing} but the world has {world} "
+                         f"rank(s) (0-{world - 1})")
+    return ranks
+
+
+def parse_steps(spec: str, last_step: int, flag: str = "--profile-steps") -> list[int]:
+    """Training steps to profile (1-based, like the example's step count), sorted.
+
+    ``ValueError`` naming ``flag`` for a malformed list, step 0, or a step after ``last_step``
+    (the run's ``--steps``).
+    """
+    steps = _parse_int_list(spec, flag)
+    if steps[0] < 1:
+        raise ValueError(f"{flag} {spec!r}: steps count from 1")
+    if steps[-1] > last_step:
+        raise ValueError(f"{flag} {spec!r}: step {steps[-1]} is beyond the run, which has "
+                         f"--steps {last_step}")
+    return steps
+
+
+def parse_trials(spec: str, flag: str = "--trials") -> list[str]:
+    """``"memory,kernels"`` -> kinds in the given order, each once; ``ValueError`` naming flag."""
+    kinds = [k.strip() for k in spec.split(",")]
+    bad = [k for k in kinds if k not in TRIAL_KINDS]
+    if bad or not kinds:
+        raise ValueError(f"{flag} {spec!r}: choose from {', '.join(TRIAL_KINDS)}")
+    return list(dict.fromkeys(kinds))
