@@ -426,7 +426,8 @@ class StatsOptions:
     The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name
     and are validated there. ``validate`` defaults to False here (unlike the op): its checks read
     tensor values on the host once per call, which a training step should not pay; turn it on
-    while debugging a data pipeline.
+    while debugging a data pipeline. ``batch_invariant`` (False, True or ``"tp"``) is passed to a
+    statistics callable only when set, so callables that predate it keep working.
     """
 
     vocab_size: int | None = None
@@ -435,6 +436,7 @@ class StatsOptions:
     entropy: str = "off"
     label_smoothing: float = 0.0
     validate: bool = False
+    batch_invariant: bool | str = False
 
 
 StatsFn = Callable[..., VocabStats]
@@ -472,7 +474,7 @@ def token_stats(
             * a :class:`~megatron_vocabstats.VocabStats` already computed (a fused LM head):
               returned as is, after a shape check;
             * a callable ``fn(target, *, tp_group, vocab_size, chunk_size, entropy, temperature,
-              ignore_index, label_smoothing, validate) -> VocabStats``, i.e.
+              ignore_index, label_smoothing, validate[, batch_invariant]) -> VocabStats``, i.e.
               ``vocab_parallel_stats``'s keywords (for example a partial of
               :func:`~megatron_vocabstats.ops.fused_linear.linear_vocab_parallel_stats` over its
               hidden states and weight). It receives ``target`` shaped like ``labels`` and must
@@ -503,6 +505,8 @@ def token_stats(
                       chunk_size=options.chunk_size, entropy=options.entropy,
                       temperature=options.temperature, ignore_index=IGNORE_INDEX,
                       label_smoothing=options.label_smoothing, validate=options.validate)
+        if options.batch_invariant is not False:
+            kwargs["batch_invariant"] = options.batch_invariant
         if isinstance(output, torch.Tensor):
             stats = vocab_parallel_stats(output, target, **kwargs)
         else:
@@ -585,6 +589,7 @@ def sft_loss(
     temperature: float = 1.0,
     entropy: str = "off",
     validate: bool = False,
+    batch_invariant: bool | str = False,
 ) -> LossOutput:
     """Masked token cross-entropy from vocab-parallel logits, in Megatron's loss contract.
 
@@ -605,9 +610,10 @@ def sft_loss(
         labels: int64 target ids shaped like ``logits.shape[:-1]``; -100 = ignored.
         loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
         tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
-        vocab_size, chunk_size, label_smoothing, temperature, entropy, validate: as in
-            :func:`~megatron_vocabstats.vocab_parallel_stats` (``validate`` off by default, see
-            :class:`StatsOptions`); with ``entropy`` other than ``"off"`` the entropy is reported.
+        vocab_size, chunk_size, label_smoothing, temperature, entropy, validate,
+            batch_invariant: as in :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (``validate`` off by default, see :class:`StatsOptions`); with ``entropy`` other than
+            ``"off"`` the entropy is reported.
 
     Returns:
         :class:`LossOutput`; report ``"lm loss"`` (and ``"entropy"``), as in :func:`nll_loss`.
@@ -616,7 +622,8 @@ def sft_loss(
         ValueError: as :func:`token_stats` and :func:`nll_loss`.
     """
     options = StatsOptions(vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature,
-                           entropy=entropy, label_smoothing=label_smoothing, validate=validate)
+                           entropy=entropy, label_smoothing=label_smoothing, validate=validate,
+                           batch_invariant=batch_invariant)
     return token_loss(logits, labels, loss_mask, loss_fn=nll_loss, tp_group=tp_group,
                       options=options)
 
@@ -633,6 +640,7 @@ def logprobs_step(
     entropy: bool = True,
     validate: bool = False,
     non_loss_data: bool = False,
+    batch_invariant: bool | str = False,
 ):
     """Forward-only per-token log-probs and entropy of ``labels`` for scoring rollouts.
 
@@ -641,8 +649,10 @@ def logprobs_step(
     ``score_tokens`` and ``StatsOptions(entropy="metric")``.
 
     Args:
-        logits, labels, loss_mask, tp_group, vocab_size, chunk_size, temperature, validate: as in
-            :func:`sft_loss` (``temperature`` should be the sampling temperature).
+        logits, labels, loss_mask, tp_group, vocab_size, chunk_size, temperature, validate,
+            batch_invariant: as in :func:`sft_loss` (``temperature`` should be the sampling
+            temperature; ``batch_invariant=True`` makes each row's scores independent of the
+            rest of the batch, bit for bit).
         entropy: also return the per-token entropy.
         non_loss_data: return only the dict of per-token tensors (Megatron's
             ``collect_non_loss_data=True`` path).
@@ -656,7 +666,8 @@ def logprobs_step(
         ValueError: as :func:`token_stats` and :func:`score_tokens`.
     """
     options = StatsOptions(vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature,
-                           entropy="metric" if entropy else "off", validate=validate)
+                           entropy="metric" if entropy else "off", validate=validate,
+                           batch_invariant=batch_invariant)
     return token_loss(logits, labels, loss_mask, loss_fn=score_tokens, tp_group=tp_group,
                       options=options, non_loss_data=non_loss_data)
 

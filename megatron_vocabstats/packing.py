@@ -334,6 +334,14 @@ def pack_sequences(
     computed with tensor ops over all positions at once. Choose ``alignment`` with
     :func:`sequence_alignment` (``2 * cp`` at least for context parallelism).
 
+    Data preparation, not a hot path: it may synchronise with the host (``validate=True`` with a
+    ``lengths`` tensor reads it; a list of sequences copies its lengths to the device). It is
+    sync-free with a ``lengths`` tensor and ``validate=False`` (output shapes from the static
+    bound ``total_length``), so it can run inside a captured step in that form. The per-step
+    functions (:func:`shift_packed_labels`, :func:`shard_for_context_parallel`,
+    :func:`gather_from_context_parallel`, :func:`unpack_sequences`) never sync with
+    ``validate=False``.
+
     Args:
         sequences: a list of 1-D integer tensors (same dtype and device; empty ones allowed), or a
             padded batch ``[B, S]`` whose row b holds ``lengths[b]`` real tokens on the left.

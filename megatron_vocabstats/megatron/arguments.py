@@ -27,6 +27,8 @@ logger = logging.getLogger("megatron_vocabstats")
 GROUP_TITLE = "megatron-vocabstats"
 FP8_RECIPE_MULTIPLE = {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}
 VOCAB_SHARD_MULTIPLE = 128
+# --vocab-stats-batch-invariant value -> the ops' batch_invariant argument.
+BATCH_INVARIANT_FLAG = {"off": False, "batch": True, "tp": "tp"}
 
 def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the plugin's flags to ``parser`` (once; a second call is a no-op) and return it."""
@@ -48,6 +50,11 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "(needs --vocab-stats-entropy grad).")
     group.add_argument("--vocab-stats-label-smoothing", type=float, default=0.0,
                        help="Label smoothing over the real vocabulary (numerics.md).")
+    group.add_argument("--vocab-stats-batch-invariant", nargs="?", const="batch",
+                       choices=tuple(BATCH_INVARIANT_FLAG), default="off",
+                       help="Batch-invariant statistics: a token's logprob and entropy do not "
+                       "depend on the rest of the batch, bit for bit; 'tp' also makes every "
+                       "tensor-parallel size agree (more communication). Bare flag = batch.")
     group.add_argument("--vocab-stats-skip-checks", action="store_true",
                        help="Skip the op's host-side input checks (target range, cross-rank "
                        "agreement, finite results): no host sync in the loss.")
@@ -172,6 +179,7 @@ def config_hook(args) -> settings.PluginSettings:
         label_smoothing=args.vocab_stats_label_smoothing,
         validate=not args.vocab_stats_skip_checks,
         token_alignment=alignment,
+        batch_invariant=BATCH_INVARIANT_FLAG[args.vocab_stats_batch_invariant],
     )
 
 

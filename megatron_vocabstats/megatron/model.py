@@ -55,6 +55,7 @@ def make_compute_language_model_loss(original):
             entropy=cfg.entropy,
             label_smoothing=cfg.label_smoothing,
             validate=cfg.validate,
+            batch_invariant=cfg.batch_invariant,
         )
         _stash(self, stats)
         return per_token_loss(stats, cfg).transpose(0, 1).contiguous()
@@ -100,6 +101,7 @@ def fused_language_model_loss(module, output_layer, output_weight, hidden_states
         accumulate_into_main_grad=bool(getattr(output_layer, "gradient_accumulation_fusion",
                                                False)) and hasattr(weight, "main_grad"),
         validate=cfg.validate,
+        batch_invariant=cfg.batch_invariant,
     )
     _stash(module, stats)
     return per_token_loss(stats, cfg).transpose(0, 1).contiguous()

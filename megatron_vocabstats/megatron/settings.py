@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ..ops._checks import ENTROPY_MODES
+from ..ops._checks import ENTROPY_MODES, check_batch_invariant
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,7 +28,8 @@ class PluginSettings:
     ``validate``: run the op's host-side input checks, a host sync per loss call (skipped during
     CUDA graph capture anyway) [--vocab-stats-skip-checks turns them off]; ``token_alignment``: per-sequence
     padding multiple derived by the config hook (FP8 recipe x 2*cp x tp with sequence parallel),
-    for :mod:`megatron_vocabstats.packing`.
+    for :mod:`megatron_vocabstats.packing`; ``batch_invariant``: False, True or "tp", the ops'
+    argument of that name [--vocab-stats-batch-invariant {off,batch,tp}].
     """
 
     active: bool = True
@@ -40,8 +41,10 @@ class PluginSettings:
     vocab_size: int | None = None
     validate: bool = True
     token_alignment: int = 1
+    batch_invariant: bool | str = False
 
     def __post_init__(self):
+        check_batch_invariant(self.batch_invariant)
         if self.entropy not in ENTROPY_MODES:
             raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {self.entropy!r}")
         if self.entropy_coef != 0.0 and self.entropy != "grad":

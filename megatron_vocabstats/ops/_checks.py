@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._math import ShardLayout
+from ._math import BLOCK, ShardLayout
 
 ENTROPY_MODES = ("off", "metric", "grad")
+# Values of ``batch_invariant``: off, batch-invariant, batch- and tensor-parallel-invariant.
+BATCH_INVARIANT_MODES = (False, True, "tp")
 
 # Auto chunking: each of the two fp32 [chunk, W] buffers is about this size. On CPU a few MiB
 # keeps them in cache (every pass over a chunk after the first is a cache hit, and no fresh pages
@@ -45,6 +47,7 @@ class StatsConfig:
     ignore_index: int
     label_smoothing: float
     validate: bool
+    batch_invariant: bool | str = False
 
 
 def host_checks_enabled(validate: bool, device: torch.device) -> bool:
@@ -78,8 +81,26 @@ def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None) -> Shar
     return ShardLayout(vocab_start=start, width=width, real_width=real, vocab_size=vocab_size)
 
 
+def check_batch_invariant(value) -> bool | str:
+    """``value`` if it is one of :data:`BATCH_INVARIANT_MODES`, else ``ValueError``."""
+    if not (value is True or value is False or (isinstance(value, str) and value == "tp")):
+        raise ValueError(f"batch_invariant must be False, True or 'tp', got {value!r}")
+    return value
+
+
+def _batch_invariant_mode(value, width: int, tp: int):
+    check_batch_invariant(value)
+    if value == "tp" and tp > 1 and width % BLOCK:
+        raise ValueError(
+            f"batch_invariant='tp' needs a vocabulary shard width that is a multiple of {BLOCK} "
+            f"under tensor parallelism (got {width}, tp={tp}): pad the vocabulary to a multiple "
+            f"of {BLOCK} * tp, as Megatron's make_vocab_size_divisible_by=128 does"
+        )
+    return value
+
+
 def _check_local(logits, target, tp_group, *, vocab_size, chunk_size, entropy, temperature,
-                 ignore_index, label_smoothing, validate) -> StatsConfig:
+                 ignore_index, label_smoothing, validate, batch_invariant=False) -> StatsConfig:
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the vocabulary, last)")
     if logits.dtype not in LOGITS_DTYPES:
@@ -108,6 +129,7 @@ def _check_local(logits, target, tp_group, *, vocab_size, chunk_size, entropy, t
         raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing!r}")
     rank, tp = _comm.group_rank_size(tp_group)
     cfg = StatsConfig(
+        batch_invariant=_batch_invariant_mode(batch_invariant, logits.shape[-1], tp),
         layout=shard_layout(logits.shape[-1], rank, tp, vocab_size),
         chunk_size=chunk_size,
         entropy=entropy,
@@ -137,7 +159,7 @@ def _target_checksum(target: torch.Tensor | None) -> int:
 
 
 _AGREEMENT = ("logits shard width", "token count", "vocab_size", "logits dtype", "target",
-              "entropy mode", "ignore_index", "temperature", "label_smoothing")
+              "entropy mode", "ignore_index", "temperature", "label_smoothing", "batch_invariant")
 
 
 def _float_bits(x: float) -> int:
@@ -205,6 +227,7 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
             cfg.ignore_index,
             _float_bits(cfg.temperature),
             _float_bits(cfg.label_smoothing),
+            BATCH_INVARIANT_MODES.index(cfg.batch_invariant),
         ]
     # A shard as wide as the real vocabulary may be a Megatron shard (small vocabulary, whole
     # shards of padding) or the full logits replicated on every rank: the first row tells (equal

@@ -13,6 +13,16 @@ to the scratch buffers handed in). The formulas are those of ``docs/numerics.md`
   ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
 
 ``u_r`` is kept relative to the shard maximum, so large logits (fp16 65504) do not cancel.
+
+Batch-invariant mode (``batch_invariant=True`` of the ops): every sum over vocabulary columns is
+taken in blocks of :data:`BLOCK` columns, each block with its own maximum, and the blocks (then
+the shards) are combined with :func:`tree_sum_`, a fixed halving tree of elementwise adds. An
+elementwise add or exp rounds the same whatever the tensor's shape, and a max is exact in any
+order, so a row's statistics no longer depend on how many rows are reduced together or where
+(torch's own ``sum`` may split one row over threads or thread blocks when there are few rows).
+With blocks aligned to global column ids, :func:`block_stats` statistics merged over all blocks of
+all shards (``merge_stats(..., batch_invariant=True)`` on the gathered blocks) also give the same
+bits for every tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ LOGP_MIN = -1.0e4
 # Row order of the packed per-shard statistics tensor [NUM_STATS, T].
 STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM = range(5)
 NUM_STATS = 5
+# Columns per block of the batch-invariant reductions: Megatron pads the vocabulary to a multiple
+# of 128 * tp, so blocks never straddle two shards.
+BLOCK = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,18 +62,25 @@ class ShardLayout:
     vocab_size: int
 
 
+def padded_width(width: int, batch_invariant: bool) -> int:
+    """Columns of the fp32 chunk buffer: ``width``, rounded up to whole blocks of :data:`BLOCK`
+    in batch-invariant mode."""
+    return -(-width // BLOCK) * BLOCK if batch_invariant else width
+
+
 def load_chunk(logits: torch.Tensor, out: torch.Tensor, layout: ShardLayout, temperature: float):
     """Upcast a ``[n, W]`` logits chunk into the fp32 buffer ``out[:n]`` as ``z = logits / tau``.
 
     Values below ``Z_FLOOR`` (-inf included) become ``Z_FLOOR``; padding columns (global id >= V)
-    are set to ``Z_FLOOR`` in the buffer, never in ``logits``.
+    are set to ``Z_FLOOR`` in the buffer, never in ``logits``. ``out`` may be wider than W (see
+    :func:`padded_width`): its extra columns are padding too, and ``z`` is ``out[:n]`` whole.
     """
     z = out[: logits.shape[0]]
-    z.copy_(logits)
+    z[:, : logits.shape[1]].copy_(logits)
     if temperature != 1.0:
         z.div_(temperature)
     z.clamp_(min=Z_FLOOR)
-    if layout.real_width < layout.width:
+    if layout.real_width < z.shape[1]:
         z[:, layout.real_width :] = Z_FLOOR
     return z
 
@@ -82,13 +102,20 @@ def chunk_stats(
     layout: ShardLayout,
     entropy: bool,
     zsum: bool,
+    batch_invariant: bool = False,
 ):
     """Write one chunk's shard statistics into ``out`` ([NUM_STATS, n] fp32).
 
     ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``scratch``: an fp32 buffer with
     at least n rows of width W. ``index``/``owned``: from :func:`local_target_index`, or None when
-    no target is scored.
+    no target is scored. ``batch_invariant``: take the statistics with :func:`block_stats` and
+    combine the blocks in a fixed order (``z`` then needs :func:`padded_width` columns).
     """
+    if batch_invariant:
+        blocks = out.new_zeros((NUM_STATS, z.shape[0], z.shape[1] // BLOCK))
+        block_stats(z, scratch, index, owned, blocks, layout=layout, entropy=entropy, zsum=zsum)
+        reduce_blocks(blocks, out, entropy=entropy, target=index is not None, zsum=zsum)
+        return
     n = z.shape[0]
     if index is not None:
         picked = z.gather(1, index.unsqueeze(1)).squeeze(1)
@@ -103,6 +130,108 @@ def chunk_stats(
     out[STAT_SUMEXP] = torch.where(live, e.sum(dim=-1), 0.0)
     if entropy:
         out[STAT_ENT] = torch.where(live, z.mul_(e).sum(dim=-1), 0.0)
+
+
+def tree_sum_(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum ``x`` over ``dim`` in a fixed order, overwriting ``x``; returns the sums (a view of x).
+
+    A halving tree over the size padded with zeros to a power of two P: entry i gets entry
+    i + P/2 added, then P halves. Every step is an elementwise add, so each sum is rounded the
+    same way whatever the other dimensions hold, their sizes, the thread count or the device;
+    and trailing zero entries (padding blocks) leave the result bitwise unchanged, whatever P.
+    """
+    size = x.shape[dim]
+    if size == 0:
+        return x.sum(dim)
+    width = 1 << (size - 1).bit_length()
+    while width > 1:
+        half = width // 2
+        if size > half:
+            x.narrow(dim, 0, size - half).add_(x.narrow(dim, half, size - half))
+            size = half
+        width = half
+    return x.select(dim, 0)
+
+
+def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: bool,
+                zsum: bool) -> None:
+    """Per-block shard statistics of one chunk into ``out`` ([NUM_STATS, n, nb] fp32, zeroed by
+    the caller), block b holding local columns ``[b*BLOCK, (b+1)*BLOCK)``.
+
+    Per block: its maximum, the sum of ``exp(z - m_b)``, of ``exp(z - m_b) (z - m_b)`` and of the
+    real columns' z (each by :func:`tree_sum_`, so each value is batch-invariant); the target
+    logit sits in its own block, 0 elsewhere. ``z``: ``[n, nb*BLOCK]`` from :func:`load_chunk`
+    (overwritten); ``scratch``: fp32 with at least n rows of that width.
+    """
+    n, width = z.shape
+    zb = z.view(n, width // BLOCK, BLOCK)
+    if index is not None:
+        picked = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
+        out[STAT_TARGET].scatter_(1, (index // BLOCK).unsqueeze(1), picked.unsqueeze(1))
+    if zsum:
+        real = scratch[:n].copy_(z)
+        real[:, layout.real_width:] = 0.0
+        out[STAT_ZSUM] = tree_sum_(real.view(zb.shape), 2)
+    m = zb.amax(dim=-1)
+    live = m > Z_FLOOR
+    out[STAT_MAX] = torch.where(live, m, float("-inf"))
+    zb.sub_(m.unsqueeze(2))
+    e = torch.exp(z, out=scratch[:n]).view(zb.shape)
+    if entropy:
+        out[STAT_ENT] = torch.where(live, tree_sum_(zb.mul_(e), 2), 0.0)
+    out[STAT_SUMEXP] = torch.where(live, tree_sum_(e, 2), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Combined:
+    """Statistics combined over the parts (shards or blocks) of a row: ``max`` (-inf where no
+    column is live), ``max_safe`` (0 there), ``sumexp`` and ``ent`` relative to ``max_safe``,
+    ``target`` and ``zsum`` summed; None where not asked for."""
+
+    max: torch.Tensor
+    max_safe: torch.Tensor
+    sumexp: torch.Tensor
+    ent: torch.Tensor | None
+    target: torch.Tensor | None
+    zsum: torch.Tensor | None
+
+
+def _sum0(x: torch.Tensor, ordered: bool, *, copy: bool = False) -> torch.Tensor:
+    if not ordered:
+        return x.sum(dim=0)
+    return tree_sum_(x.clone() if copy else x, 0)
+
+
+def _combine(parts: torch.Tensor, *, entropy: bool, target: bool, zsum: bool,
+             ordered: bool) -> _Combined:
+    """Combine ``[P, NUM_STATS, T]`` per-part statistics (``ordered``: with :func:`tree_sum_`)."""
+    m_r = parts[:, STAT_MAX]
+    m = m_r.amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, 0.0)
+    delta = m_r - m_safe  # -inf for parts with no live column: scale 0, and s_r = u_r = 0
+    scale = torch.exp(delta)
+    s_r = parts[:, STAT_SUMEXP]
+    ent = None
+    if entropy:
+        shifted = torch.where(s_r > 0, delta * s_r, 0.0)
+        ent = _sum0(scale * (parts[:, STAT_ENT] + shifted), ordered)
+    return _Combined(
+        max=m, max_safe=m_safe, sumexp=_sum0(s_r * scale, ordered), ent=ent,
+        target=_sum0(parts[:, STAT_TARGET], ordered, copy=True) if target else None,
+        zsum=_sum0(parts[:, STAT_ZSUM], ordered, copy=True) if zsum else None)
+
+
+def reduce_blocks(blocks: torch.Tensor, out: torch.Tensor, *, entropy: bool, target: bool,
+                  zsum: bool) -> None:
+    """Shard statistics ``out`` [NUM_STATS, n] (the format of :func:`chunk_stats`) from the
+    :func:`block_stats` ``blocks`` [NUM_STATS, n, nb], combined in a fixed order."""
+    c = _combine(blocks.permute(2, 0, 1), entropy=entropy, target=target, zsum=zsum,
+                 ordered=True)
+    out[STAT_MAX] = c.max
+    out[STAT_SUMEXP] = c.sumexp
+    for row, value in ((STAT_ENT, c.ent), (STAT_TARGET, c.target), (STAT_ZSUM, c.zsum)):
+        if value is not None:
+            out[row] = value
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +251,7 @@ def merge_stats(
     label_smoothing: float,
     entropy: bool,
     has_target: bool,
+    batch_invariant: bool = False,
 ) -> MergedStats:
     """Merge ``[tp, NUM_STATS, T]`` shard statistics into per-token logsumexp, logprob, entropy.
 
@@ -129,33 +259,30 @@ def merge_stats(
     results. ``logprobs`` is ``sum_j q_j log p_j`` with ``q = (1-eps) onehot(y) + eps/V`` (plain
     ``log p_y`` without smoothing). Positions with ``valid`` False get logprob and entropy 0. A row
     with no live column anywhere gets logsumexp -inf and NaN logprob and entropy.
+    ``batch_invariant``: sum over the first dimension with :func:`tree_sum_` (which makes the
+    merge of the :func:`block_stats` of all blocks of all shards, ``[tp * nb, NUM_STATS, T]`` in
+    global column order, independent of tp).
     """
-    m_r = gathered[:, STAT_MAX]
-    m = m_r.amax(dim=0)
-    m_safe = torch.where(torch.isfinite(m), m, 0.0)
-    delta = m_r - m_safe  # -inf for shards with no live column: scale 0, and s_r = u_r = 0
-    scale = torch.exp(delta)
-    s_r = gathered[:, STAT_SUMEXP]
-    sumexp = (s_r * scale).sum(dim=0)
-    log_sumexp = torch.log(sumexp)
+    smooth = has_target and label_smoothing > 0.0
+    c = _combine(gathered, entropy=entropy, target=has_target, zsum=smooth,
+                 ordered=batch_invariant)
+    m_safe = c.max_safe
+    log_sumexp = torch.log(c.sumexp)
     lse = m_safe + log_sumexp
 
     ent = None
     if entropy:
-        shifted = torch.where(s_r > 0, delta * s_r, 0.0)
-        u = (scale * (gathered[:, STAT_ENT] + shifted)).sum(dim=0)
-        ent = log_sumexp - u / sumexp
+        ent = log_sumexp - c.ent / c.sumexp
         if valid is not None:
             ent = torch.where(valid, ent, 0.0)
 
     logprobs = None
     if has_target:
-        target_logit = gathered[:, STAT_TARGET].sum(dim=0)
-        target_logit = torch.where(target_logit > Z_FLOOR, target_logit, float("-inf"))
+        target_logit = torch.where(c.target > Z_FLOOR, c.target, float("-inf"))
         # (t - m) - log S, not t - (m + log S): no rounding at the scale of large logits.
         logprobs = (target_logit - m_safe) - log_sumexp
-        if label_smoothing > 0.0:
-            zsum = gathered[:, STAT_ZSUM].sum(dim=0)
+        if smooth:
+            zsum = c.zsum
             # A real column at -inf makes the smoothed loss infinite; say so instead of ~-1e30.
             zsum = torch.where(zsum > 0.5 * Z_FLOOR, zsum, float("-inf"))
             mean_logp = (zsum / vocab_size - m_safe) - log_sumexp

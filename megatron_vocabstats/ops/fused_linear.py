@@ -32,17 +32,17 @@ from ._checks import (
     host_checks_enabled,
 )
 from ._math import (
-    NUM_STATS,
     MergedStats,
     chunk_grad,
-    chunk_stats,
     finite_lse,
     grad_coefficients,
     load_chunk,
     local_target_index,
     merge_stats,
+    padded_width,
 )
-from .vocab_parallel import VocabStats, flatten_target, function_outputs
+from .vocab_parallel import VocabStats, flatten_target, function_outputs, gathered_stats
+from .workspace import WORKSPACE, capturing
 
 # CPU auto chunking: tokens per chunk from the bytes of one fp32 [chunk, W] buffer. Unlike the
 # core op, whose chunks only stream logits, every chunk here re-reads the whole [W, H] weight for
@@ -82,7 +82,9 @@ class LinearStatsConfig:
     grad_weight: bool
 
 
-@functools.cache
+_WGRAD_MODES: dict[str, str] = {}
+
+
 def _wgrad_mode(device_type: str) -> str:
     """How this device adds ``g.T @ h`` (bf16/fp16 operands) into an fp32 accumulator.
 
@@ -90,10 +92,20 @@ def _wgrad_mode(device_type: str) -> str:
     ``addmm(out_dtype=float32)`` accepts an fp32 ``self``, like Megatron's
     ``wgrad_gemm_accum_fp32``); ``"mm"``: an fp32-output GEMM into a ``[W, H]`` temporary, then an
     add; ``"upcast"``: fp32 copies of the chunk operands and an fp32 GEMM (exact; the CPU path,
-    where torch has no mixed-dtype GEMM). Probed once per device type, on the first call.
+    where torch has no mixed-dtype GEMM). Probed once per device type, on the first call outside
+    CUDA graph capture (the probe reads a value on the host); during a capture before any probe,
+    ``"upcast"`` (always correct) without probing.
     """
     if device_type != "cuda":
         return "upcast"
+    if device_type not in _WGRAD_MODES:
+        if capturing():
+            return "upcast"
+        _WGRAD_MODES[device_type] = _probe_wgrad_mode(device_type)
+    return _WGRAD_MODES[device_type]
+
+
+def _probe_wgrad_mode(device_type: str) -> str:
     a = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
     acc = torch.ones(2, 2, device=device_type)
     try:
@@ -109,44 +121,99 @@ def _wgrad_mode(device_type: str) -> str:
         return "upcast"
 
 
+# Batch-invariant mode: the logits are computed INVARIANT_ROWS rows per matmul, from a copy of the
+# rows in a reused buffer (tail rows zero), so every GEMM has the same shape and alignment whatever
+# the token count, the chunk size or the row's position.
+INVARIANT_ROWS = 64
+
+
 class _ChunkBuffers:
     """The reused buffers of one pass over the chunks (all with ``chunk`` rows).
 
     ``logits``: model dtype ``[chunk, W]``, the chunk's logits and then its logits gradient;
-    ``z``/``scratch``: fp32 ``[chunk, W]`` for the core math; ``h32``: fp32 ``[chunk, H]``, made on
-    first use by the upcast weight-gradient path.
+    ``z``/``scratch``: fp32 ``[chunk, W]`` for the core math; ``z_blocks``/``scratch_blocks``: the
+    same memory as ``[chunk, padded W]`` for :func:`~._math.block_stats` (the same tensors unless
+    ``batch_invariant`` and W is not a multiple of 128); ``h32``: fp32 ``[chunk, H]``, made on
+    first use by the upcast weight-gradient path. With ``batch_invariant`` the chunk is rounded up
+    to a multiple of :data:`INVARIANT_ROWS` rows whatever the token count. All come from the
+    workspace cache (:mod:`.workspace`); :meth:`release` gives them back.
     """
 
-    def __init__(self, hidden2d: torch.Tensor, width: int, chunk: int):
-        rows = min(chunk, max(hidden2d.shape[0], 1))
-        self.logits = hidden2d.new_empty((rows, width))
-        self.z = hidden2d.new_empty((rows, width), dtype=torch.float32)
-        self.scratch = torch.empty_like(self.z)
-        self._h32_shape = (rows, hidden2d.shape[1])
-        self._h32 = None
+    def __init__(self, hidden2d: torch.Tensor, width: int, chunk: int, *,
+                 batch_invariant: bool = False):
+        if batch_invariant:
+            rows = -(-chunk // INVARIANT_ROWS) * INVARIANT_ROWS
+        else:
+            rows = min(chunk, max(hidden2d.shape[0], 1))
+        wide = padded_width(width, batch_invariant)
+        device, self._hidden = hidden2d.device, hidden2d.shape[1]
+        self._leases = [WORKSPACE.take((rows, width), hidden2d.dtype, device)]
+        self.logits = self._leases[0].tensor
+        for name in ("z", "scratch"):
+            lease = WORKSPACE.take((rows * wide,), torch.float32, device)
+            self._leases.append(lease)
+            setattr(self, name, lease.tensor[: rows * width].view(rows, width))
+            setattr(self, name + "_blocks", lease.tensor.view(rows, wide))
+        self._rows = rows
+        self._h32 = self._hpad = None
+
+    def _extra(self, dtype) -> torch.Tensor:
+        lease = WORKSPACE.take((self._rows, self._hidden), dtype, self.logits.device)
+        self._leases.append(lease)
+        return lease.tensor
 
     def h32(self, n: int) -> torch.Tensor:
         if self._h32 is None:
-            self._h32 = self.z.new_empty(self._h32_shape)
+            self._h32 = self._extra(torch.float32)
         return self._h32[:n]
 
+    def padded_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` ([n, H]) copied into a reused ``[chunk, H]`` buffer whose other rows are 0."""
+        if self._hpad is None:
+            self._hpad = self._extra(h.dtype)
+        self._hpad[: h.shape[0]].copy_(h)
+        self._hpad[h.shape[0]:].zero_()
+        return self._hpad
 
-def _logit_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: _ChunkBuffers):
+    def release(self) -> None:
+        """Give the buffers back to the workspace; they must not be used afterwards."""
+        WORKSPACE.give(*self._leases)
+        self._leases = []
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bufs: _ChunkBuffers,
+                  batch_invariant: bool) -> torch.Tensor:
+    """``h @ weight.T`` ([n, W], model dtype) in ``bufs.logits``; with ``batch_invariant`` as
+    matmuls of exactly :data:`INVARIANT_ROWS` rows (see there)."""
+    n = h.shape[0]
+    if not batch_invariant:
+        return torch.matmul(h, weight.t(), out=bufs.logits[:n])
+    padded = bufs.padded_rows(h)
+    for start in range(0, n, INVARIANT_ROWS):
+        block = slice(start, start + INVARIANT_ROWS)
+        torch.matmul(padded[block], weight.t(), out=bufs.logits[block])
+    return bufs.logits[:n]
+
+
+def _logit_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: _ChunkBuffers, *,
+                  padded: bool = False):
     """Yield ``(rows, logits, z, index, owned)`` per chunk of tokens.
 
     ``logits``: ``hidden2d[rows] @ weight.T`` in the model dtype (one matmul, fp32 accumulation
-    inside, one rounding, as Megatron's output layer); ``z``: its fp32 upcast from ``load_chunk``
-    (temperature applied, padding at the floor); ``index``/``owned``: the rows' targets in this
-    shard (None without targets).
+    inside, one rounding, as Megatron's output layer; :data:`INVARIANT_ROWS` rows per matmul in
+    batch-invariant mode); ``z``: its fp32 upcast from ``load_chunk`` (temperature applied,
+    padding at the floor), in ``bufs.z_blocks`` if ``padded`` else ``bufs.z``;
+    ``index``/``owned``: the rows' targets in this shard (None without targets).
     """
     num_tokens = hidden2d.shape[0]
+    zbuf = bufs.z_blocks if padded else bufs.z
     for start in range(0, num_tokens, cfg.chunk_size):
         rows = slice(start, min(start + cfg.chunk_size, num_tokens))
-        logits = torch.matmul(hidden2d[rows], weight.t(), out=bufs.logits[: rows.stop - start])
+        logits = _chunk_logits(hidden2d[rows], weight, bufs, bool(cfg.batch_invariant))
         index = owned = None
         if target1d is not None:
             index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
-        yield rows, logits, load_chunk(logits, bufs.z, cfg.layout, cfg.temperature), index, owned
+        yield rows, logits, load_chunk(logits, zbuf, cfg.layout, cfg.temperature), index, owned
 
 
 def _accumulate_wgrad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor,
@@ -219,25 +286,26 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         hidden2d = total.reshape(-1, total_shape[-1])
         target1d, valid = flatten_target(target, sc.ignore_index)
         has_target = target is not None
-        want_entropy = sc.entropy != "off"
         merge = functools.partial(
             merge_stats, vocab_size=sc.layout.vocab_size,
-            label_smoothing=sc.label_smoothing if has_target else 0.0, entropy=want_entropy,
-            has_target=has_target)
-        stat_opts = dict(layout=sc.layout, entropy=want_entropy,
-                         zsum=has_target and sc.label_smoothing > 0.0)
-        stats = hidden2d.new_zeros((NUM_STATS, hidden2d.shape[0]), dtype=torch.float32)
-        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-
-        if cfg.forward_grad:
-            merged, dx2d, acc = _forward_with_grads(hidden2d, weight, target1d, valid, grad_weights,
-                                                    stats, bufs, cfg, tp_group, merge, stat_opts)
-        else:
-            for rows, _, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid, sc,
-                                                          bufs):
-                chunk_stats(z, bufs.scratch, index, owned, stats[:, rows], **stat_opts)
-            merged = merge(_comm.gather_stats(stats, tp_group), valid)
-        del bufs, total, hidden2d, stats
+            label_smoothing=sc.label_smoothing if has_target else 0.0,
+            entropy=sc.entropy != "off", has_target=has_target,
+            batch_invariant=bool(sc.batch_invariant))
+        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
+                             batch_invariant=bool(sc.batch_invariant))
+        try:
+            if cfg.forward_grad:
+                merged, dx2d, acc = _forward_with_grads(hidden2d, weight, target1d, valid,
+                                                        grad_weights, bufs, cfg, tp_group, merge)
+            else:
+                chunks = ((rows, z, bufs.scratch_blocks, index, owned) for rows, _, z, index, owned
+                          in _logit_chunks(hidden2d, weight, target1d, valid, sc, bufs,
+                                           padded=True))
+                merged = merge(gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
+                                              has_target=has_target, device=hidden.device), valid)
+        finally:
+            bufs.release()
+        del bufs, total, hidden2d
         if host_checks_enabled(sc.validate, hidden.device):
             check_finite(merged.logsumexp, valid)
 
@@ -267,26 +335,28 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, stats, bufs,
-                        cfg: LinearStatsConfig, tp_group, merge, stat_opts):
+def _forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
+                        cfg: LinearStatsConfig, tp_group, merge):
     """The forward-gradient pass: statistics, and for the upstream gradient ``grad_weights`` of
     the logprobs the per-shard ``dX`` ([T, H], model dtype) and the fp32 ``dW`` sums: 3 matmuls
     per chunk, no recompute.
 
-    Each chunk's statistics are merged across the shards at once (one all-gather of
-    ``[NUM_STATS, chunk]`` per chunk), because its gradient needs the global logsumexp.
+    Each chunk's statistics are merged across the shards at once (one all-gather of the chunk's
+    statistics per chunk), because its gradient needs the global logsumexp.
     Returns ``(MergedStats, dX or None, dW sums or None)``.
     """
     sc = cfg.stats
     coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature)
-    names = ("logsumexp", "logprobs") + (("entropy",) if stat_opts["entropy"] else ())
-    out = {name: stats.new_empty(stats.shape[1]) for name in names}
+    names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
+    out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
     acc = _weight_grad_buffer(weight, None) if cfg.grad_weight else None
     for rows, logits, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid, sc,
-                                                       bufs):
-        chunk_stats(z, bufs.scratch, index, owned, stats[:, rows], **stat_opts)
-        part = merge(_comm.gather_stats(stats[:, rows], tp_group), valid[rows])
+                                                       bufs, padded=True):
+        n = rows.stop - rows.start
+        parts = gathered_stats([(slice(0, n), z, bufs.scratch_blocks, index, owned)], n, sc,
+                               tp_group, has_target=True, device=hidden2d.device)
+        part = merge(parts, valid[rows])
         for name in names:
             out[name][rows] = getattr(part, name)
         z = load_chunk(logits, bufs.z, sc.layout, sc.temperature)
@@ -362,21 +432,24 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
     ent = ent.reshape(-1) if coef_h is not None else None
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
     acc = _weight_grad_buffer(weight, ctx.main_grad) if cfg.grad_weight else None
-    bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-    for rows, logits, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid, sc,
-                                                       bufs):
-        chunk_grad(
-            z, bufs.scratch, logits,
-            lse=lse[rows],
-            ent=ent[rows] if ent is not None else None,
-            coef_lp=coef_lp[rows] if coef_lp is not None else None,
-            coef_h=coef_h[rows] if coef_h is not None else None,
-            index=index, owned=owned, valid=valid[rows] if valid is not None else None,
-            layout=sc.layout, label_smoothing=sc.label_smoothing,
-        )
-        _input_grads_of_chunk(logits, hidden2d[rows], weight,
-                              dx2d[rows] if dx2d is not None else None, acc, bufs)
-    del bufs
+    bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
+                         batch_invariant=bool(sc.batch_invariant))
+    try:
+        for rows, logits, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid, sc,
+                                                           bufs):
+            chunk_grad(
+                z, bufs.scratch, logits,
+                lse=lse[rows],
+                ent=ent[rows] if ent is not None else None,
+                coef_lp=coef_lp[rows] if coef_lp is not None else None,
+                coef_h=coef_h[rows] if coef_h is not None else None,
+                index=index, owned=owned, valid=valid[rows] if valid is not None else None,
+                layout=sc.layout, label_smoothing=sc.label_smoothing,
+            )
+            _input_grads_of_chunk(logits, hidden2d[rows], weight,
+                                  dx2d[rows] if dx2d is not None else None, acc, bufs)
+    finally:
+        bufs.release()
     grad_hidden = None
     if dx2d is not None:
         grad_hidden = _reduce_hidden_grad(dx2d, total.shape, cfg, tp_group)
@@ -510,6 +583,7 @@ def linear_vocab_parallel_stats(
     grad_weights: torch.Tensor | None = None,
     accumulate_into_main_grad: bool = False,
     validate: bool = True,
+    batch_invariant: bool | str = False,
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp of ``hidden @ W.T`` without the logits.
 
@@ -576,6 +650,19 @@ def linear_vocab_parallel_stats(
             ``weight.grad_added_to_main_grad = True`` and return a dummy gradient (zeros if
             ``weight.zero_out_wgrad``) if the weight has that attribute, else None. False: an
             ordinary gradient in the weight dtype.
+        batch_invariant: as :func:`~megatron_vocabstats.vocab_parallel_stats` (``True`` or
+            ``"tp"``), and the logits themselves are computed as matmuls of exactly 64 rows
+            (``INVARIANT_ROWS``) from a reused, zero-padded copy of the rows, so that every GEMM
+            has one shape whatever the token count, ``chunk_size`` or the row's position: a
+            row's outputs are then bitwise invariant to them as far as the GEMM computes each
+            row independently of the others with a fixed kernel for a fixed shape (checked on
+            CPU for fp32 and bf16; cuBLAS does for a fixed shape, outside split-K heuristics
+            that only depend on the shape). ``"tp"`` makes the statistics agree across tp for
+            the same logits; the logits of tp shards are separate GEMMs of other N, so they
+            can round differently from tp = 1. Costs: matmuls of 64 rows (the last one of a
+            chunk partly on zero rows), chunk buffers rounded up to whole 64-row blocks even
+            for few tokens, one ``[chunk, H]`` copy per chunk. Gradients are not covered
+            (``dW`` sums over all tokens).
 
     Returns:
         :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp)``, fp32,
@@ -590,7 +677,8 @@ def linear_vocab_parallel_stats(
     (only the local shard is saved, as Megatron does). With ``grad_weights`` the ``dX`` reduction
     happens in forward and backward has none (one tiny int64 all-gather with ``validate``).
 
-    Memory beyond inputs and outputs: the chunk buffers, ``O(tp * T)`` fp32 vectors, the
+    Memory beyond inputs and outputs: the chunk buffers (reused across calls through
+    ``ops.workspace``), ``O(tp * T)`` fp32 vectors, the
     gathered ``hidden`` under sequence parallelism, and in backward ``dX`` before its reduction
     and the fp32 ``[W, H]`` weight-gradient sums (none extra when ``main_grad`` is fp32).
 
@@ -615,6 +703,7 @@ def linear_vocab_parallel_stats(
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         validate=validate,
+        batch_invariant=batch_invariant,
     )
     return VocabStats(*_LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
                                                        tp_group))
@@ -634,6 +723,7 @@ def linear_vocab_parallel_cross_entropy(
     loss_weights: torch.Tensor | None = None,
     accumulate_into_main_grad: bool = False,
     validate: bool = True,
+    batch_invariant: bool | str = False,
 ) -> torch.Tensor:
     """Per-token cross-entropy ``-log p(target)`` (fp32, nats, shaped like ``target``) of
     ``hidden @ W.T``, without the logits: the fused replacement of Megatron's output layer +
@@ -650,5 +740,6 @@ def linear_vocab_parallel_cross_entropy(
         vocab_size=vocab_size, chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
         label_smoothing=label_smoothing, grad_weights=loss_weights,
         accumulate_into_main_grad=accumulate_into_main_grad, validate=validate,
+        batch_invariant=batch_invariant,
     )
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

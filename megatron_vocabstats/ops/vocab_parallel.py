@@ -16,8 +16,10 @@ import torch.distributed as dist
 from . import _comm
 from ._checks import StatsConfig, check_finite, checked_config, host_checks_enabled
 from ._math import (
+    BLOCK,
     NUM_STATS,
     MergedStats,
+    block_stats,
     chunk_grad,
     chunk_stats,
     finite_lse,
@@ -25,7 +27,9 @@ from ._math import (
     load_chunk,
     local_target_index,
     merge_stats,
+    padded_width,
 )
+from .workspace import WORKSPACE
 
 class VocabStats(NamedTuple):
     """Per-token statistics, each fp32 and shaped like ``target``.
@@ -55,23 +59,56 @@ def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
     return logprobs, entropy, lse
 
 
-def _chunks(logits2d, target1d, valid, cfg: StatsConfig):
+def _chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool = False):
     """Yield ``(rows, z, scratch, index, owned)`` per chunk, reusing two fp32 ``[chunk, W]`` buffers.
 
     ``z`` is the chunk upcast to fp32 (temperature applied, padding at -inf); ``index``/``owned``
-    locate each row's target in this shard (None without targets).
+    locate each row's target in this shard (None without targets). The buffers come from the
+    workspace cache (:mod:`.workspace`) and go back to it when the generator finishes or is
+    closed. ``padded``: buffers of :func:`~._math.padded_width` columns (whole blocks, for
+    :func:`~._math.block_stats` in batch-invariant mode).
     """
     num_tokens = logits2d.shape[0]
-    zbuf = logits2d.new_empty((min(cfg.chunk_size, max(num_tokens, 1)), cfg.layout.width),
-                              dtype=torch.float32)
-    scratch = torch.empty_like(zbuf)
-    for start in range(0, num_tokens, cfg.chunk_size):
-        rows = slice(start, min(start + cfg.chunk_size, num_tokens))
-        index = owned = None
-        if target1d is not None:
-            index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
-        z = load_chunk(logits2d[rows], zbuf, cfg.layout, cfg.temperature)
-        yield rows, z, scratch, index, owned
+    width = padded_width(cfg.layout.width, bool(cfg.batch_invariant) and padded)
+    shape = (min(cfg.chunk_size, max(num_tokens, 1)), width)
+    leases = [WORKSPACE.take(shape, torch.float32, logits2d.device) for _ in range(2)]
+    zbuf, scratch = (lease.tensor for lease in leases)
+    try:
+        for start in range(0, num_tokens, cfg.chunk_size):
+            rows = slice(start, min(start + cfg.chunk_size, num_tokens))
+            index = owned = None
+            if target1d is not None:
+                index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
+            z = load_chunk(logits2d[rows], zbuf, cfg.layout, cfg.temperature)
+            yield rows, z, scratch, index, owned
+    finally:
+        WORKSPACE.give(*leases)
+
+
+def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_target: bool,
+                   device) -> torch.Tensor:
+    """Statistics of every chunk of ``chunks`` (``(rows, z, scratch, index, owned)`` with z from
+    :func:`_chunks` ``padded=True`` or alike), gathered over ``tp_group``, ready for
+    :func:`~._math.merge_stats` (with ``batch_invariant=bool(cfg.batch_invariant)``).
+
+    Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
+    ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
+    ``BLOCK`` columns per shard). One all-gather (none for tp = 1).
+    """
+    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off",
+                zsum=has_target and cfg.label_smoothing > 0.0)
+    if cfg.batch_invariant == "tp":
+        blocks = padded_width(cfg.layout.width, True) // BLOCK
+        stats = torch.zeros((NUM_STATS, num_tokens, blocks), dtype=torch.float32, device=device)
+        for rows, z, scratch, index, owned in chunks:
+            block_stats(z, scratch, index, owned, stats[:, rows], **opts)
+        gathered = _comm.gather_stats(stats, tp_group)
+        return gathered.permute(0, 3, 1, 2).reshape(-1, NUM_STATS, num_tokens)
+    stats = torch.zeros((NUM_STATS, num_tokens), dtype=torch.float32, device=device)
+    for rows, z, scratch, index, owned in chunks:
+        chunk_stats(z, scratch, index, owned, stats[:, rows],
+                    batch_invariant=bool(cfg.batch_invariant), **opts)
+    return _comm.gather_stats(stats, tp_group)
 
 
 def flatten_target(target, ignore_index: int):
@@ -91,16 +128,13 @@ class _VocabParallelStats(torch.autograd.Function):
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
-        want_entropy = cfg.entropy != "off"
-        smoothing = cfg.label_smoothing if has_target else 0.0
-
-        stats = logits2d.new_zeros((NUM_STATS, logits2d.shape[0]), dtype=torch.float32)
-        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, cfg):
-            chunk_stats(z, scratch, index, owned, stats[:, rows], layout=cfg.layout,
-                        entropy=want_entropy, zsum=smoothing > 0.0)
-        merged = merge_stats(_comm.gather_stats(stats, tp_group), valid,
-                             vocab_size=cfg.layout.vocab_size, label_smoothing=smoothing,
-                             entropy=want_entropy, has_target=has_target)
+        parts = gathered_stats(_chunks(logits2d, target1d, valid, cfg, padded=True),
+                               logits2d.shape[0], cfg, tp_group, has_target=has_target,
+                               device=logits.device)
+        merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
+                             label_smoothing=cfg.label_smoothing if has_target else 0.0,
+                             entropy=cfg.entropy != "off", has_target=has_target,
+                             batch_invariant=bool(cfg.batch_invariant))
         if host_checks_enabled(cfg.validate, logits.device):
             check_finite(merged.logsumexp, valid)
 
@@ -151,6 +185,7 @@ def vocab_parallel_stats(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     validate: bool = True,
+    batch_invariant: bool | str = False,
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp from vocab-parallel logits.
 
@@ -195,14 +230,32 @@ def vocab_parallel_stats(
             Without it, ranks that disagree are not detected (a wrong result or a failed
             collective). This rank's shape, dtype and argument checks always run. Must be equal
             on all ranks. Logits at or below -1e30 count as -inf.
+        batch_invariant: ``False`` (default, torch's reductions), ``True`` or ``"tp"``. With
+            ``True`` a row's logprobs, entropy and logsumexp (and its gradient row) are bitwise
+            the same whatever the number of tokens, the row's position, the other rows and
+            ``chunk_size``, on a given device, dtype and tp size: every sum over columns runs
+            in blocks of 128 columns with a fixed halving tree of elementwise adds
+            (``ops._math.tree_sum_``), the shards combined in the same fixed order. Same
+            communication; the reductions cost about twice the reads of torch's sums.
+            Across tp sizes results still differ by rounding (each shard's sums are rescaled to
+            the global maximum). ``"tp"`` also makes tp = 1 and tp = k agree bitwise (with the
+            same global column blocks: the shard width must be a multiple of 128 for tp > 1, as
+            Megatron's vocabulary padding gives): the per-block statistics of every shard
+            are gathered and combined over the whole vocabulary in one fixed tree. Its cost:
+            the all-gather carries ``[5, T, W/128]`` fp32 per rank instead of ``[5, T]`` (about
+            ``20 * V/128`` bytes per token gathered, 24 KB at V = 151,936) and that much more
+            memory in forward. Values stay within the tolerances of ``docs/numerics.md``.
+            Must be equal on all ranks.
 
     Returns:
         :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
         ``logits.shape[:-1]``, identical on every rank of ``tp_group``.
 
     Communication: one all-gather of ``[5, T]`` fp32 in forward (plus one of 5 int64 when
-    ``validate``), none in backward. Memory beyond the inputs: two fp32 ``[chunk, W]`` buffers and
-    ``O(tp * T)`` fp32 vectors; backward allocates the logits gradient once, in the logits dtype.
+    ``validate``), none in backward. Memory beyond the inputs: two fp32 ``[chunk, W]`` buffers
+    (reused across calls through ``ops.workspace``; see there for their lifetime under streams and
+    CUDA graphs) and ``O(tp * T)`` fp32 vectors; backward allocates the logits gradient once, in
+    the logits dtype. No host synchronisation with ``validate=False`` (graph-capturable).
 
     Raises:
         ValueError: naming the argument, for a non-integer ``target``, leading shapes that differ,
@@ -225,6 +278,7 @@ def vocab_parallel_stats(
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         validate=validate,
+        batch_invariant=batch_invariant,
     )
     return VocabStats(*_VocabParallelStats.apply(logits, target, cfg, tp_group))
 
@@ -239,6 +293,7 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     ignore_index: int = -100,
     validate: bool = True,
+    batch_invariant: bool | str = False,
 ) -> torch.Tensor:
     """Per-token ``log p(target)`` (fp32, nats, shaped like ``target``) from vocab-parallel logits.
 
@@ -248,6 +303,7 @@ def vocab_parallel_logprobs(
     return vocab_parallel_stats(
         logits, target, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
         entropy="off", temperature=temperature, ignore_index=ignore_index, validate=validate,
+        batch_invariant=batch_invariant,
     ).logprobs
 
 
@@ -260,6 +316,7 @@ def vocab_parallel_entropy(
     temperature: float = 1.0,
     differentiable: bool = True,
     validate: bool = True,
+    batch_invariant: bool | str = False,
 ) -> torch.Tensor:
     """Per-token entropy ``-sum_j p_j log p_j`` (fp32, nats, shaped like ``logits.shape[:-1]``).
 
@@ -270,7 +327,7 @@ def vocab_parallel_entropy(
     return vocab_parallel_stats(
         logits, None, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
         entropy="grad" if differentiable else "metric", temperature=temperature,
-        validate=validate,
+        validate=validate, batch_invariant=batch_invariant,
     ).entropy
 
 
@@ -284,6 +341,7 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
     chunk_size: int | None = None,
     validate: bool = True,
+    batch_invariant: bool | str = False,
 ) -> torch.Tensor:
     """Drop-in for Megatron's ``tensor_parallel.vocab_parallel_cross_entropy``.
 
@@ -306,6 +364,6 @@ def vocab_parallel_cross_entropy(
     stats = vocab_parallel_stats(
         vocab_parallel_logits, target, tp_group=tp_group, vocab_size=vocab_size,
         chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
-        label_smoothing=label_smoothing, validate=validate,
+        label_smoothing=label_smoothing, validate=validate, batch_invariant=batch_invariant,
     )
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

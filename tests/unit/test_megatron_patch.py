@@ -241,3 +241,34 @@ def test_our_flags_without_the_switch_warn_and_turn_off(patch, monkeypatch):
         config_hook(args)
     assert any("--logprobs-chunk-size" in str(w.message) for w in caught)
     assert not settings.current().active
+
+
+@pytest.mark.parametrize("argv, mode", [([], False), (["--vocab-stats-batch-invariant"], True),
+                                        (["--vocab-stats-batch-invariant", "tp"], "tp")])
+def test_batch_invariant_flag_reaches_the_settings(patch, monkeypatch, argv, mode):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", *argv], monkeypatch)
+    config_hook(args)
+    assert settings.current().batch_invariant is mode or settings.current().batch_invariant == mode
+    with pytest.raises(ValueError, match="batch_invariant"):
+        settings.update(batch_invariant="yes")
+
+
+def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
+    from megatron_vocabstats.megatron import model
+
+    seen = {}
+    original = model.vocab_parallel_stats
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "vocab_parallel_stats", recording)
+    patch.apply(batch_invariant="tp")
+    fake = torch.nn.Module()
+    fake.tp_group = None
+    logits = torch.randn(4, 1, 32)
+    loss = LanguageModule.compute_language_model_loss(fake, torch.randint(0, 32, (1, 4)), logits)
+    assert seen["batch_invariant"] == "tp" and loss.shape == (1, 4)

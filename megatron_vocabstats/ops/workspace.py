@@ -1,0 +1,238 @@
+"""Chunk buffers reused across calls, with lifetimes that stay safe under streams and CUDA graphs.
+
+The ops upcast each ``[chunk, W]`` slice of logits into fp32 scratch buffers (two for the core
+op, three or four for the fused op). Allocating them per call is cheap with the CUDA caching
+allocator but not free (an allocator round trip per buffer, fresh pages on CPU), so one small
+cache, :data:`WORKSPACE`, keeps them between calls.
+
+Lifetime rules (what makes a cached buffer safe to hand out again):
+
+1. **Held means private.** :meth:`Workspace.take` removes a buffer from the cache; until it is
+   given back with :meth:`Workspace.give` nobody else can get it (two live calls, or a forward
+   and a backward on another thread, get different buffers).
+2. **Streams.** On CUDA a lease remembers the stream it was taken on; :meth:`Lease.record_stream`
+   adds any other stream that reads it. On :meth:`Workspace.give` an event is recorded on each
+   of those streams, and the next :meth:`Workspace.take` makes its own stream wait for them
+   (``Stream.wait_event``: a device-side wait, no host sync), so a buffer still read by a pending
+   side-stream kernel is never overwritten. A buffer dropped from the cache is
+   ``record_stream``-ed on those streams, so the caching allocator does not reuse its memory
+   early either.
+3. **CUDA graph capture.** While ``torch.cuda.is_current_stream_capturing()`` is True the cache is
+   neither read nor written: :meth:`Workspace.take` allocates a fresh buffer (from the graph's
+   private memory pool, which the graph keeps for as long as it lives) and :meth:`Workspace.give`
+   drops it. A captured graph therefore never shares memory with eager calls, and eager calls
+   never write into memory a replay reads.
+4. **Reset.** :func:`reset_workspace` drops every cached buffer (held ones are unaffected: they
+   go back to the emptied cache when given back). Call it after destroying CUDA
+   graphs (Megatron: after ``FullCudaGraphWrapper.reset_cuda_graph()`` or
+   ``megatron.core.transformer.cuda_graphs.delete_cuda_graphs()``; plain PyTorch: after
+   ``CUDAGraph.reset()``) or whenever the memory should go back to the allocator;
+   :func:`with_workspace_reset` wraps such a reset function so that it does both.
+5. **Bounded.** At most ``max_buffers`` free buffers and ``max_bytes`` bytes are kept; the least
+   recently returned are dropped first, and a buffer larger than ``max_bytes`` is never kept.
+
+Buffers are flat and grouped by size class (the element count rounded up by at most 1/8), so
+calls whose token count varies a little still reuse them; :meth:`Workspace.take` returns a view
+of the requested shape. Their content is undefined (like ``torch.empty``). On CPU the same API
+applies, without streams or capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Lease", "Workspace", "WORKSPACE", "configure_workspace", "reset_workspace",
+           "with_workspace_reset"]
+
+DEFAULT_MAX_BUFFERS = 8
+DEFAULT_MAX_BYTES = 2 * 2**30
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA is not in use).
+
+    ``torch.cuda.is_initialized()`` first: on a machine without a usable GPU the capture query
+    itself would raise, and nothing can be capturing before CUDA is initialised.
+    """
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _size_class(numel: int) -> int:
+    """``numel`` rounded up to a multiple of about 1/8 to 1/16 of itself (at least 1)."""
+    step = 1 << max(0, numel.bit_length() - 4)
+    return max(1, -(-numel // step) * step)
+
+
+@dataclass(eq=False)
+class Lease:
+    """A buffer taken from a :class:`Workspace`: ``tensor`` is the view to use.
+
+    Give it back with :meth:`Workspace.give` (or let it go: an un-returned lease is simply freed).
+    """
+
+    tensor: torch.Tensor
+    _base: torch.Tensor
+    _cacheable: bool
+    _streams: list = field(default_factory=list)
+
+    def record_stream(self, stream) -> None:
+        """Declare that ``stream`` (a ``torch.cuda.Stream``) reads or writes the buffer too; its
+        pending work is waited for before the buffer is handed to anyone else."""
+        if stream not in self._streams:
+            self._streams.append(stream)
+
+
+@dataclass(eq=False)
+class _Free:
+    base: torch.Tensor
+    key: tuple
+    events: list
+    streams: list
+
+
+class Workspace:
+    """A bounded cache of flat buffers keyed by ``(device, dtype, size class)``.
+
+    Args:
+        max_buffers: most free buffers kept (>= 0).
+        max_bytes: most bytes of free buffers kept (>= 0).
+
+    Raises:
+        ValueError: a bound that is not a non-negative int.
+    """
+
+    def __init__(self, *, max_buffers: int = DEFAULT_MAX_BUFFERS,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
+        self._lock = threading.Lock()
+        self._free: list[_Free] = []
+        self.configure(max_buffers=max_buffers, max_bytes=max_bytes)
+
+    def configure(self, *, max_buffers: int | None = None, max_bytes: int | None = None) -> None:
+        """Change the bounds (None keeps one); free buffers beyond them are dropped now."""
+        for name, value in (("max_buffers", max_buffers), ("max_bytes", max_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        with self._lock:
+            if max_buffers is not None:
+                self.max_buffers = max_buffers
+            if max_bytes is not None:
+                self.max_bytes = max_bytes
+            self._trim()
+
+    def take(self, shape, dtype: torch.dtype, device) -> Lease:
+        """A buffer viewed as ``shape`` (content undefined), cached if one fits, else new.
+
+        No host sync: on CUDA, waiting for the buffer's previous streams is queued on the current
+        stream. While a CUDA graph is being captured the buffer is always new and never cached.
+        """
+        device = torch.device(device)
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        size = _size_class(numel)
+        key = (device, dtype, size)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        if capturing():
+            base = torch.empty(size, dtype=dtype, device=device)
+            return Lease(base[:numel].view(shape), base, False, [stream] if stream else [])
+        entry = None
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i].key == key:
+                    entry = self._free.pop(i)
+                    break
+        if entry is None:
+            base = torch.empty(size, dtype=dtype, device=device)
+            streams = [stream] if stream else []
+        else:
+            base = entry.base
+            for event in entry.events:
+                stream.wait_event(event)
+            streams = list(entry.streams)
+            if stream is not None and stream not in streams:
+                streams.append(stream)
+        return Lease(base[:numel].view(shape), base, True, streams)
+
+    def give(self, *leases: Lease | None) -> None:
+        """Return leases (None entries ignored); their tensors must not be used afterwards."""
+        keep = not capturing()
+        for lease in leases:
+            if lease is None or lease._base is None or not lease._cacheable or not keep:
+                continue
+            base = lease._base
+            events = []
+            for stream in lease._streams:
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+            entry = _Free(base, (base.device, base.dtype, base.numel()), events, lease._streams)
+            with self._lock:
+                self._free.append(entry)
+                self._trim()
+            lease.tensor = lease._base = None
+
+    def reset(self) -> None:
+        """Drop every free buffer (their memory goes back to the allocator)."""
+        with self._lock:
+            dropped, self._free = self._free, []
+        for entry in dropped:
+            _release(entry)
+
+    def cached(self) -> tuple[int, int]:
+        """``(free buffers, their bytes)`` now in the cache."""
+        with self._lock:
+            return len(self._free), sum(_nbytes(e.base) for e in self._free)
+
+    def _trim(self) -> None:
+        total = sum(_nbytes(e.base) for e in self._free)
+        while self._free and (len(self._free) > self.max_buffers or total > self.max_bytes):
+            entry = self._free.pop(0)
+            total -= _nbytes(entry.base)
+            _release(entry)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _release(entry: _Free) -> None:
+    """Let the allocator have the memory back once every stream that used it is done."""
+    if entry.base.device.type == "cuda":
+        for stream in entry.streams:
+            entry.base.record_stream(stream)
+
+
+WORKSPACE = Workspace()
+
+
+def reset_workspace() -> None:
+    """Drop every buffer cached by the ops (:data:`WORKSPACE`). See the module's rule 4."""
+    WORKSPACE.reset()
+
+
+def configure_workspace(*, max_buffers: int | None = None, max_bytes: int | None = None) -> None:
+    """Bounds of the ops' cache (:meth:`Workspace.configure`); ``max_buffers=0`` disables it."""
+    WORKSPACE.configure(max_buffers=max_buffers, max_bytes=max_bytes)
+
+
+def with_workspace_reset(reset: Callable) -> Callable:
+    """``reset`` (e.g. Megatron's ``FullCudaGraphWrapper.reset_cuda_graph`` or
+    ``delete_cuda_graphs``) followed by :func:`reset_workspace`::
+
+        FullCudaGraphWrapper.reset_cuda_graph = with_workspace_reset(
+            FullCudaGraphWrapper.reset_cuda_graph)
+    """
+
+    @functools.wraps(reset)
+    def wrapped(*args, **kwargs):
+        result = reset(*args, **kwargs)
+        reset_workspace()
+        return result
+
+    return wrapped
