@@ -4,7 +4,9 @@ It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every l
 ``GPTModel``, ``HybridModel`` and the MTP layers call it through ``self``) with the exact, chunked
 vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes ``GPTModel``'s loss straight
 from the hidden states without materialising the logits (through ``forward``'s
-``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17); it adds the ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the
+``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17); it makes
+``FullCudaGraphWrapper.reset_cuda_graph`` also drop the ops' cached workspace
+(:func:`~megatron_vocabstats.ops.workspace.reset_workspace`); it adds the ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the
 config hook before ``validate_args`` (see :mod:`megatron_vocabstats.megatron.arguments` for how
 the import and the flag combine). ``apply(**settings)`` / ``remove()`` give explicit control;
 applying twice patches once and ``remove()`` restores every original object.
@@ -20,6 +22,7 @@ import os
 
 from .megatron import arguments, compat, model, settings
 from .megatron._patching import PATCHER
+from .ops.workspace import with_workspace_reset
 
 logger = logging.getLogger("megatron_vocabstats")
 
@@ -48,11 +51,16 @@ def _targets():
             f"megatron-core {compat.megatron_core_version()}: GPTModel has neither "
             f"forward(output_processor=...) nor _postprocess; the plugin supports {compat.SUPPORTED}"
         )
-    return [
+    targets = [
         (language_module, "compute_language_model_loss", model.make_compute_language_model_loss,
          "LanguageModule.compute_language_model_loss"),
         (gpt_model, hook, factory, f"GPTModel.{hook} (fused LM head when lm_head_chunk_size > 0)"),
     ]
+    graph_wrapper = compat.full_cuda_graph_wrapper_class()
+    if graph_wrapper is not None:  # a destroyed full-iteration graph drops the op's workspace too
+        targets.append((graph_wrapper, "reset_cuda_graph", with_workspace_reset,
+                        "FullCudaGraphWrapper.reset_cuda_graph (then reset_workspace)"))
+    return targets
 
 
 def apply(**options) -> settings.PluginSettings:

@@ -114,6 +114,16 @@ def training_module(name: str):
         return None
 
 
+def full_cuda_graph_wrapper_class():
+    """Megatron's ``FullCudaGraphWrapper`` (full-iteration CUDA graphs), or None where the release
+    has none or it lacks ``reset_cuda_graph``."""
+    try:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    except ImportError:
+        return None
+    return FullCudaGraphWrapper if hasattr(FullCudaGraphWrapper, "reset_cuda_graph") else None
+
+
 def transformer_engine_fused_adam_available() -> bool:
     """True if transformer-engine's ``FusedAdam`` (the precision-aware optimizer) imports."""
     try:

@@ -272,3 +272,19 @@ def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
     logits = torch.randn(4, 1, 32)
     loss = LanguageModule.compute_language_model_loss(fake, torch.randint(0, 32, (1, 4)), logits)
     assert seen["batch_invariant"] == "tp" and loss.shape == (1, 4)
+
+
+def test_full_cuda_graph_reset_drops_the_workspace(patch):
+    from megatron_vocabstats.megatron import compat
+    from megatron_vocabstats.ops.workspace import WORKSPACE
+
+    wrapper = compat.full_cuda_graph_wrapper_class()
+    if wrapper is None:
+        pytest.skip(f"megatron-core {compat.megatron_core_version()} has no FullCudaGraphWrapper.reset_cuda_graph")
+    assert getattr(wrapper.reset_cuda_graph, MARKER)
+    WORKSPACE.give(WORKSPACE.take((4, 8), torch.float32, torch.device("cpu")))
+    assert WORKSPACE.cached()[0] >= 1
+    wrapper.reset_cuda_graph(None)  # class-level state only; self is unused
+    assert WORKSPACE.cached() == (0, 0)
+    patch.remove()
+    assert not hasattr(wrapper.reset_cuda_graph, MARKER)
