@@ -1,0 +1,132 @@
+"""The GPU suite's bf16 speed table: ``vocab_parallel_stats`` against Megatron-Core's native
+``tensor_parallel.vocab_parallel_cross_entropy`` and its fused
+``fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy`` (torch.compile'd), one
+forward + backward of ``[T, V]`` bf16 logits on one GPU (tp = 1, an NCCL group of one rank).
+
+Run (from the repo root)::
+
+    python tests/gpu/speed.py --out /tmp/speed.json [--tokens 2048 8192] [--iters 10]
+
+The driver launches one torchrun worker (``benchmarks/_runner.launch``) and writes
+``{"config", "rows"}`` to ``--out`` for ``tests/gpu/_suite.py``; without CUDA it writes
+``{"skipped": reason}`` and launches nothing. Timing and peak memory are the benchmarks' own
+(``benchmarks/_runner.measure``: median wall time over ``--iters`` after ``--warmup`` runs,
+``torch.cuda.max_memory_allocated``). A provider that raises gets its error in the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from _runner import (  # noqa: E402
+    Measurement,
+    device,
+    init_worker,
+    is_worker,
+    launch,
+    measure,
+    write_worker_rows,
+)
+from bench_vocab_parallel import _backward, megatron, ours  # noqa: E402
+
+from _suite import exit_with_launcher  # noqa: E402  (tests/gpu: this script's directory)
+
+from megatron_vocabstats.ops._checks import auto_chunk_size  # noqa: E402
+
+
+def megatron_fused(logits, target, group, vocab):
+    """Megatron's fused cross-entropy (bf16 logits only; its gradient is cast to bf16)."""
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    def step():
+        loss = fused_vocab_parallel_cross_entropy(logits, target, group)
+        return lambda: _backward([loss], logits)
+
+    return step
+
+
+def providers(chunk: int):
+    """``(name, mode, make)``; ``make(logits, target, group, vocab)`` returns a benchmark step."""
+    return [
+        ("ours", "logprob", ours("off", chunk)),
+        ("ours", "logprob+entropy", ours("grad", chunk)),
+        ("megatron", "logprob", megatron),
+        ("megatron_fused", "logprob", megatron_fused),
+    ]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file for the suite's table")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed iterations first (Megatron's fused op compiles in them)")
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("tokens", "iters"):
+        values = getattr(args, name)
+        if any(v <= 0 for v in (values if isinstance(values, list) else [values])):
+            parser.error(f"--{name} must be positive")
+    if args.vocab <= 0 or args.warmup < 0:
+        parser.error("--vocab must be positive and --warmup >= 0")
+    return args
+
+
+def worker(args) -> None:
+    exit_with_launcher()
+    group = init_worker()
+    chunk = auto_chunk_size(args.vocab, device())
+    rows = []
+    for tokens in args.tokens:
+        gen = torch.Generator().manual_seed(tokens)
+        logits = ((torch.randn(tokens, args.vocab, generator=gen) * 2).bfloat16()
+                  .to(device()).requires_grad_())
+        target = torch.randint(0, args.vocab, (tokens,), generator=gen).to(device())
+        for name, mode, make in providers(chunk):
+            row = Measurement(provider=name, mode=mode, tokens=tokens, tp=1)
+            try:
+                row.peak_bytes, row.time_ms, _, _ = measure(
+                    make(logits, target, group, args.vocab), group=group,
+                    inputs=(logits, target), iters=args.iters, warmup=args.warmup)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                row.skipped = f"error: {type(exc).__name__}: {exc}"
+                logits.grad = None
+            rows.append(row)
+            print(f"T={tokens} {name}/{mode}: {row.time_ms} ms {row.skipped or ''}", flush=True)
+        del logits, target
+    write_worker_rows(args.worker_out, rows)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if is_worker():
+        worker(args)
+        return 0
+    if not torch.cuda.is_available():
+        report = {"skipped": "needs a CUDA device"}
+    else:
+        script_args = ["--out", args.out, "--tokens", *map(str, args.tokens), "--vocab",
+                       str(args.vocab), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+        rows = launch(os.path.abspath(__file__), 1, script_args)
+        report = {"config": f"V={args.vocab}, tp=1, median of {args.iters} after {args.warmup} "
+                            f"warm-up, {torch.cuda.get_device_name()}",
+                  "rows": [asdict(r) for r in rows]}
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
