@@ -4,6 +4,7 @@ Public API only; importing it has no side effects (the Megatron patch is
 ``import megatron_vocabstats.patch``).
 """
 
+from .distill import distillation_loss, topk_divergence
 from .losses import (
     LossOutput,
     StatsOptions,
@@ -17,6 +18,11 @@ from .losses import (
     token_loss,
 )
 from .ops import (
+    TopK,
+    linear_vocab_parallel_topk,
+    linear_vocab_parallel_topk_logprobs,
+    vocab_parallel_topk,
+    vocab_parallel_topk_logprobs,
     VocabStats,
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
@@ -40,6 +46,13 @@ from .packing import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "distillation_loss",
+    "topk_divergence",
+    "TopK",
+    "linear_vocab_parallel_topk",
+    "linear_vocab_parallel_topk_logprobs",
+    "vocab_parallel_topk",
+    "vocab_parallel_topk_logprobs",
     "LossOutput",
     "StatsOptions",
     "StepBatch",

@@ -1,4 +1,5 @@
-"""Command line of the GSM8K example: ``python -m examples.gsm8k {sft,grpo,score} [flags]``.
+"""Command line of the GSM8K example: ``python -m examples.gsm8k MODE [flags]``, MODE one of
+``sft``, ``grpo``, ``score``, ``distill``.
 
 The plugin comes in as a user adds it to a script with its own argument parser: the one-line
 ``import megatron_vocabstats.patch``, the flag family from
@@ -101,6 +102,30 @@ GRPO_FLAGS = [
      "PPO ratio clip; the entropy bonus is --entropy-coef (with --vocab-stats-entropy grad)"),
 ]
 
+DISTILL_FLAGS = [
+    ("--topk", int, 16, "teacher ids per token the student is distilled on"),
+    ("--teacher-steps", int, 20, "SFT steps of the teacher trained on the fly (no --teacher-load)"),
+    ("--teacher-num-layers", int, 0, "teacher layers (0 = 2 x --num-layers)"),
+    ("--teacher-hidden-size", int, 0, "teacher width (0 = --hidden-size)"),
+    ("--jsd-beta", float, 0.5, "JSD: weight of the teacher in the mixture, in (0, 1)"),
+    ("--distill-temperature", float, 1.0, "softmax temperature of teacher and student"),
+]
+
+
+def _distill_flags(parser: argparse.ArgumentParser) -> None:
+    _flags(parser, "distillation", DISTILL_FLAGS)
+    g = parser.add_argument_group("distillation")
+    g.add_argument("--teacher-load", default=None,
+                   help="teacher checkpoint of this example (e.g. from sft --save with the "
+                        "teacher's sizes); default: train one on the fly")
+    g.add_argument("--teacher-topk", choices=("on-the-fly", "precomputed"), default="on-the-fly",
+                   help="compute the teacher's top-k at each step, or once for every training "
+                        "row, stored under --out and read back")
+    g.add_argument("--divergence", choices=("forward_kl", "reverse_kl", "jsd"),
+                   default="forward_kl", help="divergence over the teacher's top-k")
+    g.add_argument("--tail-bucket", action="store_true",
+                   help="add the probability mass outside the top-k as one more bucket")
+
 
 def _flags(parser: argparse.ArgumentParser, title: str, flags) -> None:
     group = parser.add_argument_group(title)
@@ -114,10 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     sft = modes.add_parser("sft", help="supervised fine-tuning on answers + report")
     grpo = modes.add_parser("grpo", help="GRPO-style policy steps on stand-in rollouts")
     score = modes.add_parser("score", help="per-token logprobs and entropy of a JSONL file")
-    for mode in (sft, grpo, score):
+    distill = modes.add_parser("distill", help="top-k distillation from a larger teacher")
+    for mode in (sft, grpo, score, distill):
         _common(mode)
-    for mode in (sft, grpo):
+    for mode in (sft, grpo, distill):
         _training(mode)
+    _distill_flags(distill)
+    distill.add_argument("--test-examples", type=int, default=32,
+                         help="held-out test questions for the NLL before/after")
     _flags(sft, "evaluation and comparison", SFT_FLAGS)
     _flags(grpo, "policy", GRPO_FLAGS)
     g = score.add_argument_group("scoring")
@@ -133,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     config_hook(args)
     positive = ["steps", "micro_batches", "test_examples", "compare_batches", "compare_chunk",
-                "questions_per_step", "group_size", "ppo_epochs"]
+                "questions_per_step", "group_size", "ppo_epochs", "topk", "teacher_steps"]
     for name in positive:
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -147,6 +176,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise ValueError(f"--out {args.out} exists and is not a directory")
     if args.mode == "score" and os.path.isdir(args.output):
         raise ValueError(f"--output {args.output} is a directory; name the JSONL file to write")
+    if args.mode == "distill":
+        if not 0.0 < args.jsd_beta < 1.0:
+            raise ValueError(f"--jsd-beta must lie in (0, 1), got {args.jsd_beta}")
+        if not args.distill_temperature > 0.0:
+            raise ValueError(f"--distill-temperature must be > 0, got {args.distill_temperature}")
+        if args.cp > 1:
+            raise ValueError("distill runs with --cp 1 (the teacher's top-k is per packed row)")
+        for name in ("teacher_num_layers", "teacher_hidden_size"):
+            if getattr(args, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.mode == "grpo" and args.group_size < 2:
         raise ValueError("--group-size must be >= 2 (advantages are normalised within a group)")
     return args
@@ -174,7 +213,7 @@ def load_inputs(args) -> dict:
                        limit=args.train_examples or None)
     out["train_rows"] = train
     out["train"] = [encode_gsm8k(tokenizer, r["question"], r["answer"]) for r in train]
-    if args.mode == "sft":
+    if args.mode in ("sft", "distill"):
         test = load_gsm8k(os.path.join(args.data_dir, "test.jsonl"), what="--data-dir",
                           limit=args.test_examples)
         out["test"] = [encode_gsm8k(tokenizer, r["question"], r["answer"]) for r in test]
@@ -229,6 +268,12 @@ def check_inputs(args) -> tuple[dict, object, int]:
                          f"{' with --sequence-parallel' if args.sequence_parallel else ''})")
     if args.load:
         model_lib.check_checkpoint(args.load, shape)
+    if args.mode == "distill":
+        from .distill import teacher_shape
+
+        teacher = teacher_shape(args, inputs["tokenizer"].n_words)
+        if args.topk > teacher.vocab_size:
+            raise ValueError(f"--topk {args.topk} exceeds the vocabulary ({teacher.vocab_size})")
     if "examples" in inputs:  # scoring: every row must fit
         fits = _fits(inputs["examples"], args.seq_length, alignment)
         if not all(fits):
@@ -274,13 +319,13 @@ def _describe(run: Setup) -> str:
 
 
 def _run(args) -> int:
-    from . import grpo, score, sft
+    from . import distill, grpo, score, sft
     from .model import save_checkpoint
 
     run = setup(args)
     if run.par.is_main:
         print(_describe(run), flush=True)
-    mode = {"sft": sft, "grpo": grpo, "score": score}[args.mode]
+    mode = {"sft": sft, "grpo": grpo, "score": score, "distill": distill}[args.mode]
     result = mode.run(run.model, run.inputs, args, run.par, run.alignment, run.thd)
     code = 1 if args.mode == "sft" and not result["comparison"]["ok"] else 0
     if args.save:

@@ -1,6 +1,8 @@
 """The ops: pure math (``_math``), collectives (``_comm``) and the autograd Functions."""
 
 from .fused_linear import linear_vocab_parallel_cross_entropy, linear_vocab_parallel_stats
+from .fused_topk import linear_vocab_parallel_topk, linear_vocab_parallel_topk_logprobs
+from .topk import TopK, vocab_parallel_topk, vocab_parallel_topk_logprobs
 from .vocab_parallel import (
     VocabStats,
     vocab_parallel_cross_entropy,
@@ -10,6 +12,11 @@ from .vocab_parallel import (
 )
 
 __all__ = [
+    "TopK",
+    "linear_vocab_parallel_topk",
+    "linear_vocab_parallel_topk_logprobs",
+    "vocab_parallel_topk",
+    "vocab_parallel_topk_logprobs",
     "VocabStats",
     "linear_vocab_parallel_cross_entropy",
     "linear_vocab_parallel_stats",
