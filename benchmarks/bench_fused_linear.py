@@ -120,12 +120,13 @@ def unfused_ours(inputs: Inputs, group, chunk):
     return step
 
 
-def fused(entropy: str):
+def fused(entropy: str, batch_invariant: bool = False):
     def make(inputs: Inputs, group, chunk):
         def step():
             st = linear_vocab_parallel_stats(inputs.hidden, inputs.weight, inputs.target,
                                              tp_group=group, vocab_size=inputs.vocab,
-                                             chunk_size=chunk, entropy=entropy)
+                                             chunk_size=chunk, entropy=entropy,
+                                             batch_invariant=batch_invariant)
             loss = -(st.logprobs * inputs.mask).sum()
             if entropy == "grad":
                 loss = loss + 0.01 * (st.entropy * inputs.mask).sum()
@@ -153,7 +154,10 @@ PROVIDERS = {
     ("fused", "logprob"): fused("off"),
     ("fused", "logprob+entropy"): fused("grad"),
     ("fused_fwd_grad", "logprob"): fused_fwd_grad,
+    ("fused_batch_invariant", "logprob"): fused("off", batch_invariant=True),
 }
+# Run only when named in --providers.
+OPT_IN = {"fused_batch_invariant"}
 
 
 def estimate_bytes(provider: str, tokens: int, width: int, hidden: int, chunk: int) -> int:
@@ -195,7 +199,8 @@ def worker(args) -> None:
         runs = [(("fused", "logprob"), c) for c in args.sweep_chunk]
     else:
         chunk = args.chunk or auto_linear_chunk_size(width, device())
-        runs = [(key, chunk) for key in PROVIDERS if not args.providers or key[0] in args.providers]
+        runs = [(key, chunk) for key in PROVIDERS
+                if (key[0] in args.providers if args.providers else key[0] not in OPT_IN)]
     rows = []
     for hidden in args.hidden:
         layer = build_layer(hidden, width * tp, group)

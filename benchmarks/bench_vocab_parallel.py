@@ -7,7 +7,9 @@ forward+backward, and the collective calls in forward and in backward, for
 * ``ours`` / ``logprob+entropy``: ``entropy="grad"``, backward of logprobs and entropy;
 * ``megatron`` / ``logprob``: ``tensor_parallel.vocab_parallel_cross_entropy`` (logprob only);
 * ``full_gather`` / ``logprob+entropy``: all-gather the vocabulary, fp32 ``log_softmax``, gather
-  the target, ``-(p * logp).sum()``, autograd backward.
+  the target, ``-(p * logp).sum()``, autograd backward;
+* with ``--batch-invariant``, also ``ours`` / ``logprob+entropy bi=batch`` and ``bi=tp``
+  (``batch_invariant=True`` and ``"tp"``: fixed-order block reductions; see the README).
 
 Run (from the repo root)::
 
@@ -49,11 +51,12 @@ GiB = 1024**3
 BOUND_PER_TOKEN_VECTORS = 48
 
 
-def ours(entropy: str, chunk: int):
+def ours(entropy: str, chunk: int, batch_invariant: bool | str = False):
     def make(logits, target, group, vocab):
         def step():
             st = vocab_parallel_stats(logits, target, tp_group=group, vocab_size=vocab,
-                                      chunk_size=chunk, entropy=entropy)
+                                      chunk_size=chunk, entropy=entropy,
+                                      batch_invariant=batch_invariant)
             outs = [st.logprobs] + ([st.entropy] if entropy == "grad" else [])
             return lambda: _backward(outs, logits)
 
@@ -137,6 +140,9 @@ def worker(args) -> None:
         ("megatron", "logprob", megatron),
         ("full_gather", "logprob+entropy", full_gather),
     ]
+    if args.batch_invariant:
+        providers += [("ours", f"logprob+entropy bi={mode}", ours("grad", chunk, flag))
+                      for mode, flag in (("batch", True), ("tp", "tp"))]
     rows = []
     for tokens in args.tokens:
         gen = torch.Generator().manual_seed(tokens)
@@ -161,6 +167,7 @@ def worker(args) -> None:
             row.extra["shard_bytes"] = full_logits.numel() * 2
             if name == "ours":
                 row.extra["chunk"] = chunk
+            if name == "ours" and "bi=" not in mode:  # block statistics are outside the bound
                 bound = (2 * row.extra["shard_bytes"] + 2 * chunk * width * 4
                          + BOUND_PER_TOKEN_VECTORS * tp * tokens * 4)
                 row.extra["bound_ratio"] = round(row.peak_bytes / bound, 3)
@@ -211,6 +218,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None,
                         help="ours: tokens per fp32 chunk (default: the op's auto size)")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations (after 1 warm-up)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also run ours with batch_invariant=True and 'tp'")
     parser.add_argument("--memory-fraction", type=float, default=0.7,
                         help="skip a configuration estimated above this share of free memory")
     parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "vocab_parallel"))
