@@ -54,7 +54,10 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        choices=tuple(BATCH_INVARIANT_FLAG), default="off",
                        help="Batch-invariant statistics: a token's logprob and entropy do not "
                        "depend on the rest of the batch, bit for bit; 'tp' also makes every "
-                       "tensor-parallel size agree (more communication). Bare flag = batch.")
+                       "tensor-parallel size agree on the statistics of the same logits (more "
+                       "communication; needs --make-vocab-size-divisible-by a multiple of 128 "
+                       "under tp > 1; the fused head's logits GEMMs still depend on tp). Bare "
+                       "flag = batch.")
     group.add_argument("--vocab-stats-skip-checks", action="store_true",
                        help="Skip the op's host-side input checks (target range, cross-rank "
                        "agreement, finite results): no host sync in the loss.")
@@ -134,6 +137,33 @@ def _fp8(args) -> int:
     return fp8_token_alignment(args)
 
 
+def _batch_invariant(args):
+    """The ops' ``batch_invariant`` for ``--vocab-stats-batch-invariant``, checked against the run.
+
+    ``tp`` under tensor parallelism needs shards of whole 128-column blocks, which Megatron's
+    padding to ``make_vocab_size_divisible_by * tp`` gives only for a multiple of 128: rejected
+    here, naming the flags, rather than at the first loss call. With the fused LM head a warning
+    says that the logits themselves (GEMMs whose width depends on tp) are not tp-invariant.
+    """
+    mode = BATCH_INVARIANT_FLAG[args.vocab_stats_batch_invariant]
+    if mode != "tp":
+        return mode
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    divisible = getattr(args, "make_vocab_size_divisible_by", VOCAB_SHARD_MULTIPLE) or 1
+    if tp > 1 and divisible % VOCAB_SHARD_MULTIPLE:
+        raise ValueError(
+            f"--vocab-stats-batch-invariant tp with --tensor-model-parallel-size {tp} needs "
+            f"vocabulary shards of whole {VOCAB_SHARD_MULTIPLE}-column blocks: set "
+            f"--make-vocab-size-divisible-by to a multiple of {VOCAB_SHARD_MULTIPLE} (got "
+            f"{divisible}), or use --vocab-stats-batch-invariant batch")
+    if args.lm_head_chunk_size:
+        warnings.warn("--vocab-stats-batch-invariant tp with --lm-head-chunk-size > 0: the fused "
+                      "LM head's logits are GEMMs whose width depends on tp, so its results are "
+                      "batch-invariant but not tp-invariant (the unfused loss path is)",
+                      stacklevel=3)
+    return mode
+
+
 def config_hook(args) -> settings.PluginSettings:
     """Set the plugin up from Megatron's parsed ``args``; must run before ``validate_args``.
 
@@ -145,8 +175,9 @@ def config_hook(args) -> settings.PluginSettings:
     Raises:
         ValueError: naming the flags to change, for our path together with
             ``--cross-entropy-loss-fusion``, an entropy bonus without ``--vocab-stats-entropy
-            grad``, FP8 without bf16, or missing precision-aware-optimizer prerequisites (all of
-            them listed at once).
+            grad``, FP8 without bf16, missing precision-aware-optimizer prerequisites (all of
+            them listed at once), or ``--vocab-stats-batch-invariant tp`` under tensor
+            parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128.
     """
     if not getattr(args, "vocab_parallel_stats", False):
         defaults = vars(add_vocab_stats_args(argparse.ArgumentParser()).parse_args([]))
@@ -170,6 +201,7 @@ def config_hook(args) -> settings.PluginSettings:
         _precision_aware_optimizer(args)
     alignment = _fp8(args) if getattr(args, "fp8", None) else 1
     args.vocab_stats_token_alignment = alignment
+    batch_invariant = _batch_invariant(args)
     return settings.update(
         active=True,
         logprobs_chunk_size=args.logprobs_chunk_size or None,
@@ -179,7 +211,7 @@ def config_hook(args) -> settings.PluginSettings:
         label_smoothing=args.vocab_stats_label_smoothing,
         validate=not args.vocab_stats_skip_checks,
         token_alignment=alignment,
-        batch_invariant=BATCH_INVARIANT_FLAG[args.vocab_stats_batch_invariant],
+        batch_invariant=batch_invariant,
     )
 
 

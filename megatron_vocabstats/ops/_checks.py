@@ -237,7 +237,8 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
                  and logits.numel() > 0 and logits.stride(-1) != 0)
     sample = 0
     if ambiguous:
-        sample = _float_bits(float(logits.reshape(-1, cfg.layout.width)[0].double().sum()))
+        first_row = logits.detach().reshape(-1, cfg.layout.width)[0]
+        sample = _float_bits(float(first_row.double().sum()))
     table = agree_across_ranks(error, None if mine is None else [*mine, sample], _AGREEMENT,
                                tp_group, device=logits.device, group_name="tp_group",
                                hint="every tensor-parallel rank must pass the same tokens, "

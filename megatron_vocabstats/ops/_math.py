@@ -252,6 +252,7 @@ def merge_stats(
     entropy: bool,
     has_target: bool,
     batch_invariant: bool = False,
+    tokens_per_pass: int | None = None,
 ) -> MergedStats:
     """Merge ``[tp, NUM_STATS, T]`` shard statistics into per-token logsumexp, logprob, entropy.
 
@@ -262,7 +263,20 @@ def merge_stats(
     ``batch_invariant``: sum over the first dimension with :func:`tree_sum_` (which makes the
     merge of the :func:`block_stats` of all blocks of all shards, ``[tp * nb, NUM_STATS, T]`` in
     global column order, independent of tp).
+    ``tokens_per_pass``: merge at most that many tokens at a time (same bits, each token is merged
+    on its own), so the ``[P, T]`` temporaries stay ``[P, tokens_per_pass]``; for the many parts
+    of the per-block statistics.
     """
+    num_tokens = gathered.shape[-1]
+    if tokens_per_pass is not None and num_tokens > tokens_per_pass:
+        options = dict(vocab_size=vocab_size, label_smoothing=label_smoothing, entropy=entropy,
+                       has_target=has_target, batch_invariant=batch_invariant)
+        passes = [merge_stats(gathered[..., s:s + tokens_per_pass],
+                              None if valid is None else valid[s:s + tokens_per_pass], **options)
+                  for s in range(0, num_tokens, tokens_per_pass)]
+        return MergedStats(*(None if parts[0] is None else torch.cat(parts)
+                             for parts in zip(*((p.logsumexp, p.logprobs, p.entropy)
+                                                for p in passes))))
     smooth = has_target and label_smoothing > 0.0
     c = _combine(gathered, entropy=entropy, target=has_target, zsum=smooth,
                  ordered=batch_invariant)

@@ -41,7 +41,13 @@ from ._math import (
     merge_stats,
     padded_width,
 )
-from .vocab_parallel import VocabStats, flatten_target, function_outputs, gathered_stats
+from .vocab_parallel import (
+    VocabStats,
+    flatten_target,
+    function_outputs,
+    gathered_stats,
+    merge_tokens_per_pass,
+)
 from .workspace import WORKSPACE, capturing
 
 # CPU auto chunking: tokens per chunk from the bytes of one fp32 [chunk, W] buffer. Unlike the
@@ -134,17 +140,19 @@ class _ChunkBuffers:
     ``z``/``scratch``: fp32 ``[chunk, W]`` for the core math; ``z_blocks``/``scratch_blocks``: the
     same memory as ``[chunk, padded W]`` for :func:`~._math.block_stats` (the same tensors unless
     ``batch_invariant`` and W is not a multiple of 128); ``h32``: fp32 ``[chunk, H]``, made on
-    first use by the upcast weight-gradient path. With ``batch_invariant`` the chunk is rounded up
-    to a multiple of :data:`INVARIANT_ROWS` rows whatever the token count. All come from the
+    first use by the upcast weight-gradient path. With ``batch_invariant`` the rows (the chunk,
+    or fewer tokens) are rounded up to a multiple of :data:`INVARIANT_ROWS`. All come from the
     workspace cache (:mod:`.workspace`); :meth:`release` gives them back.
     """
 
     def __init__(self, hidden2d: torch.Tensor, width: int, chunk: int, *,
                  batch_invariant: bool = False):
+        rows = min(chunk, max(hidden2d.shape[0], 1))
         if batch_invariant:
-            rows = -(-chunk // INVARIANT_ROWS) * INVARIANT_ROWS
-        else:
-            rows = min(chunk, max(hidden2d.shape[0], 1))
+            # Whole INVARIANT_ROWS blocks of the rows a chunk can hold, never of the full
+            # chunk_size: a few tokens must not pay for a [chunk, W] buffer. The GEMM views
+            # (_chunk_logits) have the same shape and strides whatever the buffer's row count.
+            rows = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
         wide = padded_width(width, batch_invariant)
         device, self._hidden = hidden2d.device, hidden2d.shape[1]
         self._leases = [WORKSPACE.take((rows, width), hidden2d.dtype, device)]
@@ -301,8 +309,10 @@ class _LinearVocabParallelStats(torch.autograd.Function):
                 chunks = ((rows, z, bufs.scratch_blocks, index, owned) for rows, _, z, index, owned
                           in _logit_chunks(hidden2d, weight, target1d, valid, sc, bufs,
                                            padded=True))
-                merged = merge(gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
-                                              has_target=has_target, device=hidden.device), valid)
+                parts = gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
+                                       has_target=has_target, device=hidden.device)
+                merged = merge(parts, valid,
+                               tokens_per_pass=merge_tokens_per_pass(sc, parts.shape[0]))
         finally:
             bufs.release()
         del bufs, total, hidden2d

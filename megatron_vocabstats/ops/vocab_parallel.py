@@ -93,22 +93,35 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
 
     Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
     ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
-    ``BLOCK`` columns per shard). One all-gather (none for tp = 1).
+    ``BLOCK`` columns per shard; a view of the gathered tensor, no copy: merge it with
+    :func:`merge_tokens_per_pass`). One all-gather (none for tp = 1).
     """
     opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off",
                 zsum=has_target and cfg.label_smoothing > 0.0)
     if cfg.batch_invariant == "tp":
         blocks = padded_width(cfg.layout.width, True) // BLOCK
-        stats = torch.zeros((NUM_STATS, num_tokens, blocks), dtype=torch.float32, device=device)
+        # Block-major, so that the gathered [tp, nb, NUM_STATS, T] is [tp * nb, ...] as a view.
+        stats = torch.zeros((blocks, NUM_STATS, num_tokens), dtype=torch.float32, device=device)
         for rows, z, scratch, index, owned in chunks:
-            block_stats(z, scratch, index, owned, stats[:, rows], **opts)
+            block_stats(z, scratch, index, owned, stats.permute(1, 2, 0)[:, rows], **opts)
         gathered = _comm.gather_stats(stats, tp_group)
-        return gathered.permute(0, 3, 1, 2).reshape(-1, NUM_STATS, num_tokens)
+        return gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
     stats = torch.zeros((NUM_STATS, num_tokens), dtype=torch.float32, device=device)
     for rows, z, scratch, index, owned in chunks:
         chunk_stats(z, scratch, index, owned, stats[:, rows],
                     batch_invariant=bool(cfg.batch_invariant), **opts)
     return _comm.gather_stats(stats, tp_group)
+
+
+def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:
+    """``tokens_per_pass`` of :func:`~._math.merge_stats` for ``num_parts`` gathered parts per
+    token (:func:`gathered_stats`): None (one pass) except for ``batch_invariant="tp"``, whose
+    ``tp * nb`` parts would make the merge's temporaries several times the gathered statistics;
+    there, as many tokens as keep its ~8 fp32 ``[parts, tokens]`` temporaries near one fp32
+    ``[chunk, W]`` buffer."""
+    if cfg.batch_invariant != "tp":
+        return None
+    return max(1, cfg.chunk_size * padded_width(cfg.layout.width, True) // (8 * num_parts))
 
 
 def flatten_target(target, ignore_index: int):
@@ -134,7 +147,8 @@ class _VocabParallelStats(torch.autograd.Function):
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
                              label_smoothing=cfg.label_smoothing if has_target else 0.0,
                              entropy=cfg.entropy != "off", has_target=has_target,
-                             batch_invariant=bool(cfg.batch_invariant))
+                             batch_invariant=bool(cfg.batch_invariant),
+                             tokens_per_pass=merge_tokens_per_pass(cfg, parts.shape[0]))
         if host_checks_enabled(cfg.validate, logits.device):
             check_finite(merged.logsumexp, valid)
 
@@ -242,9 +256,11 @@ def vocab_parallel_stats(
             same global column blocks: the shard width must be a multiple of 128 for tp > 1, as
             Megatron's vocabulary padding gives): the per-block statistics of every shard
             are gathered and combined over the whole vocabulary in one fixed tree. Its cost:
-            the all-gather carries ``[5, T, W/128]`` fp32 per rank instead of ``[5, T]`` (about
-            ``20 * V/128`` bytes per token gathered, 24 KB at V = 151,936) and that much more
-            memory in forward. Values stay within the tolerances of ``docs/numerics.md``.
+            the all-gather carries ``[W/128, 5, T]`` fp32 per rank instead of ``[5, T]`` (about
+            ``20 * V/128`` bytes per token gathered, 24 KB at V = 151,936); forward holds this
+            rank's share and the gathered whole (``1 + 1/tp`` times that), merged in passes of
+            tokens with temporaries near one fp32 chunk buffer. Values stay within the
+            tolerances of ``docs/numerics.md``.
             Must be equal on all ranks.
 
     Returns:

@@ -18,6 +18,7 @@ import torch
 from _reference import reference_stats
 from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stats
 from megatron_vocabstats.ops._math import BLOCK, tree_sum_
+from megatron_vocabstats.testing import forbid_host_sync
 
 CHUNKS = [1, 3, 16, None]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -184,3 +185,89 @@ def test_fused_op_rows_are_bitwise_invariant(dtype):
     fused = functools.partial(linear_vocab_parallel_stats, weight=weight)
     _check_modes(lambda b, t, **kw: fused(b, target=t, **kw), (True,), probes, make_rows,
                  targets_of, reference, tol, dtype)
+
+
+def _recorded_takes(monkeypatch):
+    """Element counts of every buffer the ops take from the workspace."""
+    from megatron_vocabstats.ops import workspace
+
+    sizes = []
+    take = workspace.WORKSPACE.take
+
+    def recording(shape, *args, **kwargs):
+        sizes.append(tuple(shape))
+        return take(shape, *args, **kwargs)
+
+    monkeypatch.setattr(workspace.WORKSPACE, "take", recording)
+    return sizes
+
+
+def test_fused_op_buffers_follow_the_token_count_not_the_chunk_size(monkeypatch):
+    # A few tokens with the auto chunk size (16k rows on CPU at W = 1000) must get buffers of
+    # one 64-row block, as in the default mode they get the token count.
+    sizes = _recorded_takes(monkeypatch)
+    hidden, weight = torch.randn(4, 16), torch.randn(1000, 16)
+    target = torch.randint(0, 1000, (4,))
+    one_block = 64 * 1024  # INVARIANT_ROWS rows of the padded width
+    for mode in (True, "tp"):
+        sizes.clear()
+        h = hidden.clone().requires_grad_()
+        st = linear_vocab_parallel_stats(h, weight, target, batch_invariant=mode)
+        st.logprobs.sum().backward()
+        assert sizes and max(torch.Size(s).numel() for s in sizes) <= one_block, sizes
+
+
+def test_tp_mode_merges_in_bounded_passes_with_the_same_bits(monkeypatch):
+    # "tp" merges tp * nb parts per token: in passes whose [parts, tokens] temporaries stay
+    # near one [chunk, W] buffer, not [parts, T] for the whole sequence.
+    from megatron_vocabstats.ops import _math
+
+    shapes = []
+    combine = _math._combine
+
+    def recording(parts, **kwargs):
+        shapes.append(tuple(parts.shape))
+        return combine(parts, **kwargs)
+
+    monkeypatch.setattr(_math, "_combine", recording)
+    torch.manual_seed(4)
+    logits, target = torch.randn(300, 1000) * 3, torch.randint(0, 1000, (300,))
+    with forbid_host_sync():
+        st = vocab_parallel_stats(logits, target, batch_invariant="tp", chunk_size=8,
+                                  label_smoothing=0.1, validate=False)
+    merges = [s for s in shapes if s[0] == 1024 // BLOCK]
+    assert merges and max(s[0] * s[-1] for s in merges) <= 8 * 1024 // 8 + 8 * 1024 // BLOCK
+    assert sum(s[-1] for s in merges) == 300
+    one_pass = vocab_parallel_stats(logits, target, batch_invariant="tp", chunk_size=300,
+                                    label_smoothing=0.1)
+    for a, b in zip(st, one_pass):
+        assert torch.equal(a, b)
+
+
+def test_merge_passes_give_the_same_bits():
+    from megatron_vocabstats.ops._math import NUM_STATS, STAT_MAX, merge_stats
+
+    torch.manual_seed(5)
+    parts = torch.rand(6, NUM_STATS, 37) * 3
+    parts[:, STAT_MAX] = torch.randn(6, 37) * 4
+    valid = torch.rand(37) > 0.2
+    opts = dict(vocab_size=700, label_smoothing=0.1, entropy=True, has_target=True,
+                batch_invariant=True)
+    whole = merge_stats(parts, valid, **opts)
+    for per_pass in (1, 5, 36, 37, 100):
+        split = merge_stats(parts, valid, tokens_per_pass=per_pass, **opts)
+        for name in ("logsumexp", "logprobs", "entropy"):
+            assert torch.equal(getattr(split, name), getattr(whole, name)), (per_pass, name)
+
+
+@pytest.mark.parametrize("mode", [True, "tp"])
+def test_empty_batch(mode):
+    # No tokens (an empty microbatch or context-parallel shard) works as in the default mode.
+    logits = torch.randn(0, 300, requires_grad=True)
+    hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(300, 8)
+    target = torch.zeros(0, dtype=torch.long)
+    for st in (vocab_parallel_stats(logits, target, batch_invariant=mode),
+               linear_vocab_parallel_stats(hidden, weight, target, batch_invariant=mode)):
+        assert all(t.shape == (0,) for t in st)
+        (st.logprobs.sum() + st.entropy.sum()).backward()
+    assert logits.grad.shape == (0, 300) and hidden.grad.shape == (0, 8)

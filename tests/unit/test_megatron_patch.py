@@ -288,3 +288,29 @@ def test_full_cuda_graph_reset_drops_the_workspace(patch):
     assert WORKSPACE.cached() == (0, 0)
     patch.remove()
     assert not hasattr(wrapper.reset_cuda_graph, MARKER)
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"], True),
+    (["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "256"], False),
+    (["--make-vocab-size-divisible-by", "64"], False),  # tp = 1: any width is padded inside
+])
+def test_tp_invariant_mode_checks_vocab_padding_at_config_time(patch, monkeypatch, extra, error):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--vocab-stats-batch-invariant", "tp", *extra],
+                     monkeypatch)
+    if error:
+        with pytest.raises(ValueError, match="--make-vocab-size-divisible-by.*got 64"):
+            config_hook(args)
+    else:
+        assert config_hook(args).batch_invariant == "tp"
+
+
+def test_tp_invariant_mode_with_fused_head_warns(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--vocab-stats-batch-invariant", "tp",
+                      "--lm-head-chunk-size", "256"], monkeypatch)
+    with pytest.warns(UserWarning, match="not tp-invariant"):
+        config_hook(args)

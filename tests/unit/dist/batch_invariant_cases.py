@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,12 @@ def tp_mode_needs_whole_blocks_and_agreement(group):
         assert "batch_invariant differs" in str(exc), str(exc)
     else:
         raise AssertionError("batch_invariant that differs across ranks was accepted")
+    # A small vocabulary (shard as wide as it), logits that require grad, validate on: the
+    # replicated-logits check reads one row without warning about requires_grad.
+    leaf = (torch.arange(3 * 128, dtype=torch.float32).view(3, 128) * (rank + 1)).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vocab_parallel_stats(leaf, target, tp_group=group, vocab_size=100, batch_invariant="tp")
 
 
 if __name__ == "__main__":
