@@ -22,6 +22,11 @@ sides sum to 1 and this is the ordinary KL; over the bare top-k it is the genera
 student matches the teacher on every top-k id. So KL >= 0 holds numerically, and KL(p, p) is 0
 bit for bit in every dtype.
 
+The tail mass ``1 - sum_k p`` is floored at the resolution of 1 in the computation dtype (fp32:
+2**-23): below it the rounded top-k log-probs do not determine it (the sum is only known to a few
+ulps), and a tail that rounds to 0 would make reverse KL (teacher side) or forward KL (student
+side) infinite. Both sides are floored alike, so KL(p, p) stays exactly 0.
+
 No host synchronisation (no ``.item()``, no value-dependent shapes); collectives only in the op.
 """
 
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .losses import LossOutput, _check_float, _count, _pair, _token_mask
+from .ops._checks import host_checks_enabled
 from .ops._math import LOGP_MIN
 from .ops.topk import TopK, vocab_parallel_topk_logprobs
 
@@ -57,7 +63,11 @@ class DistillConfig:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
                 or not 0.0 < self.beta < 1.0:
-            raise ValueError(f"beta must be a number in (0, 1), got {self.beta!r}")
+            raise ValueError(
+                f"beta must be a number in (0, 1), got {self.beta!r}: at 0 and 1 the mixture is "
+                "one of the two sides and JSD(beta) is identically 0 (TRL and Liger map beta=0 "
+                "and 1 to forward and reverse KL by convention: pass divergence='forward_kl' or "
+                "'reverse_kl' for those)")
         for name in ("tail_bucket", "renormalize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -107,11 +117,19 @@ def _mixture(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
 
 def _buckets(logprobs: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
     """The ``[..., k]`` log-masses as the divergence sees them: renormalised over the top-k, or
-    with the tail ``log(1 - sum_k p)`` appended as bucket k + 1, or as they are."""
+    with the tail ``log(1 - sum_k p)`` (floored at ``log eps`` of the dtype, see the module
+    docstring) appended as bucket k + 1, or as they are.
+
+    A row with no mass on its top-k (all -inf) stays all -inf under ``renormalize`` (0/0 has no
+    value; the divergence is then +inf or 0, never NaN, and its gradient finite).
+    """
     if cfg.renormalize:
-        return logprobs - torch.logsumexp(logprobs, dim=-1, keepdim=True)
+        dead = torch.isneginf(logprobs).all(dim=-1, keepdim=True)
+        live = torch.where(dead, 0.0, logprobs)
+        return torch.where(dead, logprobs, live - torch.logsumexp(live, dim=-1, keepdim=True))
     if cfg.tail_bucket:
-        tail = log1mexp(torch.logsumexp(logprobs, dim=-1, keepdim=True))
+        floor = math.log(torch.finfo(logprobs.dtype).eps)
+        tail = log1mexp(torch.logsumexp(logprobs, dim=-1, keepdim=True)).clamp(min=floor)
         return torch.cat([logprobs, tail], dim=-1)
     return logprobs
 
@@ -148,7 +166,8 @@ def topk_divergence(
             order); treated as a constant. -inf allowed (zero teacher mass).
         loss_mask: ``[...]`` (the leading shape), non-zero where a token counts. Required.
         divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-        beta: in (0, 1), used by ``"jsd"`` only.
+        beta: in (0, 1), used by ``"jsd"`` only. JSD(beta) tends to 0 at both ends (accurate
+            up to them: tested at 1e-4 and 1 - 1e-4); 0 and 1 raise (see ``DistillConfig``).
         tail_bucket: add the mass outside the top-k as one more bucket, ``log(1 - sum_k p)``
             computed with ``log1mexp`` (``log(-expm1)`` / ``log1p(-exp)``).
         renormalize: normalise both sides over the top-k instead of the full vocabulary.
@@ -211,6 +230,19 @@ def _teacher_parts(teacher) -> tuple[torch.Tensor, torch.Tensor]:
     return logprobs, indices
 
 
+def _check_distinct(indices: torch.Tensor, mask: torch.Tensor) -> None:
+    """``ValueError`` if a counted row of ``indices`` ``[..., k]`` holds an id twice (reads the
+    host; a teacher's top-k never does)."""
+    ids = indices.reshape(-1, indices.shape[-1]).sort(dim=-1).values
+    twice = (ids[:, 1:] == ids[:, :-1]) & mask.reshape(-1, 1)
+    if bool(twice.any()):
+        row, col = twice.nonzero()[0].tolist()
+        value = int(ids[row, col])
+        raise ValueError(f"teacher.indices holds id {value} twice in the top-k of the counted "
+                         f"token at flat position {row}: the divergence needs distinct ids "
+                         "(mask padded positions out with loss_mask)")
+
+
 def _student_vocab(student, vocab_size, tp_group) -> int | None:
     if vocab_size is not None or not isinstance(student, torch.Tensor) or student.dim() == 0:
         return vocab_size
@@ -231,6 +263,7 @@ def distillation_loss(
     tail_bucket: bool = False,
     renormalize: bool = False,
     temperature: float = 1.0,
+    temperature_scale: bool = False,
     chunk_size: int | None = None,
     validate: bool = False,
 ) -> LossOutput:
@@ -241,7 +274,8 @@ def distillation_loss(
         lq = torch.log_softmax(student_logits.float()[..., :V] / temperature, -1)
         lq = lq.gather(-1, teacher.indices)
         per_token = topk_divergence(lq, teacher.logprobs, loss_mask, divergence=..., ...)
-        loss_sum = per_token.sum();  num_tokens = m.sum()
+        loss_sum = per_token.sum() * (temperature ** 2 if temperature_scale else 1)
+        num_tokens = m.sum()
 
     computed without gathering the vocabulary or upcasting the logits
     (:func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`). ``functools.partial`` of it over
@@ -266,10 +300,20 @@ def distillation_loss(
             student's (``ValueError`` otherwise; distillation over ids needs one vocabulary).
         divergence, beta, tail_bucket, renormalize: as :func:`topk_divergence`.
         temperature, chunk_size: of the student op (the logits are divided by the temperature).
+        temperature_scale: multiply the loss (and so its gradient) by ``temperature ** 2``, the
+            soft-target scaling of Hinton, Vinyals and Dean 2015 ("Distilling the Knowledge in a
+            Neural Network", sec. 2): the gradient of a softened KL shrinks like
+            ``1 / temperature ** 2``, and the factor keeps its magnitude independent of the
+            temperature (e.g. when mixed with a hard-label loss). False (default): the
+            divergence as it is, as TRL's GKD and Megatron's ModelOpt KD do not scale either.
         validate: the op's host-reading checks (off by default in a training step, as in
             :class:`~megatron_vocabstats.losses.StatsOptions`): teacher ids outside
-            ``[0, vocab_size)`` at counted tokens raise ``ValueError`` on every rank; without it
-            they make the loss NaN (never a silently wrong number).
+            ``[0, vocab_size)`` at counted tokens, or an id twice in one counted token's top-k,
+            raise ``ValueError`` on every rank, and so do ``k``, ``indices`` or ``loss_mask``
+            that differ across the ranks of ``tp_group``. Without it an out-of-range id makes the
+            loss NaN (never a silently wrong number); a repeated id counts as a bucket of its
+            own each time (the top-k measures then weigh that id twice, and with
+            ``tail_bucket`` the teacher's mass may exceed 1, so the loss has no meaning).
 
     Returns:
         :class:`~megatron_vocabstats.LossOutput`: ``loss_sum`` fp32 scalar, ``num_tokens`` int32,
@@ -281,14 +325,20 @@ def distillation_loss(
     Raises:
         ValueError: naming the argument: ``loss_mask`` missing or misshapen, a ``teacher`` that
             is not a (logprobs, indices) pair of equal ``[..., k]`` shapes, ``teacher_vocab_size``
-            different from the student's, a ``student`` of another type, and what
-            :func:`topk_divergence` and the op raise.
+            different from the student's, a ``student`` of another type,
+            ``temperature_scale`` not a bool, with ``validate`` repeated ids (see there), and
+            what :func:`topk_divergence` and the op raise.
     """
     cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
                         renormalize=renormalize)
+    if not isinstance(temperature_scale, bool):
+        raise ValueError(f"temperature_scale must be a bool, got {temperature_scale!r}")
     teacher_lp, indices = _teacher_parts(teacher)
     mask = _token_mask(loss_mask, teacher_lp[..., 0], "teacher.logprobs[..., 0]")
     student_vocab = _student_vocab(student, vocab_size, tp_group)
+    if teacher_vocab_size is not None and student_vocab is None:
+        raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} cannot be checked: with a "
+                         "callable student (fused LM head) pass the student's vocab_size too")
     if teacher_vocab_size is not None and teacher_vocab_size != student_vocab:
         raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} differs from the student's "
                          f"vocabulary size {student_vocab!r}: top-k distillation compares "
@@ -302,11 +352,16 @@ def distillation_loss(
     else:
         raise ValueError(f"student must be logits or a callable returning top-k log-probs, got "
                          f"{type(student).__name__}")
+    if host_checks_enabled(validate, indices.device):
+        # After the op: its checks made every rank agree on the ids and mask, so all raise alike.
+        _check_distinct(indices, mask)
     per_token = topk_divergence(student_lp, teacher_lp, mask, divergence=cfg.divergence,
                                 beta=cfg.beta, tail_bucket=cfg.tail_bucket,
                                 renormalize=cfg.renormalize)
     num_tokens = _count(mask)
     loss_sum = per_token.sum()
+    if temperature_scale:
+        loss_sum = loss_sum * (float(temperature) ** 2)
     keep = mask.unsqueeze(-1)
 
     def mass(lp):

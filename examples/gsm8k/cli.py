@@ -125,6 +125,13 @@ def _distill_flags(parser: argparse.ArgumentParser) -> None:
                    default="forward_kl", help="divergence over the teacher's top-k")
     g.add_argument("--tail-bucket", action="store_true",
                    help="add the probability mass outside the top-k as one more bucket")
+    g.add_argument("--teacher-topk-load", default=None, metavar="DIR",
+                   help="read the teacher's top-k from the teacher_topk_dp<r>.pt files of an "
+                        "earlier --teacher-topk precomputed run (same data, layout, --topk, "
+                        "--distill-temperature; checked) instead of computing it")
+    g.add_argument("--distill-temperature-scale", action="store_true",
+                   help="multiply the loss by --distill-temperature squared (Hinton et al. "
+                        "2015), so gradients keep their size as the temperature changes")
 
 
 def _flags(parser: argparse.ArgumentParser, title: str, flags) -> None:
@@ -186,6 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         for name in ("teacher_num_layers", "teacher_hidden_size"):
             if getattr(args, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if args.teacher_topk_load and not os.path.isdir(args.teacher_topk_load):
+            raise ValueError(f"--teacher-topk-load {args.teacher_topk_load} is not a directory "
+                             "(the --out of a --teacher-topk precomputed run)")
     if args.mode == "grpo" and args.group_size < 2:
         raise ValueError("--group-size must be >= 2 (advantages are normalised within a group)")
     return args

@@ -6,7 +6,9 @@ The teacher is a deeper (``--teacher-num-layers``) and/or wider (``--teacher-hid
 loop for ``--teacher-steps`` steps. Its top-k per token comes from
 :func:`megatron_vocabstats.vocab_parallel_topk` on its vocab-parallel logits, either computed at
 each step (``--teacher-topk on-the-fly``) or computed once for every training row, stored to
-``<out>/teacher_topk_dp<r>.pt`` and read back (``--teacher-topk precomputed``). The student is
+``<out>/teacher_topk_dp<r>.pt`` and read back (``--teacher-topk precomputed``), or read from the
+files of an earlier precomputed run (``--teacher-topk-load DIR``; checked against this run's
+flags, a corrupt or mismatched file stops every rank with an error naming it). The student is
 then trained with :func:`megatron_vocabstats.distillation_loss` (Megatron's loss contract) on
 its vocab-parallel logits: forward/reverse KL or JSD over the teacher's top-k, optionally with
 the tail bucket. Reported: per-step distillation loss and top-k masses, test NLL of the student
@@ -84,24 +86,105 @@ def teacher_topk(teacher, batch, args, par: Parallel, vocab_size: int) -> TopK:
                                    vocab_size=vocab_size, temperature=args.distill_temperature)
 
 
-def topk_path(args, par: Parallel) -> str:
-    return os.path.join(args.out, f"teacher_topk_dp{par.dp_rank}.pt")
+TOPK_FORMAT = "megatron_vocabstats.gsm8k.teacher_topk/1"
+_META_FLAGS = {"topk": "--topk", "temperature": "--distill-temperature",
+               "vocab_size": "the tokenizer's vocabulary size", "seq_length": "--seq-length"}
+
+
+def topk_path(directory: str, par: Parallel) -> str:
+    return os.path.join(directory, f"teacher_topk_dp{par.dp_rank}.pt")
+
+
+def topk_meta(args, vocab_size: int) -> dict:
+    """What a stored top-k depends on besides the rows: checked when it is read back."""
+    return {"format": TOPK_FORMAT, "topk": args.topk, "temperature": args.distill_temperature,
+            "vocab_size": vocab_size, "seq_length": args.seq_length}
+
+
+def needed_rows(train_rows, args, par: Parallel) -> list[int]:
+    """The training rows this dp rank reads in ``args.steps`` steps."""
+    return sorted({i % len(train_rows) for step in range(args.steps)
+                   for i in _row_ids(step, args, par)})
 
 
 def precompute_topk(teacher, train_rows, args, par, vocab_size: int) -> str:
     """Every training row's teacher top-k (this dp rank's rows), written once by tp rank 0:
-    ``{row: (logprobs fp32, indices int32)}``; returns the path."""
-    rows = sorted({i % len(train_rows) for step in range(args.steps)
-                   for i in _row_ids(step, args, par)})
+    ``{**topk_meta, "rows": {row: (logprobs fp32, indices int32)}}``; returns the path."""
     stored = {}
-    for i in rows:
+    for i in needed_rows(train_rows, args, par):
         top = teacher_topk(teacher, train_rows[i], args, par, vocab_size)
         stored[i] = (top.logprobs.cpu(), top.indices.to(torch.int32).cpu())
-    path = topk_path(args, par)
+    path = topk_path(args.out, par)
     if par.tp_rank == 0:
-        report.atomic_write(path, lambda f: torch.save(stored, f), binary=True)
+        content = {**topk_meta(args, vocab_size), "rows": stored}
+        report.atomic_write(path, lambda f: torch.save(content, f), binary=True)
     dist.barrier()
     return path
+
+
+def read_topk(path: str, meta: dict, shapes: dict[int, tuple[int, ...]], device) -> dict:
+    """The stored top-k of the rows ``shapes`` (row -> its tokens' leading shape) from ``path``,
+    as ``{row: TopK}`` on ``device``, after checking the file: written by
+    :func:`precompute_topk` with this run's ``meta`` (top-k size, temperature, vocabulary,
+    sequence length), holding every row with log-probs ``[*shape, topk]`` (float, no NaN, <= 0)
+    and ids in ``[0, vocab_size)``. Raises ``ValueError`` naming the file otherwise."""
+    where = f"--teacher-topk-load: {path}"
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{where} does not exist (written by a --teacher-topk precomputed run "
+                         "with the same --tp/--dp layout?)") from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear error
+        raise ValueError(f"{where} is not a readable top-k file ({type(exc).__name__}: "
+                         f"{exc})") from None
+    if not isinstance(content, dict) or content.get("format") != meta["format"]:
+        raise ValueError(f"{where} is not a teacher top-k file of this example (format "
+                         f"{meta['format']!r})")
+    for key, value in meta.items():
+        if content.get(key) != value:
+            raise ValueError(f"{where} was written with {_META_FLAGS.get(key, key)} "
+                             f"{content.get(key)!r}, this run has {value!r}: recompute it with "
+                             "--teacher-topk precomputed")
+    rows = content.get("rows")
+    out = {}
+    for i, shape in shapes.items():
+        entry = rows.get(i) if isinstance(rows, dict) else None
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2
+                and all(isinstance(t, torch.Tensor) for t in entry)):
+            raise ValueError(f"{where} holds no top-k for training row {i} (written for other "
+                             "--steps, --micro-batches, --train-examples or --seed?)")
+        logprobs, indices = entry
+        want = (*shape, meta["topk"])
+        if tuple(logprobs.shape) != want or tuple(indices.shape) != want \
+                or not logprobs.dtype.is_floating_point or indices.dtype.is_floating_point:
+            raise ValueError(f"{where}: row {i} holds {logprobs.dtype} {tuple(logprobs.shape)} "
+                             f"log-probs and {indices.dtype} {tuple(indices.shape)} ids; expected "
+                             f"float and integer {want} (this row's tokens x --topk)")
+        if bool(((indices < 0) | (indices >= meta["vocab_size"])).any()):
+            raise ValueError(f"{where}: row {i} holds ids outside [0, {meta['vocab_size']})")
+        if bool((torch.isnan(logprobs) | (logprobs > 0)).any()):
+            raise ValueError(f"{where}: row {i} holds NaN or positive log-probs")
+        out[i] = TopK(logprobs.to(device), indices.to(device).long())
+    return out
+
+
+def load_topk(path: str, train_rows, args, par: Parallel, vocab_size: int) -> dict:
+    """:func:`read_topk` of this dp rank's rows; an error on any rank raises on every rank
+    (one all-reduce over the world), so none is left waiting in the training collectives."""
+    shapes = {i: tuple(train_rows[i].loss_mask.shape)
+              for i in needed_rows(train_rows, args, par)}
+    error = None
+    try:
+        stored = read_topk(path, topk_meta(args, vocab_size), shapes, par.device)
+    except ValueError as exc:
+        error = exc
+    failed = torch.tensor([int(error is not None)], device=par.device)
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise ValueError("another rank rejected its --teacher-topk-load file (see its error)")
+    return stored
 
 
 def _row_ids(step: int, args, par: Parallel) -> list[int]:
@@ -121,7 +204,8 @@ def distill_forward_step(args, par: Parallel, vocab_size: int, teacher_vocab: in
             distillation_loss, teacher=top, loss_mask=batch.loss_mask, tp_group=par.tp_group,
             vocab_size=vocab_size, teacher_vocab_size=teacher_vocab, divergence=args.divergence,
             beta=args.jsd_beta, tail_bucket=args.tail_bucket,
-            temperature=args.distill_temperature)
+            temperature=args.distill_temperature,
+            temperature_scale=args.distill_temperature_scale)
 
     return forward_step
 
@@ -129,9 +213,15 @@ def distill_forward_step(args, par: Parallel, vocab_size: int, teacher_vocab: in
 def train_student(student, teacher, train_rows, args, par, vocab_size, teacher_vocab):
     """``args.steps`` distillation steps; returns per-step reports."""
     stored = None
-    if args.teacher_topk == "precomputed":
+    if args.teacher_topk_load:
+        path = topk_path(args.teacher_topk_load, par)
+        stored = load_topk(path, train_rows, args, par, vocab_size)
+        if par.is_main:
+            print(f"distill: teacher top-{args.topk} of {len(stored)} rows read from {path}",
+                  flush=True)
+    elif args.teacher_topk == "precomputed":
         path = precompute_topk(teacher, train_rows, args, par, vocab_size)
-        stored = torch.load(path, map_location=par.device, weights_only=True)
+        stored = load_topk(path, train_rows, args, par, vocab_size)
         if par.is_main:
             print(f"distill: teacher top-{args.topk} of {len(stored)} rows stored in {path} and "
                   "read back", flush=True)
@@ -146,8 +236,7 @@ def train_student(student, teacher, train_rows, args, par, vocab_size, teacher_v
             if stored is None:
                 top = teacher_topk(teacher, batch, args, par, vocab_size)
             else:
-                logprobs, indices = stored[i % len(train_rows)]
-                top = TopK(logprobs, indices.long())
+                top = stored[i % len(train_rows)]
             items.append((batch, top))
         optimizer.zero_grad(set_to_none=True)
         results = run_schedule(student, forward_step, items, forward_only=False,
@@ -184,7 +273,7 @@ def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> di
         print(f"distill: teacher test NLL {teacher_nll:.4f}; student before {nll_before:.4f} "
               f"nats/answer token; top-{args.topk} {args.divergence}"
               f"{' + tail bucket' if args.tail_bucket else ''}, teacher top-k "
-              f"{args.teacher_topk}", flush=True)
+              f"{'loaded' if args.teacher_topk_load else args.teacher_topk}", flush=True)
     history = train_student(model, teacher, train_rows, args, par, vocab_size,
                             shape.vocab_size)
     nll_after = evaluate_nll(model, test_batches, par, args.seq_length)

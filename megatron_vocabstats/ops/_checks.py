@@ -10,6 +10,7 @@ one rank raises on every rank instead of leaving the others waiting in a collect
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -193,13 +194,18 @@ def agree_across_ranks(error: ValueError | None, values: list[int] | None,
 
 
 def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
-                   local_error: ValueError | None = None, **options) -> StatsConfig:
+                   local_error: ValueError | None = None,
+                   agree: tuple[tuple[str, Callable[[], int]], ...] = (),
+                   **options) -> StatsConfig:
     """Validate the inputs of one call and return its :class:`StatsConfig`.
 
     Raises ``ValueError`` naming the argument (see :func:`vocab_parallel_stats`). With
     ``validate`` on a group of size > 1, costs one all-gather of a few int64 numbers, through
     which an error on one rank (its own check, or ``local_error`` found by a caller such as the
-    fused op) raises on every rank.
+    fused op) raises on every rank. ``agree``: a caller's own ``(name, value_fn)`` pairs that
+    must be equal on every rank, compared in that same all-gather (``value_fn()`` returns an int
+    and is called only there, when this rank's checks passed; e.g. ``k`` and id checksums of the
+    top-k ops).
     """
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"logits must be a tensor [..., V/tp], got {type(logits).__name__}")
@@ -228,6 +234,7 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
             _float_bits(cfg.temperature),
             _float_bits(cfg.label_smoothing),
             BATCH_INVARIANT_MODES.index(cfg.batch_invariant),
+            *(int(value()) for _, value in agree),
         ]
     # A shard as wide as the real vocabulary may be a Megatron shard (small vocabulary, whole
     # shards of padding) or the full logits replicated on every rank: the first row tells (equal
@@ -239,7 +246,8 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
     if ambiguous:
         first_row = logits.detach().reshape(-1, cfg.layout.width)[0]
         sample = _float_bits(float(first_row.double().sum()))
-    table = agree_across_ranks(error, None if mine is None else [*mine, sample], _AGREEMENT,
+    names = _AGREEMENT + tuple(name for name, _ in agree)
+    table = agree_across_ranks(error, None if mine is None else [*mine, sample], names,
                                tp_group, device=logits.device, group_name="tp_group",
                                hint="every tensor-parallel rank must pass the same tokens, "
                                "targets and options, and its own equal-width vocabulary shard",

@@ -123,7 +123,7 @@ def chunk_stats(
     if zsum:
         out[STAT_ZSUM] = z[:, : layout.real_width].sum(dim=-1)
     m = z.amax(dim=-1)
-    live = m > Z_FLOOR
+    live = ~(m <= Z_FLOOR)  # a NaN maximum stays live, so the row comes out NaN
     out[STAT_MAX] = torch.where(live, m, float("-inf"))
     z.sub_(m.unsqueeze(1))
     e = torch.exp(z, out=scratch[:n])
@@ -173,7 +173,7 @@ def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: 
         real[:, layout.real_width:] = 0.0
         out[STAT_ZSUM] = tree_sum_(real.view(zb.shape), 2)
     m = zb.amax(dim=-1)
-    live = m > Z_FLOOR
+    live = ~(m <= Z_FLOOR)  # a NaN maximum stays live, so the row comes out NaN
     out[STAT_MAX] = torch.where(live, m, float("-inf"))
     zb.sub_(m.unsqueeze(2))
     e = torch.exp(z, out=scratch[:n]).view(zb.shape)

@@ -537,7 +537,9 @@ def _first_device(*candidates) -> torch.device:
 
 
 def _checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, sequence_parallel,
-                           accumulate_into_main_grad, chunk_size, **options) -> LinearStatsConfig:
+                           accumulate_into_main_grad, chunk_size,
+                           local_error: ValueError | None = None,
+                           **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
     (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
 
@@ -554,6 +556,8 @@ def _checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, se
                              sequence_parallel=sequence_parallel, tp=tp,
                              entropy=options["entropy"],
                              accumulate_into_main_grad=accumulate_into_main_grad)
+    if problem is None and local_error is not None:
+        problem = local_error
     if problem is None:
         width = weight.shape[0]
         # Shape, dtype and device of the logits, with no memory behind them.

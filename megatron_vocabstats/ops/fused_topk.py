@@ -6,14 +6,18 @@ those of :mod:`megatron_vocabstats.ops.topk`, and backward recomputes each chunk
 the logits gradient into ``dX`` and ``dW`` right away (``fused_linear._input_grads_of_chunk``), so
 no ``[T, V/tp]`` tensor exists and the workspace does not grow with the sequence length.
 Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to top-k
-log-probs.
+log-probs. Sequence parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
+``ColumnParallelLinear``'s contract through the fused head's own helpers.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
+from . import _comm
 from ._checks import host_checks_enabled
 from .fused_linear import (
     LinearStatsConfig,
@@ -30,38 +34,59 @@ from .topk import (
     TopKConfig,
     backward_terms,
     chunk_topk_grad,
+    agreement,
     index_problem,
     k_problem,
     picked_pass,
-    raise_everywhere,
     real_vocab,
     topk_pass,
     valid_rows,
 )
 
 
-def _linear_config(hidden, weight, tp_group, *, chunk_size, vocab_size, temperature,
-                   validate) -> LinearStatsConfig:
+def _linear_config(hidden, weight, tp_group, *, sequence_parallel=False,
+                   accumulate_into_main_grad=False, chunk_size, vocab_size, temperature,
+                   validate, local_error=None, agree=()) -> LinearStatsConfig:
     return _checked_linear_config(
-        hidden, weight, None, None, tp_group, sequence_parallel=False,
-        accumulate_into_main_grad=False, chunk_size=chunk_size, vocab_size=vocab_size,
-        entropy="off", temperature=temperature, ignore_index=-100, label_smoothing=0.0,
-        validate=validate)
+        hidden, weight, None, None, tp_group, sequence_parallel=sequence_parallel,
+        accumulate_into_main_grad=accumulate_into_main_grad, chunk_size=chunk_size,
+        local_error=local_error, agree=agree, vocab_size=vocab_size, entropy="off",
+        temperature=temperature, ignore_index=-100, label_smoothing=0.0, validate=validate)
+
+
+def _full_hidden(hidden, cfg: LinearStatsConfig, tp_group) -> torch.Tensor:
+    """``hidden``, or under sequence parallelism every rank's shard gathered along dim 0."""
+    return _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
+
+
+def _lead_shape(hidden, sequence_parallel, tp_group) -> tuple[int, ...] | None:
+    """The leading shape of the (gathered) tokens, that of ``indices`` and ``mask``; None when
+    ``hidden`` is not a tensor of the right rank (the linear checks then name it)."""
+    _, tp = _comm.group_rank_size(tp_group)
+    sp = sequence_parallel is True and tp > 1
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1 + sp:
+        return None
+    lead = tuple(hidden.shape[:-1])
+    return (lead[0] * tp, *lead[1:]) if sp else lead
 
 
 class _LinearTopKLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, indices, valid, cfg: LinearStatsConfig, tp_group):
         sc = cfg.stats
-        hidden2d = hidden.reshape(-1, hidden.shape[-1])
+        total = _full_hidden(hidden, cfg, tp_group)
+        hidden2d = total.reshape(-1, total.shape[-1])
         indices2d = indices.reshape(-1, indices.shape[-1])
         bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-        chunks = ((rows, logits, z, bufs.scratch) for rows, logits, z, _, _ in
-                  _logit_chunks(hidden2d, weight, None, None, sc, bufs))
-        logprobs, lse = picked_pass(chunks, indices2d, valid, sc, tp_group)
-        del bufs
+        try:
+            chunks = ((rows, logits, z, bufs.scratch) for rows, logits, z, _, _ in
+                      _logit_chunks(hidden2d, weight, None, None, sc, bufs))
+            logprobs, lse = picked_pass(chunks, indices2d, valid, sc, tp_group)
+        finally:
+            bufs.release()
         ctx.cfg, ctx.tp_group = cfg, tp_group
-        ctx.save_for_backward(hidden, weight, indices, valid, lse)
+        ctx.main_grad = weight.main_grad if cfg.accumulate_into_main_grad else None
+        ctx.save_for_backward(hidden, weight, indices, valid, lse)  # the local shard only (SP)
         ctx.set_materialize_grads(False)
         return logprobs.view(indices.shape)
 
@@ -73,22 +98,27 @@ class _LinearTopKLogprobs(torch.autograd.Function):
         hidden, weight, indices, valid, lse = ctx.saved_tensors
         cfg: LinearStatsConfig = ctx.cfg
         sc = cfg.stats
-        hidden2d = hidden.reshape(-1, hidden.shape[-1])
+        total = _full_hidden(hidden, cfg, ctx.tp_group)
+        hidden2d = total.reshape(-1, total.shape[-1])
         local, coef, hits, lse = backward_terms(grad, indices, valid, lse, sc)
         dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
-        acc = _weight_grad_buffer(weight, None) if cfg.grad_weight else None
+        acc = _weight_grad_buffer(weight, ctx.main_grad) if cfg.grad_weight else None
         bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-        for rows, logits, z, _, _ in _logit_chunks(hidden2d, weight, None, None, sc, bufs):
-            chunk_topk_grad(z, bufs.scratch, logits, lse=lse[rows], coef=coef[rows],
-                            hits=hits[rows], local=local[rows], valid=valid[rows],
-                            layout=sc.layout)
-            _input_grads_of_chunk(logits, hidden2d[rows], weight,
-                                  dx2d[rows] if dx2d is not None else None, acc, bufs)
-        del bufs
+        try:
+            for rows, logits, z, _, _ in _logit_chunks(hidden2d, weight, None, None, sc, bufs):
+                chunk_topk_grad(z, bufs.scratch, logits, lse=lse[rows], coef=coef[rows],
+                                hits=hits[rows], local=local[rows], valid=valid[rows],
+                                layout=sc.layout)
+                _input_grads_of_chunk(logits, hidden2d[rows], weight,
+                                      dx2d[rows] if dx2d is not None else None, acc, bufs)
+        finally:
+            bufs.release()
         grad_hidden = None
         if dx2d is not None:
-            grad_hidden = _reduce_hidden_grad(dx2d, hidden.shape, cfg, ctx.tp_group)
-        grad_weight = _finish_weight_grad(acc, weight, None, cfg) if acc is not None else None
+            grad_hidden = _reduce_hidden_grad(dx2d, total.shape, cfg, ctx.tp_group)
+        grad_weight = None
+        if acc is not None:
+            grad_weight = _finish_weight_grad(acc, weight, ctx.main_grad, cfg)
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -98,18 +128,22 @@ def linear_vocab_parallel_topk_logprobs(
     indices: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
     mask: torch.Tensor | None = None,
     vocab_size: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    accumulate_into_main_grad: bool = False,
     validate: bool = True,
 ) -> torch.Tensor:
     """Log-probs of ``hidden @ W.T`` at given global ids, normalised over the full vocabulary,
     without the logits.
 
-    Reference semantics (one process; ``W`` the full output weight, shards stacked in rank order)::
+    Reference semantics (one process; ``W`` the full output weight, shards stacked in rank order;
+    ``h`` the full sequence, the shards of ``hidden`` concatenated along dim 0 under
+    ``sequence_parallel``)::
 
-        vocab_parallel_topk_logprobs(hidden @ W.T, indices, mask=mask, vocab_size=..., ...)
+        vocab_parallel_topk_logprobs(h @ W.T, indices, mask=mask, vocab_size=..., ...)
 
     Each chunk's logits are ``hidden_chunk @ weight.T`` in the model dtype, as in
     :func:`~megatron_vocabstats.linear_vocab_parallel_stats`, so the results equal the unfused op
@@ -117,34 +151,52 @@ def linear_vocab_parallel_topk_logprobs(
     rounding of a full ``hidden @ weight.T`` versus chunks). Backward recomputes each chunk.
 
     Args:
-        hidden: ``[..., H]`` bf16/fp16/fp32 hidden states, replicated on the ranks of ``tp_group``
-            (no sequence parallelism); never modified.
+        hidden: ``[..., H]`` bf16/fp16/fp32 hidden states (Megatron ``[s, b, H]``), replicated
+            on the ranks of ``tp_group``; with ``sequence_parallel`` this rank's sequence shard
+            ``[s/tp, ..., H]`` (gathered along dim 0 inside, its gradient reduce-scattered).
+            Never modified.
         weight: this rank's ``[W, H]`` shard of the output layer, same dtype and device.
-        indices: integer global ids ``[..., k]`` with the leading shape of ``hidden``.
+        indices: integer global ids ``[..., k]`` whose leading shape is that of ``hidden``
+            (the gathered ``[s, ...]`` under ``sequence_parallel``, as Megatron's labels).
         tp_group, mask, vocab_size, temperature, validate: as
-            :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`.
+            :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (``mask`` shaped like the
+            leading shape of ``indices``).
+        sequence_parallel: ``hidden`` is the local sequence shard (Megatron's
+            ``sequence_parallel``); ignored for tp = 1.
         chunk_size: tokens per chunk (default ``fused_linear.auto_linear_chunk_size``).
+        accumulate_into_main_grad: Megatron's gradient-accumulation fusion, exactly as
+            :func:`~megatron_vocabstats.linear_vocab_parallel_stats`: the fp32 weight gradient is
+            added into ``weight.main_grad`` (and a dummy or None returned).
 
     Returns:
         fp32 ``[..., k]`` log-probs, identical on every rank (0 at masked rows).
 
     Communication: forward, one all-gather of ``[5 + k, T]`` fp32 (plus, with ``validate`` on
-    tp > 1, two of a few int64); backward, one all-reduce of ``dX`` (as ``ColumnParallelLinear``).
-    Memory beyond inputs and outputs: the fused head's chunk buffers, ``O(tp k T)`` fp32, and in
-    backward ``dX`` and the fp32 ``[W, H]`` weight-gradient sums; nothing ``[T, W]``.
+    tp > 1, two of a few int64, and under ``sequence_parallel`` the all-gather of ``hidden``);
+    backward, one all-reduce of ``dX``, or under ``sequence_parallel`` one reduce-scatter and
+    the all-gather of ``hidden`` again (as ``ColumnParallelLinear``).
+    Memory beyond inputs and outputs: the fused head's chunk buffers, ``O(tp k T)`` fp32, the
+    gathered ``hidden`` under sequence parallelism, and in backward ``dX`` and the fp32
+    ``[W, H]`` weight-gradient sums (none extra with an fp32 ``main_grad``); nothing ``[T, W]``.
 
     Raises:
         ValueError: everything :func:`~megatron_vocabstats.linear_vocab_parallel_stats` raises
             for ``hidden``/``weight``/options and everything ``vocab_parallel_topk_logprobs``
-            raises for ``indices``/``mask``; under ``validate`` and tp > 1 on every rank.
+            raises for ``indices``/``mask``; under ``validate`` and tp > 1 on every rank,
+            including ``k``, ``indices`` or ``mask`` that differ across the ranks.
     """
-    cfg = _linear_config(hidden, weight, tp_group, chunk_size=chunk_size, vocab_size=vocab_size,
-                         temperature=temperature, validate=validate)
-    device = hidden.device
-    problem = index_problem(indices, mask, hidden.shape[:-1], device, cfg.stats.layout.vocab_size,
-                            host_checks_enabled(validate, device))
-    raise_everywhere(problem, tp_group, device=device, validate=validate)
-    valid = valid_rows(mask, hidden.numel() // hidden.shape[-1], device)
+    lead = _lead_shape(hidden, sequence_parallel, tp_group)
+    problem = None
+    if lead is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        problem = index_problem(indices, mask, lead, hidden.device,
+                                real_vocab(weight.shape[0], tp_group, vocab_size),
+                                host_checks_enabled(validate, hidden.device))
+    cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
+                         accumulate_into_main_grad=accumulate_into_main_grad,
+                         chunk_size=chunk_size, vocab_size=vocab_size, temperature=temperature,
+                         validate=validate, local_error=problem,
+                         agree=agreement(lambda: indices.shape[-1], indices, mask))
+    valid = valid_rows(mask, math.prod(lead), hidden.device)
     return _LinearTopKLogprobs.apply(hidden, weight, indices, valid, cfg, tp_group)
 
 
@@ -154,6 +206,7 @@ def linear_vocab_parallel_topk(
     k: int,
     *,
     tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
     vocab_size: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
@@ -161,23 +214,33 @@ def linear_vocab_parallel_topk(
 ) -> TopK:
     """The teacher's global top-k of ``hidden @ W.T`` without the logits: equals
     :func:`~megatron_vocabstats.vocab_parallel_topk` on the chunk products (see
-    :func:`linear_vocab_parallel_topk_logprobs` for ``hidden``/``weight`` and the rounding).
+    :func:`linear_vocab_parallel_topk_logprobs` for ``hidden``/``weight``/``sequence_parallel``
+    and the rounding); results ``[*lead, k]`` for the (gathered) leading shape.
 
-    Not differentiable. Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 (plus a few
-    int64 with ``validate``). Raises ``ValueError`` for ``k`` outside ``[1, V]`` and what
-    ``linear_vocab_parallel_stats`` raises; under ``validate`` and tp > 1 on every rank.
+    Not differentiable. Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 (plus two
+    of a few int64 with ``validate``, and the all-gather of ``hidden`` under
+    ``sequence_parallel``). Raises ``ValueError`` for ``k`` outside ``[1, V]`` and what
+    ``linear_vocab_parallel_stats`` raises; under ``validate`` and tp > 1 on every rank,
+    including a ``k`` that differs across the ranks.
     """
-    cfg = _linear_config(hidden, weight, tp_group, chunk_size=chunk_size, vocab_size=vocab_size,
-                         temperature=temperature, validate=validate)
-    vocab = real_vocab(cfg.stats.layout.width, tp_group, cfg.stats.layout.vocab_size)
-    raise_everywhere(k_problem(k, vocab), tp_group, device=hidden.device, validate=validate)
+    problem = None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        vocab = real_vocab(weight.shape[0], tp_group, vocab_size)
+        problem = k_problem(k, vocab) if vocab is not None else None
+    cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
+                         chunk_size=chunk_size, vocab_size=vocab_size, temperature=temperature,
+                         validate=validate, local_error=problem, agree=agreement(k))
     sc = cfg.stats
-    hidden2d = hidden.detach().reshape(-1, hidden.shape[-1])
     with torch.no_grad():
+        total = _full_hidden(hidden.detach(), cfg, tp_group)
+        hidden2d = total.reshape(-1, total.shape[-1])
         bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-        chunks = ((rows, z, bufs.scratch) for rows, _, z, _, _ in
-                  _logit_chunks(hidden2d, weight.detach(), None, None, sc, bufs))
-        top = topk_pass(chunks, hidden2d.shape[0], hidden.device, TopKConfig(stats=sc, k=k),
-                        tp_group)
-    shape = (*hidden.shape[:-1], k)
+        try:
+            chunks = ((rows, z, bufs.scratch) for rows, _, z, _, _ in
+                      _logit_chunks(hidden2d, weight.detach(), None, None, sc, bufs))
+            top = topk_pass(chunks, hidden2d.shape[0], hidden.device,
+                            TopKConfig(stats=sc, k=k), tp_group)
+        finally:
+            bufs.release()
+    shape = (*total.shape[:-1], k)
     return TopK(top.logprobs.view(shape), top.indices.view(shape))

@@ -15,7 +15,12 @@ the owned ids (duplicate ids add up).
 
 Ties in the top-k are broken by the lowest global id: candidates are ranked by one int64 key per
 column, the order-preserving integer image of the fp32 value in the high 32 bits and the complement
-of the id in the low 32 bits, so ``torch.topk`` sees no ties at all.
+of the id in the low 32 bits, so ``torch.topk`` sees no ties at all. A NaN ranks above everything,
+so a row holding one comes out all NaN (never a plausible top-k).
+
+Under ``validate`` on tp > 1 the ranks also agree on ``k``, ``indices`` and ``mask`` (checksums)
+before any result is used: a differing ``k`` would otherwise fail inside the gather, differing ids
+or masks would give silently wrong sums.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.distributed as dist
 from . import _comm
 from ._checks import (
     StatsConfig,
-    agree_across_ranks,
+    _target_checksum,
     check_finite,
     checked_config,
     host_checks_enabled,
@@ -75,8 +80,10 @@ def rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
     ``values``: fp32; ``ids``: int64 in ``[0, 2**32)``, broadcastable to ``values``. Equal values
     (-0.0 and +0.0 included) differ only by id, so ``torch.topk`` on the keys is deterministic.
+    Any NaN (either sign) ranks above +inf.
     """
-    bits = torch.where(values == 0, 0.0, values).view(torch.int32)
+    bits = torch.where(values == 0, 0.0, values)
+    bits = torch.where(torch.isnan(bits), float("nan"), bits).view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
     return ordered * _LOW32 + (_LOW32 - 1 - ids)
 
@@ -101,10 +108,11 @@ def log_normaliser(stats: torch.Tensor):
 
 
 def logprobs_of(values: torch.Tensor, m: torch.Tensor, log_sumexp: torch.Tensor) -> torch.Tensor:
-    """``(z - m) - log S`` for fp32 logits ``values`` ``[T, k]`` (-inf where z is at the floor);
-    the same rounding as the core op's ``merge_stats``, so equal inputs give equal bits."""
+    """``(z - m) - log S`` for fp32 logits ``values`` ``[T, k]`` (-inf where z is at the floor,
+    NaN where it is NaN); the same rounding as the core op's ``merge_stats``, so equal inputs give
+    equal bits."""
     lp = (values - m.unsqueeze(1)) - log_sumexp.unsqueeze(1)
-    return torch.where(values > Z_FLOOR, lp, float("-inf"))
+    return torch.where(values <= Z_FLOOR, float("-inf"), lp)
 
 
 def merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int):
@@ -196,7 +204,10 @@ def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> Top
     candidates = gathered[:, NUM_STATS:NUM_STATS + k_local].view(torch.float32)
     top_values, top_ids = merge_candidates(candidates, gathered[:, NUM_STATS + k_local:].long(),
                                            cfg.k)
-    return TopK(logprobs_of(top_values, m, log_sumexp), top_ids)
+    # A NaN logit anywhere in the row is its first candidate (rank_keys): the whole row is NaN.
+    logprobs = torch.where(torch.isnan(top_values[:, :1]), float("nan"),
+                           logprobs_of(top_values, m, log_sumexp))
+    return TopK(logprobs, top_ids)
 
 
 def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
@@ -277,15 +288,21 @@ def real_vocab(width: int, tp_group, vocab_size) -> int | None:
     return vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else None
 
 
-def raise_everywhere(problem: ValueError | None, tp_group, *, device, validate: bool) -> None:
-    """Raise ``problem`` on every rank of ``tp_group`` (one tiny all-gather with ``validate`` on
-    tp > 1, where one rank's error must not leave the others waiting), else only here."""
-    _, tp = _comm.group_rank_size(tp_group)
-    if tp > 1 and host_checks_enabled(validate, device):
-        agree_across_ranks(problem, [], (), tp_group, device=device, group_name="tp_group",
-                           hint="")
-    elif problem is not None:
-        raise problem
+def agreement(k, indices=None, mask=None) -> tuple:
+    """``checked_config(agree=...)`` pairs: ``k`` (a callable or an int), and with ``indices`` a
+    checksum of ``mask != 0`` and one of the ids at the unmasked rows (masked rows may hold
+    anything). Each value is computed only in the agreement exchange (it reads the host)."""
+    pairs = [("k", k if callable(k) else (lambda: k))]
+    if indices is not None:
+        def keep():
+            return valid_rows(mask, indices.numel() // indices.shape[-1], indices.device)
+
+        def ids():
+            return torch.where(keep().view(*indices.shape[:-1], 1), indices.long(), -1)
+
+        pairs += [("mask", lambda: _target_checksum(keep())),
+                  ("indices", lambda: _target_checksum(ids()))]
+    return tuple(pairs)
 
 
 def valid_rows(mask, num_tokens: int, device) -> torch.Tensor:
@@ -339,22 +356,26 @@ def vocab_parallel_topk(
     Returns:
         :class:`TopK` ``(logprobs fp32 [..., k], indices int64 [..., k])``, sorted by descending
         log-prob, equal ids order by lowest id; identical on every rank. A logit of -inf gives a
-        log-prob of -inf. Not differentiable (the teacher is a constant).
+        log-prob of -inf; a row holding a NaN logit is all NaN (``validate``: an error). Not
+        differentiable (the teacher is a constant).
 
-    Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 in forward (plus one of a few
-    int64 with ``validate``). Memory: the core op's two fp32 ``[chunk, W]`` buffers plus a few
-    chunk-sized int64 keys, and ``O(tp * k * T)`` for the candidates.
+    Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 in forward (plus, with
+    ``validate`` on tp > 1, two of a few int64: the core checks, then the agreement on ``k``).
+    Memory: the core op's two fp32 ``[chunk, W]`` buffers plus a few chunk-sized int64 keys, and
+    ``O(tp * k * T)`` for the candidates.
 
     Raises:
         ValueError: ``k`` not an int in ``[1, V]``, and everything ``vocab_parallel_stats`` raises
-            for the logits and options; under ``validate`` and tp > 1 on every rank.
+            for the logits and options (NaN or +inf logits included, with ``validate``); under
+            ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
     width = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else 0
     vocab = real_vocab(width, tp_group, vocab_size)
     problem = k_problem(k, vocab) if vocab is not None else None
-    stats_cfg = checked_config(logits, None, tp_group, local_error=problem, vocab_size=vocab_size,
-                               chunk_size=chunk_size, entropy="off", temperature=temperature,
-                               ignore_index=-100, label_smoothing=0.0, validate=validate)
+    stats_cfg = checked_config(logits, None, tp_group, local_error=problem, agree=agreement(k),
+                               vocab_size=vocab_size, chunk_size=chunk_size, entropy="off",
+                               temperature=temperature, ignore_index=-100, label_smoothing=0.0,
+                               validate=validate)
     cfg = TopKConfig(stats=stats_cfg, k=k)
     logits2d = logits.detach().reshape(-1, stats_cfg.layout.width)
     with torch.no_grad():
@@ -440,23 +461,27 @@ def vocab_parallel_topk_logprobs(
     Gradient: ``d/dz_j sum_k g_k log p(i_k) = sum_k g_k 1[j = i_k] - p_j sum_k g_k`` (divided by
     the temperature), recomputed chunk by chunk in fp32 and cast once to the logits dtype.
 
-    Communication: one all-gather of ``[5 + k, T]`` fp32 in forward (plus one of a few int64 with
-    ``validate``), none in backward. Memory: two fp32 ``[chunk, W]`` buffers, ``O(tp k T)`` fp32;
+    Communication: one all-gather of ``[5 + k, T]`` fp32 in forward (plus, with ``validate`` on
+    tp > 1, two of a few int64: the core checks, then the agreement on ``k``, ``mask`` and the
+    ids), none in backward. Memory: two fp32 ``[chunk, W]`` buffers, ``O(tp k T)`` fp32;
     backward allocates the logits gradient once, in the logits dtype.
 
     Raises:
         ValueError: ``indices`` not an integer tensor ``[..., k]`` with the logits' leading shape,
             a misshapen ``mask``, devices that differ, (with ``validate``) unmasked ids outside
             ``[0, V)``, and everything ``vocab_parallel_stats`` raises; under ``validate`` and
-            tp > 1 on every rank.
+            tp > 1 on every rank, also for a ``k``, ``mask`` or ids at unmasked rows that differ
+            across the ranks (compared by checksum).
     """
     lead = logits.shape[:-1] if isinstance(logits, torch.Tensor) and logits.dim() else ()
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     width = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else 0
     problem = index_problem(indices, mask, lead, device, real_vocab(width, tp_group, vocab_size),
                             host_checks_enabled(validate, device))
-    cfg = checked_config(logits, None, tp_group, local_error=problem, vocab_size=vocab_size,
-                         chunk_size=chunk_size, entropy="off", temperature=temperature,
-                         ignore_index=-100, label_smoothing=0.0, validate=validate)
+    cfg = checked_config(logits, None, tp_group, local_error=problem,
+                         agree=agreement(lambda: indices.shape[-1], indices, mask),
+                         vocab_size=vocab_size, chunk_size=chunk_size, entropy="off",
+                         temperature=temperature, ignore_index=-100, label_smoothing=0.0,
+                         validate=validate)
     valid = valid_rows(mask, logits.numel() // cfg.layout.width, device)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)

@@ -24,15 +24,17 @@ MODES = [dict(), dict(tail_bucket=True), dict(renormalize=True)]
 MODE_IDS = ["topk", "tail", "renormalized"]
 
 
-def reference_divergence(lq, lp, divergence, beta=0.5, tail_bucket=False, renormalize=False):
+def reference_divergence(lq, lp, divergence, beta=0.5, tail_bucket=False, renormalize=False,
+                         tail_floor=0.0):
     """float64 per-token divergence from student/teacher log-probs [..., k] (the docstring's
-    definition: generalised KL sum a log(a/b) - a + b over the buckets)."""
+    definition: generalised KL sum a log(a/b) - a + b over the buckets; tail masses floored at
+    ``tail_floor``)."""
     q, p = lq.double().exp(), lp.double().exp()
     if renormalize:
         q, p = q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
     if tail_bucket:
-        q = torch.cat([q, (1 - q.sum(-1, keepdim=True)).clamp(min=0)], -1)
-        p = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=0)], -1)
+        q = torch.cat([q, (1 - q.sum(-1, keepdim=True)).clamp(min=tail_floor)], -1)
+        p = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp(min=tail_floor)], -1)
 
     def kl(a, b):
         return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b) - a + b).sum(-1)
@@ -221,6 +223,10 @@ def test_vocab_mismatch_raises():
         distillation_loss(student_logits, teacher, mask, vocab_size=50, teacher_vocab_size=64)
     with pytest.raises(ValueError, match="teacher_vocab_size"):
         distillation_loss(student_logits, teacher, mask, teacher_vocab_size=50)  # student: 56
+    fused = functools.partial(linear_vocab_parallel_topk_logprobs, torch.randn(3, 6, 8),
+                              torch.randn(56, 8))
+    with pytest.raises(ValueError, match="pass the student's vocab_size"):
+        distillation_loss(fused, teacher, mask, teacher_vocab_size=50)
     far = TopK(teacher.logprobs, teacher.indices.clone())
     far.indices[mask] = 52  # ids of a larger teacher vocabulary
     with pytest.raises(ValueError, match="outside"):
@@ -292,3 +298,116 @@ def test_guard_sees_the_loss():
     with pytest.raises(HostSyncError):
         with forbid_host_sync():
             distillation_loss(student_logits, teacher, mask, vocab_size=50, validate=True)
+
+
+# ------------------------------------------------------------------- review: edge cases
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_temperature_scale_multiplies_loss_and_grad_by_t_squared(scale):
+    student_logits, teacher, mask = _case()
+    leaf = student_logits.clone().requires_grad_()
+    out = distillation_loss(leaf, teacher, mask, vocab_size=50, temperature=2.5,
+                            temperature_scale=scale, tail_bucket=True)
+    out.loss_sum.backward()
+    ref, ref_grad = _reference_loss(student_logits, teacher, mask, 50, temperature=2.5,
+                                    divergence="forward_kl", tail_bucket=True)
+    factor = 2.5 ** 2 if scale else 1.0
+    assert abs(out.loss_sum.item() - factor * ref.item()) <= 1e-5 * (1 + factor * abs(ref.item()))
+    err = (leaf.grad.double() - factor * ref_grad).abs().max().item()
+    assert err <= 1e-5 * factor, err
+    assert torch.equal(out.report["distill loss"][0], out.loss_sum.detach())
+    with pytest.raises(ValueError, match="temperature_scale"):
+        distillation_loss(student_logits, teacher, mask, vocab_size=50, temperature_scale=1)
+
+
+@pytest.mark.parametrize("divergence, beta", DIVERGENCES)
+def test_tail_rounding_to_zero_in_fp32_stays_finite(divergence, beta):
+    # A confident model: its top-4 fp32 probabilities sum to 1 (or a hair above) after rounding,
+    # so 1 - sum_k p is 0 in fp32. Unfloored, reverse KL (teacher tail) and forward KL (student
+    # tail) are +inf and their gradients NaN; floored at 2**-23 both sides, they are finite and
+    # match the float64 reference with the same floor.
+    torch.manual_seed(11)
+    peaked = torch.randn(6, 64) * 0.1
+    peaked[:, 0] += 40.0
+    flat = torch.randn(6, 64)
+    flat[:, 0] += 3.0  # id 0 in the flat model's top-4 too
+    for teacher_logits, student_logits in ((peaked, flat), (flat, peaked)):
+        teacher = vocab_parallel_topk(teacher_logits, 4)
+        leaf = student_logits.clone().requires_grad_()
+        out = distillation_loss(leaf, teacher, torch.ones(6), divergence=divergence, beta=beta,
+                                tail_bucket=True)
+        out.loss_sum.backward()
+        assert math.isfinite(out.loss_sum.item()) and torch.isfinite(leaf.grad).all()
+        lq = torch.log_softmax(student_logits.double(), -1).gather(-1, teacher.indices)
+        ref = reference_divergence(lq.float(), teacher.logprobs, divergence, beta,
+                                   tail_bucket=True, tail_floor=2.0**-23).sum()
+        assert abs(out.loss_sum.item() - ref.item()) <= 1e-5 * (1 + abs(ref.item())), \
+            (out.loss_sum.item(), ref.item())
+
+
+@pytest.mark.parametrize("divergence, beta", DIVERGENCES)
+def test_renormalize_row_where_the_student_has_no_topk_mass(divergence, beta):
+    # The student's logits are -inf at every teacher id of one row: 0/0 under renormalize.
+    logits = torch.randn(2, 16)
+    logits[1, [1, 2, 3]] = float("-inf")
+    teacher = TopK(torch.log(torch.tensor([[0.3, 0.2, 0.1]] * 2)), torch.tensor([[1, 2, 3]] * 2))
+    leaf = logits.clone().requires_grad_()
+    out = distillation_loss(leaf, teacher, torch.ones(2), divergence=divergence, beta=beta,
+                            renormalize=True)
+    out.loss_sum.backward()
+    assert not math.isnan(out.loss_sum.item()) and torch.isfinite(leaf.grad).all()
+    if divergence == "forward_kl":
+        assert out.loss_sum.item() == float("inf")  # teacher mass where the student has none
+
+
+def test_duplicate_ids_at_counted_positions():
+    student_logits, teacher, mask = _case(k=4)
+    idx = teacher.indices.clone()
+    idx[~mask] = 0  # padded: k copies of id 0, allowed
+    assert torch.isfinite(distillation_loss(student_logits, TopK(teacher.logprobs, idx), mask,
+                                            vocab_size=50, validate=True).loss_sum)
+    row = mask.nonzero()[0].tolist()
+    idx[row[0], row[1], 3] = idx[row[0], row[1], 1]
+    with pytest.raises(ValueError, match=f"id {int(idx[row[0], row[1], 1])} twice"):
+        distillation_loss(student_logits, TopK(teacher.logprobs, idx), mask, vocab_size=50,
+                          validate=True)
+    # Without validate (no host read): each copy is a bucket of its own, as documented.
+    out = distillation_loss(student_logits, TopK(teacher.logprobs, idx), mask, vocab_size=50)
+    assert math.isfinite(out.loss_sum.item())
+
+
+@pytest.mark.parametrize("beta", [1e-4, 1 - 1e-4])
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_jsd_accurate_up_to_the_beta_limits(beta, mode):
+    torch.manual_seed(12)
+    lp = torch.log_softmax(torch.randn(64, 9, dtype=torch.float64) * 2, -1)[:, :5]
+    lq = torch.log_softmax(torch.randn(64, 9, dtype=torch.float64) * 2, -1)[:, :5]
+    want = reference_divergence(lq, lp, "jsd", beta, **mode)
+    got = topk_divergence(lq.float(), lp.float(), torch.ones(64), divergence="jsd", beta=beta,
+                          **mode)
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-9), \
+        ((got.double() - want).abs() / want).max().item()
+    for edge in (0.0, 1.0):
+        with pytest.raises(ValueError, match="forward_kl"):
+            topk_divergence(lq, lp, torch.ones(64), divergence="jsd", beta=edge)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fully_masked_batch_gives_zero_not_nan(fused):
+    torch.manual_seed(13)
+    hidden = torch.randn(2, 5, 16).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(56, 16).to(torch.bfloat16).requires_grad_()
+    logits = (hidden.detach() @ weight.detach().t()).requires_grad_()
+    teacher = vocab_parallel_topk(torch.randn(2, 5, 56), 4, vocab_size=50)
+    student = (functools.partial(linear_vocab_parallel_topk_logprobs, hidden, weight) if fused
+               else logits)
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        out = distillation_loss(student, teacher, torch.zeros(2, 5), vocab_size=50,
+                                divergence=divergence, tail_bucket=True, validate=True)
+        assert out.loss_sum.item() == 0.0 and int(out.num_tokens) == 0
+        assert all(bool((v == 0).all()) for v in out.report.values())
+        # Megatron divides by max(num_tokens, 1) in that case; the gradient is exactly 0.
+        (out.loss_sum / out.num_tokens.clamp(min=1)).backward()
+    grads = (hidden.grad, weight.grad) if fused else (logits.grad,)
+    assert all(bool((g == 0).all()) for g in grads)

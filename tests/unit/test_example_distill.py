@@ -43,12 +43,16 @@ def _distill(out: str, *flags: str) -> dict:
 def test_distill_mode_on_the_fly_equals_precomputed(tmp_path):
     live = _distill(str(tmp_path / "live"), "--teacher-topk", "on-the-fly", "--tail-bucket")
     stored = _distill(str(tmp_path / "stored"), "--teacher-topk", "precomputed", "--tail-bucket")
+    reused = _distill(str(tmp_path / "reused"), "--teacher-topk-load", str(tmp_path / "stored"),
+                      "--tail-bucket")
     losses = [s["distill loss"] for s in live["train"]]
     assert losses == [s["distill loss"] for s in stored["train"]]
+    assert losses == [s["distill loss"] for s in reused["train"]]
     assert all(loss > 0 for loss in losses) and losses[-1] < losses[0], losses
     assert live["teacher"]["num_layers"] == 2  # 2 x the student's layers
     top = torch.load(tmp_path / "stored" / "teacher_topk_dp0.pt", weights_only=True)
-    logprobs, indices = top[0]
+    assert top["topk"] == 8 and top["seq_length"] == 384
+    logprobs, indices = top["rows"][0]
     assert logprobs.shape == indices.shape and logprobs.shape[-1] == 8
     assert bool((indices >= 0).all() and (indices < 131072).all())
     assert bool((logprobs[..., :-1] >= logprobs[..., 1:]).all())  # sorted, descending
@@ -60,6 +64,7 @@ def test_distill_mode_on_the_fly_equals_precomputed(tmp_path):
     (["--jsd-beta", "1.5"], "--jsd-beta"),
     (["--teacher-load", "/nonexistent"], "--teacher-load: /nonexistent is not a checkpoint"),
     (["--topk", "200000"], "--topk 200000 exceeds"),
+    (["--teacher-topk-load", "/nonexistent"], "--teacher-topk-load /nonexistent is not a dir"),
 ])
 def test_bad_flags_stop_before_any_output(tmp_path, capsys, flags, message):
     from examples.gsm8k import cli
@@ -68,3 +73,52 @@ def test_bad_flags_stop_before_any_output(tmp_path, capsys, flags, message):
     assert cli.main(["distill", *TINY, "--out", str(out), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def _stored_file(path, **changes):
+    from examples.gsm8k.distill import TOPK_FORMAT
+
+    rows = {0: (torch.log_softmax(torch.randn(1, 6, 8), -1)[..., :3].sort(-1, True).values,
+                torch.randint(0, 100, (1, 6, 3), dtype=torch.int32))}
+    content = {"format": TOPK_FORMAT, "topk": 3, "temperature": 1.0, "vocab_size": 100,
+               "seq_length": 6, "rows": rows, **changes}
+    torch.save(content, path)
+    return content
+
+
+META = dict(topk=3, temperature=1.0, vocab_size=100, seq_length=6)
+
+
+def test_stored_topk_is_read_back(tmp_path):
+    from examples.gsm8k.distill import TOPK_FORMAT, read_topk
+
+    content = _stored_file(tmp_path / "t.pt")
+    got = read_topk(str(tmp_path / "t.pt"), {"format": TOPK_FORMAT, **META}, {0: (1, 6)}, "cpu")
+    assert torch.equal(got[0].logprobs, content["rows"][0][0])
+    assert got[0].indices.dtype == torch.int64
+
+
+@pytest.mark.parametrize("change, message", [
+    ("corrupt", "is not a readable top-k file"),
+    ("missing", "does not exist"),
+    (dict(format="other"), "is not a teacher top-k file"),
+    (dict(topk=4), "--topk 4, this run has 3"),
+    (dict(temperature=2.0), "--distill-temperature 2.0"),
+    (dict(rows={1: None}), "no top-k for training row 0"),
+    (dict(rows={0: (torch.zeros(1, 5, 3), torch.zeros(1, 5, 3, dtype=torch.int32))}),
+     "expected float and integer (1, 6, 3)"),
+    (dict(rows={0: (torch.zeros(1, 6, 3), torch.full((1, 6, 3), 100))}), "outside [0, 100)"),
+    (dict(rows={0: (torch.full((1, 6, 3), float("nan")), torch.zeros(1, 6, 3, dtype=torch.int32))}),
+     "NaN or positive"),
+])
+def test_corrupt_or_mismatched_stored_topk_names_the_file(tmp_path, change, message):
+    from examples.gsm8k.distill import TOPK_FORMAT, read_topk
+
+    path = tmp_path / "teacher_topk_dp0.pt"
+    if change == "corrupt":
+        path.write_bytes(b"not a torch file")
+    elif isinstance(change, dict):
+        _stored_file(path, **change)
+    with pytest.raises(ValueError) as info:
+        read_topk(str(path), {"format": TOPK_FORMAT, **META}, {0: (1, 6)}, "cpu")
+    assert str(path) in str(info.value) and message in str(info.value), str(info.value)

@@ -324,3 +324,73 @@ def test_guard_sees_the_ops():
     with pytest.raises(HostSyncError):
         with forbid_host_sync():
             vocab_parallel_topk_logprobs(logits, torch.zeros(3, 2, dtype=torch.long))
+
+
+# ------------------------------------------------------------------- review: edge cases
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -float("nan"), float("inf")])
+def test_nan_or_inf_logits(bad):
+    logits = torch.randn(3, 40)
+    logits[1, 17] = bad
+    with pytest.raises(ValueError, match="no finite logsumexp"):
+        vocab_parallel_topk(logits, 4)
+    with pytest.raises(ValueError, match="no finite logsumexp"):
+        vocab_parallel_topk_logprobs(logits, torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="no finite logsumexp"):
+        linear_vocab_parallel_topk(torch.eye(40)[:3] * 0 + logits, torch.eye(40), 4)
+    # Without validate (no host read) the row is NaN, never a plausible top-k; others are exact.
+    top = vocab_parallel_topk(logits, 4, validate=False)
+    assert bool(torch.isnan(top.logprobs[1]).all()), top.logprobs[1]
+    ref_lp, ref_ids = reference_topk(logits[[0, 2]], 4, 40)
+    assert torch.equal(top.indices[[0, 2]], ref_ids)
+    _close(top.logprobs[[0, 2]], ref_lp, rtol=1e-5, atol=1e-5, what="other rows")
+
+
+def test_k_equals_vocab_with_padding_and_dead_columns():
+    # k = V: every real id once, none of the padding (stored as the largest values), and real
+    # columns at -inf still come before the padding, in id order.
+    logits = torch.randn(4, 56)
+    logits[:, 50:] = 1e4
+    logits[2, [3, 7, 40]] = float("-inf")
+    top = vocab_parallel_topk(logits, 50, vocab_size=50, chunk_size=3)
+    assert bool((top.indices.sort(-1).values == torch.arange(50)).all())
+    ref_lp, ref_ids = reference_topk(logits, 50, 50)
+    assert torch.equal(top.indices, ref_ids)
+    assert top.indices[2, -3:].tolist() == [3, 7, 40]
+    dead = torch.isneginf(ref_lp)
+    assert torch.equal(torch.isneginf(top.logprobs), dead) and int(dead.sum()) == 3
+    _close(top.logprobs[~dead], ref_lp[~dead], rtol=1e-5, atol=1e-5, what="k = V")
+
+
+def test_k1_is_argmax_with_lowest_id_on_ties():
+    logits = torch.randn(5, 30).to(torch.bfloat16)
+    logits[1, [4, 9, 21]] = 8.0  # a three-way tie for the maximum
+    top = vocab_parallel_topk(logits, 1)
+    ref_lp, ref_ids = reference_topk(logits, 1, 30)
+    assert top.indices[1, 0].item() == 4 and torch.equal(top.indices, ref_ids)
+    _close(top.logprobs, ref_lp, rtol=1e-5, atol=1e-5, what="k = 1")
+
+
+def test_fused_accumulate_into_main_grad():
+    torch.manual_seed(14)
+    hidden = torch.randn(2, 5, 16).to(torch.bfloat16)
+    weight = torch.randn(40, 16).to(torch.bfloat16)
+    indices = torch.randint(0, 40, (2, 5, 3))
+    g = torch.randn(2, 5, 3)
+    plain = weight.clone().requires_grad_()
+    (linear_vocab_parallel_topk_logprobs(hidden, plain, indices, chunk_size=4) * g).sum().backward()
+    fused = weight.clone().requires_grad_()
+    fused.main_grad = torch.ones(40, 16)
+    fused.grad_added_to_main_grad = False
+    lp = linear_vocab_parallel_topk_logprobs(hidden, fused, indices, chunk_size=4,
+                                             accumulate_into_main_grad=True)
+    (lp * g).sum().backward()
+    assert fused.grad_added_to_main_grad is True
+    # main_grad holds 1 + the fp32 sums, which round to the bf16 gradient of the plain call.
+    assert torch.equal((fused.main_grad - 1).to(torch.bfloat16), plain.grad) or \
+        (fused.main_grad - 1 - plain.grad.float()).abs().max().item() <= \
+        2**-8 * plain.grad.float().abs().max().item()
+    with pytest.raises(ValueError, match="main_grad"):
+        linear_vocab_parallel_topk_logprobs(hidden, weight, indices,
+                                            accumulate_into_main_grad=True)

@@ -286,3 +286,15 @@ def test_validate_false_skips_value_checks_but_not_shape_checks():
     vocab_parallel_stats(logits, torch.tensor([0, 3]), validate=False)
     with pytest.raises(ValueError, match="target shape"):
         vocab_parallel_stats(logits, torch.tensor([0]), validate=False)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_nan_logit_away_from_the_target_gives_nan_without_validate(batch_invariant):
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    st = vocab_parallel_stats(logits, torch.tensor([0, 3, 5]), validate=False,
+                              batch_invariant=batch_invariant)
+    for value in st:
+        assert math.isnan(value[1].item()) and torch.isfinite(value[[0, 2]]).all()
+    with pytest.raises(ValueError, match="logits"):
+        vocab_parallel_stats(logits, torch.tensor([0, 3, 5]), batch_invariant=batch_invariant)

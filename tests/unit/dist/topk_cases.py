@@ -81,6 +81,33 @@ def ties_across_shards_take_lowest_ids(group):
 
 
 @CASES.register
+def kth_place_tie_cut_across_shards(group):
+    # More tied values than places left, spread over the shards: the cut at the k-th place keeps
+    # the lowest ids whatever shard they sit on; -0.0 and +0.0 tie too.
+    _, tp = rank_size(group)
+    width = 6
+    full = torch.randn(3, width * tp).clamp(max=1.0)
+    top_col = width * tp - 2  # the strict maximum, on the last shard
+    full[0, top_col] = 9.0
+    tied = [c for c in (width * tp - 1, 2 * width + 1, width, width - 1, 1, 3 * width + 2)
+            if c < width * tp and c != top_col]
+    full[0, tied] = 4.0
+    k = 1 + len(tied) - 1  # one tied id misses out
+    full[1] = torch.where(torch.arange(width * tp) % 2 == 0, 0.0, -0.0)  # signed zeros only
+    full[2, :] = -5.0
+    full[2, [width * tp - 1, 0]] = 0.0
+    full[2, width - 1] = -0.0
+    top = vocab_parallel_topk(shard_of(full, group), k, tp_group=group)
+    assert top.indices[0].tolist() == [top_col, *sorted(tied)[:k - 1]], top.indices[0].tolist()
+    assert top.indices[1].tolist() == list(range(k)), top.indices[1].tolist()
+    want = sorted({0, width - 1, width * tp - 1})
+    assert top.indices[2, :len(want)].tolist() == want, top.indices[2].tolist()
+    ref_lp, ref_ids = reference_topk(full, k, width * tp)
+    assert torch.equal(top.indices, ref_ids)
+    close(top.logprobs, ref_lp, rtol=1e-5, atol=1e-5, what="tied logprobs")
+
+
+@CASES.register
 def padding_filling_whole_shards_never_selected(group):
     _, tp = rank_size(group)
     vocab, width = 5, 8  # rank >= 1 holds only padding
@@ -211,6 +238,7 @@ def reverse_kl_minus_inf_teacher_at_masked_rows(group):
 def collective_budget(group):
     _, tp = rank_size(group)
     shard = shard_of(full_logits(group), group)
+    # validate: one int64 all-gather for the core checks and the k/mask/indices agreement.
     for validate in (False, True):
         with count_collectives() as calls:
             top = vocab_parallel_topk(shard, 5, tp_group=group, vocab_size=VOCAB,
@@ -223,6 +251,13 @@ def collective_budget(group):
         with count_collectives() as bwd:
             lp.sum().backward()
         assert len(fwd) == (1 + validate if tp > 1 else 0) and bwd == [], (fwd, bwd)
+        hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8)
+        with count_collectives() as fused:
+            linear_vocab_parallel_topk(hidden, weight, 5, tp_group=group, vocab_size=VOCAB,
+                                       validate=validate)
+            linear_vocab_parallel_topk_logprobs(hidden, weight, top.indices, tp_group=group,
+                                                vocab_size=VOCAB, validate=validate)
+        assert len(fused) == (2 * (1 + validate) if tp > 1 else 0), fused
 
 
 @CASES.register
@@ -261,6 +296,94 @@ def vocab_mismatch_raises_everywhere(group):
     expect_error(lambda: distillation_loss(shard, big, torch.ones(3, 5), tp_group=group,
                                            vocab_size=VOCAB, validate=True),
                  "outside", "rejected")
+
+
+@CASES.register
+def mismatched_k_mask_indices_raise_everywhere(group):
+    # With validate, a k, mask or ids that differ on one rank raise on every rank, naming the
+    # argument (a differing k would otherwise fail inside the gather; ids or masks would give
+    # silently wrong sums).
+    rank, tp = rank_size(group)
+    if tp < 2:
+        raise Skip("needs tp >= 2")
+    last = rank == tp - 1
+    shard = shard_of(full_logits(group), group)
+    hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8)
+    expect_error(lambda: vocab_parallel_topk(shard, 3 + last, tp_group=group, vocab_size=VOCAB),
+                 "k differs")
+    expect_error(lambda: linear_vocab_parallel_topk(hidden, weight, 3 + last, tp_group=group,
+                                                    vocab_size=VOCAB), "k differs")
+    indices = torch.randint(0, VOCAB, (3, 5, 4))  # the same on every rank (same seed)
+    mask = torch.ones(3, 5)
+    mask[2, 4] = 0
+    wrong_ids = indices.clone()
+    wrong_ids[1, 2, 0] = (wrong_ids[1, 2, 0] + last) % VOCAB
+    wrong_mask = mask.clone()
+    wrong_mask[0, 1] = 1 - last
+    garbage = indices.clone()
+    garbage[2, 4] = rank  # differs only at a masked row: allowed
+    for ids, m, name in ((indices[..., :3 + last], mask, "k"), (wrong_ids, mask, "indices"),
+                         (indices, wrong_mask, "mask")):
+        expect_error(lambda: vocab_parallel_topk_logprobs(shard, ids, tp_group=group, mask=m,
+                                                          vocab_size=VOCAB), f"{name} differs")
+        expect_error(lambda: linear_vocab_parallel_topk_logprobs(
+            hidden, weight, ids, tp_group=group, mask=m, vocab_size=VOCAB), f"{name} differs")
+    for fn in (lambda: vocab_parallel_topk_logprobs(shard, garbage, tp_group=group, mask=mask,
+                                                    vocab_size=VOCAB),
+               lambda: linear_vocab_parallel_topk_logprobs(hidden, weight, garbage,
+                                                           tp_group=group, mask=mask,
+                                                           vocab_size=VOCAB)):
+        assert bool((fn()[2, 4] == 0).all())
+    teacher = TopK(torch.zeros(3, 5, 4), indices)
+    expect_error(lambda: distillation_loss(shard, teacher, wrong_mask, tp_group=group,
+                                           vocab_size=VOCAB, validate=True), "mask differs")
+
+
+@CASES.register
+def fused_sequence_parallel_and_main_grad_equal_unfused(group):
+    # Megatron's fused LM-head path: hidden is this rank's sequence shard [s/tp, b, H]
+    # (gathered inside, dX reduce-scattered back), the weight gradient goes into main_grad.
+    rank, tp = rank_size(group)
+    seq, batch, size, width, chunk = 3 * tp, 2, 16, 24, 4
+    vocab = width * tp - 2
+    hidden_full = torch.randn(seq, batch, size).to(torch.bfloat16)
+    weight_full = (torch.randn(width * tp, size) * 0.5).to(torch.bfloat16)
+    weight = weight_full[rank * width:(rank + 1) * width].contiguous()
+    rows = slice(rank * seq // tp, (rank + 1) * seq // tp)
+    h2 = hidden_full.reshape(-1, size)
+    logits = torch.cat([h2[i:i + chunk] @ weight.t() for i in range(0, h2.shape[0], chunk)])
+    logits = logits.view(seq, batch, width)
+    top = vocab_parallel_topk(logits, 4, tp_group=group, vocab_size=vocab)
+    ftop = linear_vocab_parallel_topk(hidden_full[rows], weight, 4, tp_group=group,
+                                      sequence_parallel=True, vocab_size=vocab, chunk_size=chunk)
+    assert torch.equal(top.indices, ftop.indices) and torch.equal(top.logprobs, ftop.logprobs)
+
+    mask = torch.ones(seq, batch)
+    mask[0, 1] = 0
+    g = torch.randn(seq, batch, 4)
+    leaf = logits.clone().requires_grad_()
+    lp = vocab_parallel_topk_logprobs(leaf, top.indices, tp_group=group, mask=mask,
+                                      vocab_size=vocab)
+    (lp * g).sum().backward()
+    grad = leaf.grad.reshape(-1, width).double()
+    dx = (grad @ weight.double()).view(seq, batch, size)
+    dist.all_reduce(dx, group=group)
+    dw = grad.t() @ h2.double()
+    for main_grad in (False, True):
+        h = hidden_full[rows].clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        if main_grad:
+            w.main_grad = torch.zeros(width, size)
+        lp_f = linear_vocab_parallel_topk_logprobs(
+            h, w, top.indices, tp_group=group, sequence_parallel=True, mask=mask,
+            vocab_size=vocab, chunk_size=chunk, accumulate_into_main_grad=main_grad)
+        assert torch.equal(lp, lp_f)
+        (lp_f * g).sum().backward()
+        close(h.grad, dx[rows], rtol=2**-7, atol=tp * 2**-8 * dx.abs().max().item(),
+              what="dX (reduce-scattered)")
+        got_dw = w.main_grad if main_grad else w.grad
+        assert (w.grad is None) == main_grad
+        close(got_dw, dw, rtol=2**-7, atol=1e-3, what=f"dW (main_grad={main_grad})")
 
 
 if __name__ == "__main__":
