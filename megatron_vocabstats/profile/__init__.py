@@ -1,9 +1,10 @@
 """Rank-aware memory and kernel profiling of steps of the example job (``examples/gsm8k``).
 
 ``python -m megatron_vocabstats.profile run --out OUT [--ranks 0,2-4] [--profile-steps 2]
-[--trials memory,kernels] -- sft <example flags>`` (under ``torchrun`` for several ranks), and
-``python -m megatron_vocabstats.profile summarize OUT``. See :mod:`.runner` for the run,
-:mod:`.memory` and :mod:`.kernels` for the instruments, :mod:`.summary` for the outputs.
+[--trials memory,kernels] [--overwrite] -- sft <example flags>`` (under ``torchrun`` for
+several ranks), and ``python -m megatron_vocabstats.profile summarize OUT``. See :mod:`.runner`
+for the run, :mod:`.memory` and :mod:`.kernels` for the instruments, :mod:`.summary` for the
+outputs.
 Importing this package imports neither Megatron nor the example.
 """
 

@@ -1,7 +1,10 @@
 """Command line of the profiler: ``python -m megatron_vocabstats.profile {run,summarize} ...``.
 
 Exit status 0 on success, 2 for bad input (``error: ...`` on stderr, printed by rank 0; every
-rank refuses the same input before any model is built).
+rank refuses the same input before any model is built; an ``--out`` that only some ranks cannot
+write is also reported by those ranks). A failure after the checks (in training
+or while writing a trial) is not bad input: it raises on the rank where it happened, with its
+traceback, and torchrun stops the other ranks.
 """
 
 from __future__ import annotations
@@ -45,15 +48,19 @@ def main(argv=None) -> int:
                 print(f"{s['trial']}: {os.path.join(opts.out, s['trial'], 'summary.md')}")
             return 0
         plan, args = runner.plan(opts, int(os.environ.get("WORLD_SIZE", "1")), rank)
-        summaries = runner.execute(plan, args)
-        if rank == 0:
-            print(f"profile: {len(summaries)} trial(s) in {plan.out} (index: "
-                  f"{os.path.join(plan.out, postprocess.INDEX_MD)})", flush=True)
-        return 0
     except ValueError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif isinstance(exc, runner.OutDirError):  # may fail on this rank alone
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2
+    # Past the checks, an error is not the user's input: let it raise with its traceback (an
+    # error of rank 1 caught here would end that rank silently with status 2).
+    summaries = runner.execute(plan, args)
+    if rank == 0:
+        print(f"profile: {len(summaries)} trial(s) in {plan.out} (index: "
+              f"{os.path.join(plan.out, postprocess.INDEX_MD)})", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

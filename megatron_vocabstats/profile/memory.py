@@ -53,15 +53,23 @@ KIND_RULES: tuple[tuple[str, frozenset, tuple], ...] = (
     ("activations", frozenset({"forward", "forward_step"}), ()),
 )
 WORKSPACE = "workspace"
-CUDA_KINDS = tuple(rule[0] for rule in KIND_RULES) + (WORKSPACE,)
+# A block with no Python frame at all: on CUDA the autograd engine runs the backward of
+# built-in operators on its own device thread, which has no Python stack (pytorch/pytorch#82146,
+# #124784), so these are the gradients and temporaries of the backward that no Python autograd
+# Function allocated (the recorder starts before the model exists, so nothing older lacks one).
+NO_STACK = "backward, no Python stack"
+CUDA_KINDS = tuple(rule[0] for rule in KIND_RULES) + (NO_STACK, WORKSPACE)
 
 
 def classify_frames(frames: Sequence[Mapping]) -> str:
     """The kind of an allocation from its stack (``[{"filename", "line", "name"}, ...]``).
 
-    Rules (:data:`KIND_RULES`) are tried in order; within a rule any frame may match. Returns
-    :data:`WORKSPACE` when none matches (collective buffers, clipping temporaries, ...).
+    :data:`NO_STACK` for an empty stack (the autograd engine's device thread); else the rules
+    (:data:`KIND_RULES`) are tried in order, any frame may match a rule, and :data:`WORKSPACE`
+    is returned when none matches (collective buffers, clipping temporaries, ...).
     """
+    if not frames:
+        return NO_STACK
     for kind, names, paths in KIND_RULES:
         for frame in frames:
             filename = frame.get("filename", "").replace("\\", "/")
@@ -84,7 +92,7 @@ def _where(frames: Sequence[Mapping]) -> str:
 
 def thin(n: int, keep: Iterable[int], max_points: int = MAX_TIMELINE_POINTS) -> list[int]:
     """Indices of ``n`` samples to store: every k-th so that at most ~``max_points`` remain,
-    plus ``keep`` (the peak), sorted."""
+    plus ``keep``, sorted."""
     stride = max(1, -(-n // max_points))
     return sorted(set(range(0, n, stride)) | {i for i in keep if 0 <= i < n})
 
@@ -98,12 +106,18 @@ def raw_record(*, backend: str, x: Sequence[float], x_label: str, phase: Sequenc
     ``by_kind[k][i]``: bytes of kind ``k`` alive at sample ``i``; the total is their sum.
     ``largest``: blocks alive at the peak (``{"bytes", "kind", "where"}``), largest first.
     ``reported_peak``: the instrument's own peak (MemTracker), kept to check against the
-    timeline. The timeline is thinned to :data:`MAX_TIMELINE_POINTS` keeping the peak sample.
+    timeline. The timeline is thinned to about :data:`MAX_TIMELINE_POINTS` samples, keeping
+    the first and last samples and the maximum of each phase (so the peak).
     """
     kinds = list(by_kind)
     total = [sum(by_kind[k][i] for k in kinds) for i in range(len(x))]
-    peak_index = max(range(len(total)), key=total.__getitem__) if total else 0
-    keep = thin(len(total), [peak_index])
+    # Kept through the thinning: the last sample (the step's end) and each phase's maximum
+    # (the step's peak among them), so that the summary's end, peak and phase peaks are exact.
+    phase_peak: dict[str, int] = {}
+    for i, t in enumerate(total):
+        if phase[i] not in phase_peak or t > total[phase_peak[phase[i]]]:
+            phase_peak[phase[i]] = i
+    keep = thin(len(total), [len(total) - 1, *phase_peak.values()])
     return {
         "backend": backend,
         "units": "bytes",
@@ -255,6 +269,17 @@ def events_after(before: Mapping, after: Mapping, device: int) -> list[dict]:
     return list(new[len(old):])
 
 
+def history_wrapped(before: Mapping, after: Mapping, device: int) -> bool:
+    """Whether the allocator's ring buffer overwrote actions taken after ``before``: none of
+    ``before``'s entries is left in ``after``'s trace, so the step's first actions may be lost
+    (``--max-entries`` too small). Needs ``time_us`` on the entries; False without them."""
+    old = before.get("device_traces", [[]] * (device + 1))[device]
+    new = after.get("device_traces", [[]] * (device + 1))[device]
+    if not old or not new or "time_us" not in old[-1] or "time_us" not in new[0]:
+        return False
+    return new[0]["time_us"] > old[-1]["time_us"]
+
+
 def replay_trace(baseline: Sequence[Mapping], events: Sequence[Mapping]) -> dict:
     """Timeline and peak contents from the blocks alive at the start and the actions after.
 
@@ -337,6 +362,7 @@ class CudaMemoryRecorder:
         with open(path, "rb") as f:
             after = pickle.load(f)
         raw = replay_trace(live_blocks(before, device), events_after(before, after, device))
+        raw["history_wrapped"] = history_wrapped(before, after, device)
         raw["device"] = f"cuda:{device}"
         raw["allocated_after_step"] = torch.cuda.memory_allocated()
         write_raw(trial_dir, raw)

@@ -41,7 +41,9 @@ def summarize(out_dir: str) -> list[dict]:
     """Rewrite ``summary.json``, ``summary.md``, ``timeline.png`` / trace views of every trial
     in ``out_dir`` and ``index.md``; returns the summaries.
 
-    ``ValueError`` if ``out_dir`` is not a directory or holds no trial.
+    ``ValueError`` if ``out_dir`` is not a directory or holds no trial, and, after the good
+    trials and the index (of those) are written, if some trials are broken (unfinished or
+    corrupt raw files): one line per broken trial.
     """
     if not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} is not a directory")
@@ -49,6 +51,16 @@ def summarize(out_dir: str) -> list[dict]:
     if not dirs:
         raise ValueError(f"{out_dir} holds no trial (no */{summary.TRIAL_FILE}); give the --out "
                          "directory of a profile run")
-    summaries = [summary.write_trial_summary(d) for d in dirs]
-    write_index(out_dir, summaries)
+    summaries, broken = [], []
+    for d in dirs:
+        try:
+            summaries.append(summary.write_trial_summary(d))
+        except ValueError as exc:
+            broken.append(str(exc))
+    if summaries:
+        write_index(out_dir, summaries)
+    if broken:
+        raise ValueError(f"{len(broken)} of {len(dirs)} trial(s) in {out_dir} could not be "
+                         f"summarised ({len(summaries)} were, and are in {INDEX_MD}):\n  "
+                         + "\n  ".join(broken))
     return summaries

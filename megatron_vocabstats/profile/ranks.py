@@ -9,9 +9,16 @@ from __future__ import annotations
 TRIAL_KINDS = ("memory", "kernels")
 
 
-def _parse_int_list(spec: str, flag: str) -> list[int]:
-    """``"0,2-4"`` -> ``[0, 2, 3, 4]`` (sorted, unique); ``ValueError`` naming ``flag``."""
+def _parse_int_list(spec: str, flag: str, limit: int) -> tuple[list[int], list[str]]:
+    """``"0,2-4"`` -> ``([0, 2, 3, 4], [])``: the numbers up to ``limit`` (sorted, unique), and
+    the parts that go past it (``["5", "7-9"]``, only their part above ``limit``); ``ValueError``
+    naming ``flag`` for a malformed list.
+
+    Ranges are expanded only up to ``limit``, so ``0-99999999999`` costs nothing before the
+    caller refuses it.
+    """
     out: set[int] = set()
+    beyond: list[str] = []
     for part in spec.split(","):
         part = part.strip()
         if not part:
@@ -25,8 +32,11 @@ def _parse_int_list(spec: str, flag: str) -> list[int]:
                              ) from None
         if first < 0 or last < first:
             raise ValueError(f"{flag} {spec!r}: {part!r} is not a range a-b with 0 <= a <= b")
-        out.update(range(first, last + 1))
-    return sorted(out)
+        out.update(range(first, min(last, limit) + 1))
+        if last > limit:
+            low = max(first, limit + 1)
+            beyond.append(str(low) if low == last else f"{low}-{last}")
+    return sorted(out), beyond
 
 
 def default_ranks(world: int, pipeline_stages: int = 1) -> list[int]:
@@ -55,11 +65,10 @@ def parse_ranks(spec: str | None, world: int, pipeline_stages: int = 1,
         return default_ranks(world, pipeline_stages)
     if not spec.strip():
         return list(range(world))
-    ranks = _parse_int_list(spec, flag)
-    missing = [r for r in ranks if r >= world]
+    ranks, missing = _parse_int_list(spec, flag, world - 1)
     if missing:
-        raise ValueError(f"{flag} {spec!r} names rank(s) {missing} but the world has {world} "
-                         f"rank(s) (0-{world - 1})")
+        raise ValueError(f"{flag} {spec!r} names rank(s) {','.join(missing)} but the world has "
+                         f"{world} rank(s) (0-{world - 1})")
     return ranks
 
 
@@ -69,12 +78,12 @@ def parse_steps(spec: str, last_step: int, flag: str = "--profile-steps") -> lis
     ``ValueError`` naming ``flag`` for a malformed list, step 0, or a step after ``last_step``
     (the run's ``--steps``).
     """
-    steps = _parse_int_list(spec, flag)
-    if steps[0] < 1:
+    steps, beyond = _parse_int_list(spec, flag, last_step)
+    if steps and steps[0] < 1:
         raise ValueError(f"{flag} {spec!r}: steps count from 1")
-    if steps[-1] > last_step:
-        raise ValueError(f"{flag} {spec!r}: step {steps[-1]} is beyond the run, which has "
-                         f"--steps {last_step}")
+    if beyond:
+        raise ValueError(f"{flag} {spec!r}: step(s) {','.join(beyond)} beyond the run, which "
+                         f"has --steps {last_step}")
     return steps
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
 from dataclasses import asdict, dataclass
 
@@ -39,6 +40,7 @@ class Plan:
     world: int
     rank: int
     max_entries: int
+    overwrite: bool = False  # --overwrite found a previous profile in ``out``: rank 0 removes it
 
 
 def trial_name(kind: str, step: int, rank: int) -> str:
@@ -59,14 +61,42 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trial kinds, each a separate training run: memory, kernels")
     parser.add_argument("--max-entries", type=int, default=1_000_000,
                         help="CUDA allocator history entries kept (memory trials on GPU)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the profile already in --out (its trials, settings and "
+                             "index); without it such an --out is refused")
     parser.add_argument("example", nargs=argparse.REMAINDER,
                         help="after --: the example's command line, e.g. -- sft --tp 2 --steps 3")
 
 
+def previous_profile(out: str) -> list[str]:
+    """The files and trial directories a profile run left in ``out`` (names, sorted)."""
+    if not os.path.isdir(out):
+        return []
+    top = (SETTINGS_JSON, SETTINGS_LOG, postprocess.INDEX_MD)
+    return sorted(name for name in os.listdir(out)
+                  if name in top or os.path.isfile(os.path.join(out, name, summary.TRIAL_FILE)))
+
+
+def remove_previous_profile(out: str) -> None:
+    """Delete what :func:`previous_profile` lists (nothing else in ``out`` is touched)."""
+    for name in previous_profile(out):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+class OutDirError(ValueError):
+    """``--out`` refused by this rank's own probe: unlike the other checks it may fail on some
+    ranks only (a directory local to each node), so every rank that fails prints it."""
+
+
 def _writable(out: str) -> None:
-    """Create ``out`` and write/remove a probe file in it; ``ValueError`` naming ``--out``."""
+    """Create ``out`` and write/remove a probe file in it; :class:`OutDirError` naming
+    ``--out``."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out} exists and is not a directory")
+        raise OutDirError(f"--out {out} exists and is not a directory")
     probe = os.path.join(out, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(out, exist_ok=True)
@@ -74,13 +104,15 @@ def _writable(out: str) -> None:
             f.write("probe")
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"--out {out} is not writable ({exc.strerror or exc})") from None
+        raise OutDirError(f"--out {out} is not writable ({exc.strerror or exc})") from None
 
 
 def plan(opts: argparse.Namespace, world: int, rank: int):
     """Check the request; returns ``(Plan, example args)``. ``ValueError`` naming the flag.
 
-    Nothing is written but the probe of ``--out`` (which is created if missing).
+    Nothing is written but the probe of ``--out`` (which is created if missing). An ``--out``
+    that already holds a profile (:func:`previous_profile`) is refused unless ``--overwrite``;
+    with it, rank 0 removes that profile once every rank has passed these checks.
     """
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # console script: examples/ lives in the repository
@@ -100,8 +132,14 @@ def plan(opts: argparse.Namespace, world: int, rank: int):
                          "training step is the one wrapped)")
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     chosen_ranks = ranks.parse_ranks(opts.ranks, world, pp)
-    steps = ranks.parse_steps(opts.profile_steps or str(min(2, args.steps)), args.steps)
+    if opts.profile_steps is not None and not opts.profile_steps.strip():
+        raise ValueError("--profile-steps '': name the steps, e.g. 2 or 2,4-5 (omit the flag "
+                         "for the default)")
+    steps_spec = opts.profile_steps if opts.profile_steps is not None else str(min(2, args.steps))
+    steps = ranks.parse_steps(steps_spec, args.steps)
     trials = ranks.parse_trials(opts.trials)
+    if "memory" in trials:
+        summary.require_matplotlib()
     if opts.max_entries < 1:
         raise ValueError(f"--max-entries must be >= 1, got {opts.max_entries}")
     if "memory" in trials and not torch.cuda.is_available() and args.micro_batches > 1:
@@ -113,8 +151,14 @@ def plan(opts: argparse.Namespace, world: int, rank: int):
                          f"multiple of --tp {args.tp} x --cp {args.cp}")
     cli.check_inputs(args)  # the example's own checks (data, sizes, checkpoint), before output
     _writable(opts.out)
+    stale = previous_profile(opts.out)
+    if stale and not opts.overwrite:
+        shown = ", ".join(stale[:6]) + (", ..." if len(stale) > 6 else "")
+        raise ValueError(f"--out {opts.out} already holds a profile ({shown}): its trials would "
+                         "be mixed with this run's; give a new directory, or --overwrite to "
+                         "replace it")
     return Plan(opts.out, tuple(chosen_ranks), tuple(steps), tuple(trials), tuple(argv), world,
-                rank, opts.max_entries), args
+                rank, opts.max_entries, bool(stale)), args
 
 
 def _jsonable(value):
@@ -196,17 +240,24 @@ def execute(p: Plan, args) -> list[dict]:
 
     from examples.gsm8k import cli, sft
 
-    if p.rank == 0:
-        write_settings(p, args)
-    for kind in p.trials:
+    for i, kind in enumerate(p.trials):
         recorder = None
         if kind == "memory" and torch.cuda.is_available() and p.rank in p.ranks:
             recorder = memory.CudaMemoryRecorder(p.max_entries)
             recorder.start()  # before the model exists: every block gets its stack
-        log(p, f"{kind} trial: building the model and training {args.steps} step(s); "
-               f"profiling steps {list(p.steps)} on ranks {list(p.ranks)}")
         try:
             run = cli.setup(args)
+            if i == 0:
+                # Only now, with every rank past its checks (setup joins the process group):
+                # an earlier settings.json would make a slower rank refuse --out as holding a
+                # profile. The barrier keeps every trial write after the removal.
+                if p.rank == 0:
+                    if p.overwrite:
+                        remove_previous_profile(p.out)
+                    write_settings(p, args)
+                dist.barrier()
+            log(p, f"{kind} trial: model built; training {args.steps} step(s), profiling steps "
+                   f"{list(p.steps)} on ranks {list(p.ranks)}")
             sft.train(run.model, _train_rows(run), args, run.par,
                       step_hook=step_hook(p, kind, recorder))
         finally:

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from . import kernels, memory
 
 TRIAL_FILE = "trial.json"
+TRIAL_KEYS = ("trial", "kind", "rank", "step")
+RAW_FILES = {"memory": memory.RAW_FILE, "kernels": kernels.TRACE_FILE}
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 TIMELINE_PNG = "timeline.png"
@@ -24,8 +26,14 @@ MIB = 1024 * 1024
 
 
 def _load(path: str):
-    with open(path) as f:
-        return json.load(f)
+    """The JSON in ``path``; ``ValueError`` naming the file if it is not valid JSON (a run
+    stopped while writing it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); was the run interrupted while "
+                         "writing it?") from None
 
 
 def mib(n: float) -> str:
@@ -69,6 +77,8 @@ def memory_summary(meta: Mapping, raw: Mapping) -> dict:
         "largest_at_peak": raw.get("largest_at_peak", [])[:TOP],
         "phase_peak_bytes": phases,
         "modules": raw.get("modules", []),
+        "history_wrapped": bool(raw.get("history_wrapped", False)),
+        "unmatched_frees": raw.get("unmatched_frees", 0),
     }
 
 
@@ -79,12 +89,16 @@ def memory_markdown(s: Mapping) -> str:
            f"Backend: {s['backend']} ({s.get('device')}). Peak **{mib(s['peak_bytes'])}** "
            f"({s['peak_bytes']} bytes) in {at['phase']} at {at['x_label']} {at['x']}; "
            f"{mib(s['start_bytes'])} at the start of the step, {mib(s['end_bytes'])} at its end "
-           f"({s['timeline_samples']} timeline samples).", "",
-           "## Alive at the peak, by kind", "",
-           md_table(["kind", "MiB", "share"],
-                    [[r["kind"], f"{r['bytes'] / MIB:,.2f}",
-                      f"{100 * r['bytes'] / max(s['peak_bytes'], 1):.1f}%"]
-                     for r in s["at_peak_by_kind"]])]
+           f"({s['timeline_samples']} timeline samples).", ""]
+    if s["history_wrapped"]:
+        out += [f"**Incomplete**: the allocator history wrapped during the step, so its first "
+                f"actions are missing ({s['unmatched_frees']} frees of unseen blocks): rerun "
+                "with a larger --max-entries.", ""]
+    out += ["## Alive at the peak, by kind", "",
+            md_table(["kind", "MiB", "share"],
+                     [[r["kind"], f"{r['bytes'] / MIB:,.2f}",
+                       f"{100 * r['bytes'] / max(s['peak_bytes'], 1):.1f}%"]
+                      for r in s["at_peak_by_kind"]])]
     if s["largest_at_peak"]:
         out += ["", "## Largest blocks alive at the peak", "",
                 md_table(["MiB", "kind", "allocated at"],
@@ -121,15 +135,21 @@ def _runs(x: Sequence[float], phase: Sequence[str]) -> list[tuple[float, float, 
     return runs
 
 
-def timeline_figure(raw: Mapping, s: Mapping, path: str) -> None:
-    """Stacked memory by kind over the step, phases shaded, the peak marked; written to
-    ``path``. ``ValueError`` if matplotlib is not installed."""
+def require_matplotlib():
+    """The ``matplotlib`` module; ``ValueError`` if it is not installed (checked before a run
+    with memory trials, so that it fails before training rather than after)."""
     try:
         import matplotlib
     except ImportError:
         raise ValueError("the memory timeline (timeline.png) needs matplotlib: pip install "
                          "matplotlib (or the package's [examples] extra)") from None
+    return matplotlib
 
+
+def timeline_figure(raw: Mapping, s: Mapping, path: str) -> None:
+    """Stacked memory by kind over the step, phases shaded, the peak marked; written to
+    ``path``. ``ValueError`` if matplotlib is not installed."""
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -192,24 +212,35 @@ def write_trial_summary(trial_dir: str) -> dict:
     """(Re)write ``summary.json`` and ``summary.md`` of a trial from its raw files, plus
     ``timeline.png`` (memory) or the trace views (kernels); returns the summary dict.
 
-    ``ValueError`` if ``trial_dir`` lacks ``trial.json`` or the raw file of its kind.
+    ``ValueError`` naming the file if ``trial_dir`` lacks ``trial.json`` or the raw file of its
+    kind, or if one of them is not valid JSON or lacks what the summary reads.
     """
     meta_path = os.path.join(trial_dir, TRIAL_FILE)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{trial_dir} is not a trial directory ({TRIAL_FILE} missing)")
     meta = _load(meta_path)
-    raw_name = memory.RAW_FILE if meta["kind"] == "memory" else kernels.TRACE_FILE
+    missing = [k for k in TRIAL_KEYS if k not in meta] if isinstance(meta, dict) else TRIAL_KEYS
+    if missing or meta["kind"] not in RAW_FILES:
+        raise ValueError(f"{meta_path}: not a trial record (needs {', '.join(TRIAL_KEYS)}, "
+                         f"kind one of {', '.join(RAW_FILES)})")
+    raw_name = RAW_FILES[meta["kind"]]
     raw_path = os.path.join(trial_dir, raw_name)
     if not os.path.isfile(raw_path):
         raise ValueError(f"{trial_dir}: {raw_name} missing (the trial did not finish)")
     raw = _load(raw_path)
+    try:
+        if meta["kind"] == "memory":
+            s = memory_summary(meta, raw)
+            text = memory_markdown(s)
+        else:
+            s = kernel_summary(meta, raw)
+            text = kernel_markdown(s)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{raw_path} does not have the layout of a {meta['kind']} trial "
+                         f"({type(exc).__name__}: {exc})") from None
     if meta["kind"] == "memory":
-        s = memory_summary(meta, raw)
-        text = memory_markdown(s)
         timeline_figure(raw, s, os.path.join(trial_dir, TIMELINE_PNG))
     else:
-        s = kernel_summary(meta, raw)
-        text = kernel_markdown(s)
         kernels.write_views(trial_dir)
     with open(os.path.join(trial_dir, SUMMARY_JSON), "w") as f:
         json.dump(s, f, indent=1)

@@ -44,7 +44,8 @@ def test_rank_lists():
     assert parse_ranks(None, 8, pipeline_stages=4) == [0, 2, 4, 6] == default_ranks(8, 4)
 
 
-@pytest.mark.parametrize("spec, needle", [("0,4", "[4]"), ("2-9", "[4, 5, 6, 7, 8, 9]"),
+@pytest.mark.parametrize("spec, needle", [("0,4", "rank(s) 4 but"), ("2-9", "rank(s) 4-9 "),
+                                          ("0,3-5,7", "rank(s) 4-5,7 "),
                                           ("1,,2", "empty item"), ("x", "'x'"),
                                           ("3-1", "'3-1'"), ("-1", "'-1'")])
 def test_bad_rank_lists(spec, needle):
@@ -53,9 +54,29 @@ def test_bad_rank_lists(spec, needle):
     assert needle in str(info.value)
 
 
+def test_huge_ranges_are_refused_without_expanding_them():
+    """``0-99999999999`` used to build the whole set of numbers first (the process was killed
+    for memory); now ranges stop at the limit, so refusing one costs nothing."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"rank\(s\) 2-1000000 but the world has 2"):
+            parse_ranks("0-1000000", 2)
+        with pytest.raises(ValueError, match=r"step\(s\) 4-1000000 beyond .* --steps 3"):
+            parse_steps("1-1000000", 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    with pytest.raises(ValueError, match="2-99999999999"):
+        parse_ranks("1-99999999999", 2)
+
+
 def test_steps_and_trials():
     assert parse_steps("2,4-5", 5) == [2, 4, 5]
-    with pytest.raises(ValueError, match=r"--profile-steps '6'.*step 6.*--steps 5"):
+    assert parse_steps(" 3 ,1-2,2", 3) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"--profile-steps '6'.*step\(s\) 6.*--steps 5"):
         parse_steps("6", 5)
     with pytest.raises(ValueError, match="count from 1"):
         parse_steps("0-2", 5)
@@ -98,7 +119,32 @@ def test_classify_frames():
     assert classify_frames(LOGITS) == "logits and their gradients"
     assert classify_frames(DLOGITS) == "logits and their gradients"
     assert classify_frames(WGRAD) == "gradients"
-    assert classify_frames(CLIP) == "workspace" == classify_frames([])
+    assert classify_frames(CLIP) == "workspace"
+
+
+def test_frameless_blocks_are_the_backward_not_workspace():
+    """On CUDA the backward of built-in operators runs on the autograd engine's device thread,
+    which has no Python stack (pytorch/pytorch#82146): its blocks have no frames. They are a
+    kind of their own, not mixed into the workspace."""
+    assert classify_frames([]) == memory.NO_STACK != memory.WORKSPACE
+    raw = replay_trace([], [entry("alloc", 1, 2 * MiB, ACT, 1), entry("alloc", 2, 3 * MiB, [], 2),
+                            entry("alloc", 3, MiB, CLIP, 3)])
+    s = summary.memory_summary({"trial": "t", "kind": "memory", "rank": 0, "step": 1}, raw)
+    kinds = {r["kind"]: r["bytes"] for r in s["at_peak_by_kind"]}
+    assert kinds[memory.NO_STACK] == 3 * MiB and kinds[memory.WORKSPACE] == MiB
+
+
+def test_wrapped_history_is_reported():
+    old = [entry("alloc", 1, MiB, ACT, 10)]
+    kept = snapshot([], old + [entry("alloc", 2, MiB, ACT, 11)])
+    lost = snapshot([], [entry("alloc", 3, MiB, ACT, 12), entry("free_completed", 2, MiB, ACT, 13)])
+    assert not memory.history_wrapped(snapshot([], old), kept, 0)
+    assert memory.history_wrapped(snapshot([], old), lost, 0)
+    raw = replay_trace([], memory.events_after(snapshot([], old), lost, 0))
+    raw["history_wrapped"] = True
+    s = summary.memory_summary({"trial": "t", "kind": "memory", "rank": 0, "step": 1}, raw)
+    assert s["history_wrapped"] and s["unmatched_frees"] == 1
+    assert "--max-entries" in summary.memory_markdown(s)
 
 
 def snapshot(blocks, trace):
@@ -173,6 +219,20 @@ def test_long_timeline_is_thinned_keeping_the_peak():
                             by_kind={"a": values})
     assert len(raw["timeline"]["total"]) <= memory.MAX_TIMELINE_POINTS + 1
     assert max(raw["timeline"]["total"]) == 10 ** 9 and raw["timeline"]["samples"] == n
+
+
+def test_thinning_keeps_the_end_and_every_phase_peak():
+    """The summary's end-of-step number and phase peaks come from the thinned timeline: the
+    last sample and each phase's maximum must survive the thinning."""
+    n = memory.MAX_TIMELINE_POINTS * 3 + 2  # the stride (4) does not reach the last sample
+    values = [100] * n
+    phase = ["forward"] * (n // 2) + ["backward"] * (n - n // 2)
+    values[7], values[n // 2 + 5], values[-1] = 500, 300, 42
+    raw = memory.raw_record(backend="t", x=list(range(n)), x_label="i", phase=phase,
+                            by_kind={"a": values})
+    s = summary.memory_summary({"trial": "t", "kind": "memory", "rank": 0, "step": 1}, raw)
+    assert s["end_bytes"] == 42 and s["peak_bytes"] == 500
+    assert s["phase_peak_bytes"] == {"forward": 500, "backward": 300}
 
 
 # --------------------------------------------------------------------------- Chrome traces
@@ -260,9 +320,78 @@ def test_summarize_bad_directories(tmp_path, capsys):
     with pytest.raises(ValueError, match="holds no trial"):
         summarize(str(tmp_path))
     (tmp_path / "t").mkdir()
-    (tmp_path / "t" / summary.TRIAL_FILE).write_text(json.dumps({"kind": "memory"}))
+    (tmp_path / "t" / summary.TRIAL_FILE).write_text(json.dumps(
+        {"trial": "t", "kind": "memory", "rank": 0, "step": 1}))
     assert main(["summarize", str(tmp_path)]) == 2
     assert "memory.raw.json missing" in capsys.readouterr().err
+
+
+def test_summarize_partial_and_corrupt_trials(tmp_path, capsys):
+    """An interrupted or damaged run: every broken trial is named in one error (exit 2, no
+    traceback), and the good trials still get their summaries and the index."""
+    pytest.importorskip("matplotlib")
+    good = write_trial(tmp_path, "kernels-step1-rank0", "kernels", "trace.json", TRACE)
+    cut = write_trial(tmp_path, "kernels-step1-rank1", "kernels", "trace.json", TRACE)
+    (cut / "trace.json").write_text(json.dumps(TRACE)[:200])  # stopped while writing
+    write_trial(tmp_path, "memory-step1-rank0", "memory", memory.RAW_FILE, {"backend": "x"})
+    odd = tmp_path / "weird"
+    odd.mkdir()
+    (odd / summary.TRIAL_FILE).write_text(json.dumps({"trial": "weird", "kind": "flops",
+                                                      "rank": 0, "step": 1}))
+    assert main(["summarize", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 3 of 4 trial(s)") and "Traceback" not in err, err
+    assert f"{cut / 'trace.json'} is not valid JSON" in err
+    assert f"{tmp_path / 'memory-step1-rank0' / memory.RAW_FILE} does not have the layout" in err
+    assert "weird" in err and "kind one of memory, kernels" in err
+    assert (good / summary.SUMMARY_MD).is_file()
+    index = (tmp_path / "index.md").read_text()
+    assert "kernels-step1-rank0" in index and "rank1" not in index
+
+
+def test_errors_after_the_checks_are_not_swallowed(monkeypatch, capsys):
+    """Only the checks' ValueErrors are bad input (status 2, printed by rank 0). A ValueError in
+    training on rank 1 used to end that rank with status 2 and no message at all."""
+    from megatron_vocabstats.profile import runner
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(runner, "plan", lambda opts, world, rank: (None, None))
+
+    def fails(plan, args):
+        raise ValueError("target id out of range in the loss")
+
+    monkeypatch.setattr(runner, "execute", fails)
+    with pytest.raises(ValueError, match="out of range"):
+        main(["run", "--out", "x", "--", "sft"])
+
+    def unwritable(opts, world, rank):
+        raise runner.OutDirError("--out x is not writable (Read-only file system)")
+
+    monkeypatch.setattr(runner, "plan", unwritable)
+    assert main(["run", "--out", "x", "--", "sft"]) == 2
+    assert capsys.readouterr().err == ("error (rank 1): --out x is not writable (Read-only file "
+                                       "system)\n")
+
+
+def test_previous_profile_is_found_and_removed(tmp_path):
+    from megatron_vocabstats.profile import runner
+
+    assert runner.previous_profile(str(tmp_path / "missing")) == []
+    assert runner.previous_profile(str(tmp_path)) == []
+    write_trial(tmp_path, "kernels-step1-rank0", "kernels", "trace.json", TRACE)
+    for name in ("settings.json", "settings.log", "index.md", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "data").mkdir()
+    assert runner.previous_profile(str(tmp_path)) == [
+        "index.md", "kernels-step1-rank0", "settings.json", "settings.log"]
+    runner.remove_previous_profile(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+
+
+def test_matplotlib_is_required_up_front(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ValueError, match="pip install matplotlib"):
+        summary.require_matplotlib()
 
 
 def test_import_needs_no_megatron_or_example():

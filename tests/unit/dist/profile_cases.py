@@ -146,6 +146,40 @@ def tiny_profile_writes_consistent_summaries(group):
     shutil.rmtree(out)
 
 
+@CASES.register
+def rerun_into_the_same_out_is_refused_or_replaced(group):
+    """A second run into an --out that holds a profile would mix its trials with the old ones
+    (and index both): it is refused before training, or replaced with --overwrite."""
+    out = shared_dir()
+    first = ["run", "--out", out, "--trials", "kernels", "--ranks", "1"]
+    assert profile([*first, "--", *EXAMPLE])[0] == 0
+    dist.barrier()
+    unrelated = os.path.join(out, "notes.txt")
+    if dist.get_rank() == 0:
+        with open(unrelated, "w") as f:
+            f.write("not the profiler's")
+    dist.barrier()
+    with count_training() as calls:
+        code, err = profile(["run", "--out", out, "--trials", "kernels", "--ranks", "0", "--",
+                             *EXAMPLE])
+    assert code == 2 and calls == [], (code, calls)
+    if dist.get_rank() == 0:
+        assert "already holds a profile" in err and "--overwrite" in err, err
+    assert os.path.isdir(os.path.join(out, "kernels-step2-rank1"))
+    code, err = profile(["run", "--out", out, "--overwrite", "--trials", "kernels", "--ranks",
+                         "0", "--", *EXAMPLE])
+    assert code == 0, err
+    dist.barrier()
+    if dist.get_rank() == 0:
+        assert sorted(os.listdir(out)) == ["index.md", "kernels-step2-rank0", "notes.txt",
+                                           "settings.json", "settings.log"], os.listdir(out)
+        index = open(os.path.join(out, "index.md")).read()
+        assert "kernels-step2-rank0" in index and "rank1" not in index, index
+        assert load(os.path.join(out, "settings.json"))["plan"]["ranks"] == [0]
+        assert open(os.path.join(out, "settings.log")).read().count("trial: done") == 1
+        shutil.rmtree(out)
+
+
 @contextlib.contextmanager
 def count_training():
     """Count calls of the example's model builder and training loop inside the block."""
@@ -195,10 +229,23 @@ def root_writes_anyway(locked: str) -> bool:
 def bad_selection_stops_every_rank_before_training(group):
     base = shared_dir()
     out = os.path.join(base, "out")
-    refused(out, ["--ranks", "0,3-4"], "--ranks", "[3, 4]", "2 rank(s)")
+    refused(out, ["--ranks", "0,3-4"], "--ranks", "rank(s) 3-4", "2 rank(s)")
     refused(out, ["--ranks", "1-x"], "--ranks", "'1-x'")
-    refused(out, ["--profile-steps", "3"], "--profile-steps", "step 3", "--steps 2")
+    refused(out, ["--ranks", "0-99999999999"], "--ranks", "2-99999999999")  # not expanded
+    refused(out, ["--profile-steps", "3"], "--profile-steps", "step(s) 3", "--steps 2")
+    refused(out, ["--profile-steps", ""], "--profile-steps ''")
     refused(out, ["--trials", "memory,flops"], "--trials")
+    # matplotlib (the timeline PNG) is checked before training, not when the first trial ends.
+    saved = sys.modules.get("matplotlib")
+    sys.modules["matplotlib"] = None
+    try:
+        refused(out, [], "matplotlib")
+        refused(out, ["--trials", "kernels", "--profile-steps", "9"], "step(s) 9")
+    finally:
+        if saved is None:
+            del sys.modules["matplotlib"]
+        else:
+            sys.modules["matplotlib"] = saved
     if dist.get_rank() == 0:
         with open(os.path.join(base, "file"), "w") as f:
             f.write("a file, not a directory")
