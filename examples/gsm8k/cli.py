@@ -113,8 +113,7 @@ DISTILL_FLAGS = [
 
 
 def _distill_flags(parser: argparse.ArgumentParser) -> None:
-    _flags(parser, "distillation", DISTILL_FLAGS)
-    g = parser.add_argument_group("distillation")
+    g = _flags(parser, "distillation", DISTILL_FLAGS)
     g.add_argument("--teacher-load", default=None,
                    help="teacher checkpoint of this example (e.g. from sft --save with the "
                         "teacher's sizes); default: train one on the fly")
@@ -134,10 +133,11 @@ def _distill_flags(parser: argparse.ArgumentParser) -> None:
                         "2015), so gradients keep their size as the temperature changes")
 
 
-def _flags(parser: argparse.ArgumentParser, title: str, flags) -> None:
+def _flags(parser: argparse.ArgumentParser, title: str, flags):
     group = parser.add_argument_group(title)
     for flag, kind, default, text in flags:
         group.add_argument(flag, type=kind, default=default, help=text)
+    return group
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import random
 import time
 
 import torch
@@ -33,7 +32,7 @@ from . import report
 from .data import PackedRows
 from .model import (Parallel, build_model, check_checkpoint, clip_grad_norm_, load_checkpoint,
                     make_optimizer, model_shape, run_schedule)
-from .sft import train
+from .sft import packed_rows, train
 from .steps import evaluate_nll, reduce_reports
 
 REPORTED = ("distill loss", "teacher topk mass", "student topk mass")
@@ -257,14 +256,7 @@ def train_student(student, teacher, train_rows, args, par, vocab_size, teacher_v
 def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> dict:
     """The distill demo: teacher, student NLL before, distillation, NLL after; writes JSON."""
     vocab_size = data["tokenizer"].n_words
-    rng = random.Random(args.seed)
-    train_examples = list(data["train"])
-    rng.shuffle(train_examples)
-    layout = dict(seq_length=args.seq_length, alignment=alignment, device=par.device, thd=thd)
-    train_rows = PackedRows(train_examples, **layout)
-    test_rows = PackedRows(data["test"], **layout)
-    test_batches = [test_rows[i] for i in range(par.dp_rank, len(test_rows), par.dp)] or \
-        [test_rows[0]]
+    train_examples, train_rows, test_batches = packed_rows(data, args, par, alignment, thd)
     shape = teacher_shape(args, vocab_size)
     teacher = build_teacher(args, shape, train_rows, par)
     teacher_nll = evaluate_nll(teacher, test_batches, par, args.seq_length)

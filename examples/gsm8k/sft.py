@@ -58,21 +58,28 @@ def train(model, train_rows: PackedRows, args, par: Parallel, step_hook=None) ->
     return history
 
 
+def packed_rows(data: dict, args, par: Parallel, alignment: int, thd: bool):
+    """``(train examples shuffled with args.seed, their PackedRows, this rank's test batches)``.
+
+    Test rows are split over data-parallel ranks (a rank left without one repeats the first).
+    """
+    train_examples = list(data["train"])
+    random.Random(args.seed).shuffle(train_examples)
+    layout = dict(seq_length=args.seq_length, alignment=alignment, device=par.device, thd=thd)
+    train_rows = PackedRows(train_examples, **layout)
+    test_rows = PackedRows(data["test"], **layout)
+    test_batches = [test_rows[i] for i in range(par.dp_rank, len(test_rows), par.dp)] or \
+        [test_rows[0]]
+    return train_examples, train_rows, test_batches
+
+
 def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> dict:
     """The SFT demo: test NLL, training, test NLL, loss-path comparison; prints and writes.
 
     ``data`` holds ``train`` and ``test`` lists of :class:`Example`. Returns the result dict
     (also written as JSON on rank 0, with the PNG, once everything has succeeded).
     """
-    rng = random.Random(args.seed)
-    train_examples = list(data["train"])
-    rng.shuffle(train_examples)
-    layout = dict(seq_length=args.seq_length, alignment=alignment, device=par.device, thd=thd)
-    train_rows = PackedRows(train_examples, **layout)
-    test_rows = PackedRows(data["test"], **layout)
-    # Test rows split over data-parallel ranks (a rank left without one repeats the first).
-    test_batches = [test_rows[i] for i in range(par.dp_rank, len(test_rows), par.dp)] or \
-        [test_rows[0]]
+    train_examples, train_rows, test_batches = packed_rows(data, args, par, alignment, thd)
 
     if par.is_main:
         print(f"sft: {len(train_examples)} train examples in {len(train_rows)} packed rows of "

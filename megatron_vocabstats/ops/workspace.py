@@ -189,6 +189,14 @@ class Workspace:
         with self._lock:
             return len(self._free), sum(_nbytes(e.base) for e in self._free)
 
+    def free_buffers(self) -> list[torch.Tensor]:
+        """The free cached buffers (flat tensors), e.g. for a memory tracker to register them.
+
+        They stay owned by the cache: read their sizes, never write to them.
+        """
+        with self._lock:
+            return [e.base for e in self._free]
+
     def _trim(self) -> None:
         total = sum(_nbytes(e.base) for e in self._free)
         while self._free and (len(self._free) > self.max_buffers or total > self.max_bytes):

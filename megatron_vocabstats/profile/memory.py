@@ -226,10 +226,13 @@ def cpu_memory_step(trial_dir: str, model, optimizer, device: torch.device):
     """Track one step under MemTracker (model and optimizer registered); write the raw record.
 
     Tensors alive before the step and held by neither the model nor the optimizer are not seen
-    (MemTracker tracks what is created inside its context or registered with it).
+    (MemTracker tracks what is created inside its context or registered with it), except the
+    ops' cached chunk buffers (``ops.workspace.WORKSPACE``), registered as "other".
     """
+    from ..ops.workspace import WORKSPACE
+
     tracker = _memtracker_class()(device)
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, optimizer, *WORKSPACE.free_buffers())
     with tracker, warnings.catch_warnings():
         # ModTracker's notice for backward hooks of modules already collected; harmless here.
         warnings.filterwarnings("ignore", message="Module is None")

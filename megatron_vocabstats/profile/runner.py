@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import platform
-import random
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -225,13 +224,10 @@ def step_hook(p: Plan, kind: str, recorder):
 
 
 def _train_rows(run):
-    """The training rows of ``sft.run``: the examples shuffled with the seed, then packed."""
-    from examples.gsm8k.data import PackedRows
+    """The training rows of ``sft.run`` (the examples shuffled with the seed, then packed)."""
+    from examples.gsm8k import sft
 
-    examples = list(run.inputs["train"])
-    random.Random(run.args.seed).shuffle(examples)
-    return PackedRows(examples, seq_length=run.args.seq_length, alignment=run.alignment,
-                      device=run.par.device, thd=run.thd)
+    return sft.packed_rows(run.inputs, run.args, run.par, run.alignment, run.thd)[1]
 
 
 def execute(p: Plan, args) -> list[dict]:

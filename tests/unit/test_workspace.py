@@ -159,3 +159,12 @@ def test_an_abandoned_chunk_loop_gives_its_buffers_back():
     assert workspace.WORKSPACE.cached() == (0, 0)  # held while the loop runs
     chunks.close()
     assert workspace.WORKSPACE.cached()[0] == 2
+
+
+def test_free_buffers_lists_what_the_cache_holds():
+    ws = Workspace()
+    held = ws.take((4, 8), torch.float32, "cpu")
+    assert ws.free_buffers() == []
+    ws.give(held, ws.take((2, 8), torch.float32, "cpu"))
+    listed = ws.free_buffers()
+    assert len(listed) == 2 and sum(t.numel() * t.element_size() for t in listed) == ws.cached()[1]
