@@ -136,7 +136,7 @@ def _distill_flags(parser: argparse.ArgumentParser) -> None:
 def _flags(parser: argparse.ArgumentParser, title: str, flags):
     group = parser.add_argument_group(title)
     for flag, kind, default, text in flags:
-        group.add_argument(flag, type=kind, default=default, help=text)
+        group.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     return group
 
 

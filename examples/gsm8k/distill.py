@@ -209,16 +209,21 @@ def distill_forward_step(args, par: Parallel, vocab_size: int, teacher_vocab: in
     return forward_step
 
 
-def train_student(student, teacher, train_rows, args, par, vocab_size, teacher_vocab):
-    """``args.steps`` distillation steps; returns per-step reports."""
-    stored = None
-    if args.teacher_topk_load:
-        path = topk_path(args.teacher_topk_load, par)
-        stored = load_topk(path, train_rows, args, par, vocab_size)
-        if par.is_main:
-            print(f"distill: teacher top-{args.topk} of {len(stored)} rows read from {path}",
-                  flush=True)
-    elif args.teacher_topk == "precomputed":
+def loaded_topk(train_rows, args, par: Parallel, vocab_size: int) -> dict:
+    """The ``--teacher-topk-load`` files of this run's rows, checked (before any training)."""
+    path = topk_path(args.teacher_topk_load, par)
+    stored = load_topk(path, train_rows, args, par, vocab_size)
+    if par.is_main:
+        print(f"distill: teacher top-{args.topk} of {len(stored)} rows read from {path} (no "
+              "teacher is built)", flush=True)
+    return stored
+
+
+def train_student(student, teacher, train_rows, args, par, vocab_size, teacher_vocab,
+                  stored: dict | None = None):
+    """``args.steps`` distillation steps; returns per-step reports. ``stored``: the teacher's
+    top-k per row index when it was loaded (then ``teacher`` is None)."""
+    if stored is None and args.teacher_topk == "precomputed":
         path = precompute_topk(teacher, train_rows, args, par, vocab_size)
         stored = load_topk(path, train_rows, args, par, vocab_size)
         if par.is_main:
@@ -258,16 +263,21 @@ def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> di
     vocab_size = data["tokenizer"].n_words
     train_examples, train_rows, test_batches = packed_rows(data, args, par, alignment, thd)
     shape = teacher_shape(args, vocab_size)
-    teacher = build_teacher(args, shape, train_rows, par)
-    teacher_nll = evaluate_nll(teacher, test_batches, par, args.seq_length)
+    stored = teacher = teacher_nll = None
+    if args.teacher_topk_load:
+        stored = loaded_topk(train_rows, args, par, vocab_size)
+    else:
+        teacher = build_teacher(args, shape, train_rows, par)
+        teacher_nll = evaluate_nll(teacher, test_batches, par, args.seq_length)
     nll_before = evaluate_nll(model, test_batches, par, args.seq_length)
+    teacher_text = "not built" if teacher_nll is None else f"{teacher_nll:.4f}"
     if par.is_main:
-        print(f"distill: teacher test NLL {teacher_nll:.4f}; student before {nll_before:.4f} "
+        print(f"distill: teacher test NLL {teacher_text}; student before {nll_before:.4f} "
               f"nats/answer token; top-{args.topk} {args.divergence}"
               f"{' + tail bucket' if args.tail_bucket else ''}, teacher top-k "
               f"{'loaded' if args.teacher_topk_load else args.teacher_topk}", flush=True)
     history = train_student(model, teacher, train_rows, args, par, vocab_size,
-                            shape.vocab_size)
+                            shape.vocab_size, stored)
     nll_after = evaluate_nll(model, test_batches, par, args.seq_length)
     result = {
         "mode": "distill",
@@ -280,7 +290,7 @@ def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> di
     }
     if par.is_main:
         print(f"distill: student test NLL {nll_before:.4f} -> {nll_after:.4f} (teacher "
-              f"{teacher_nll:.4f})", flush=True)
+              f"{teacher_text})", flush=True)
         path = os.path.join(args.out, "distill.json")
         report.write_outputs({path: report.json_writer(result)})
         print(f"wrote {path}", flush=True)

@@ -82,15 +82,23 @@ def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None) -> Shar
     return ShardLayout(vocab_start=start, width=width, real_width=real, vocab_size=vocab_size)
 
 
+# The flag's spellings (--vocab-stats-batch-invariant off|batch|tp) are accepted as well.
+_BATCH_INVARIANT_NAMES = {"off": False, "batch": True, "tp": "tp"}
+
+
 def check_batch_invariant(value) -> bool | str:
-    """``value`` if it is one of :data:`BATCH_INVARIANT_MODES`, else ``ValueError``."""
-    if not (value is True or value is False or (isinstance(value, str) and value == "tp")):
-        raise ValueError(f"batch_invariant must be False, True or 'tp', got {value!r}")
-    return value
+    """``value`` as one of False, True, ``"tp"`` (``"off"``/``"batch"`` map to False/True), else
+    ``ValueError``."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, str) and value in _BATCH_INVARIANT_NAMES:
+        return _BATCH_INVARIANT_NAMES[value]
+    raise ValueError(f"batch_invariant must be False, True or 'tp' (or 'off', 'batch'), "
+                     f"got {value!r}")
 
 
 def _batch_invariant_mode(value, width: int, tp: int):
-    check_batch_invariant(value)
+    value = check_batch_invariant(value)
     if value == "tp" and tp > 1 and width % BLOCK:
         raise ValueError(
             f"batch_invariant='tp' needs a vocabulary shard width that is a multiple of {BLOCK} "

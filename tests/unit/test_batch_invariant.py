@@ -271,3 +271,10 @@ def test_empty_batch(mode):
         assert all(t.shape == (0,) for t in st)
         (st.logprobs.sum() + st.entropy.sum()).backward()
     assert logits.grad.shape == (0, 300) and hidden.grad.shape == (0, 8)
+
+
+def test_the_flag_spellings_are_accepted():
+    x, t = torch.randn(3, 300), torch.tensor([1, 2, 3])
+    for name, mode in (("off", False), ("batch", True), ("tp", "tp")):
+        assert torch.equal(vocab_parallel_stats(x, t, batch_invariant=name).logprobs,
+                           vocab_parallel_stats(x, t, batch_invariant=mode).logprobs)

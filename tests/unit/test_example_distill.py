@@ -50,6 +50,7 @@ def test_distill_mode_on_the_fly_equals_precomputed(tmp_path):
     assert losses == [s["distill loss"] for s in reused["train"]]
     assert all(loss > 0 for loss in losses) and losses[-1] < losses[0], losses
     assert live["teacher"]["num_layers"] == 2  # 2 x the student's layers
+    assert live["teacher"]["test_nll"] > 0 and reused["teacher"]["test_nll"] is None  # not built
     top = torch.load(tmp_path / "stored" / "teacher_topk_dp0.pt", weights_only=True)
     assert top["topk"] == 8 and top["seq_length"] == 384
     logprobs, indices = top["rows"][0]
