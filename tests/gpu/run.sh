@@ -4,7 +4,8 @@
 # Steps, each under its own time limit (GNU timeout: TERM at the limit, KILL 10 s later; at most
 # 170 + 100 + 150 + 3 x 10 s = 7.5 minutes in all, then the table):
 #   single  pytest tests/gpu (one GPU): float64 parity on the device, CUDA-graph replays,
-#           peak memory against the CPU benchmarks' bounds, the fused LM head, batch invariance
+#           peak memory against the CPU benchmarks' bounds, the fused LM head, batch invariance,
+#           the top-k distillation ops (float64 parity, fused = unfused, graph replays, peak)
 #   parity  pytest tests/gpu/test_parity_dist.py: tp 2 and 4 on NCCL (needs 2 / 4 GPUs)
 #   speed   python tests/gpu/speed.py: bf16 speed table against Megatron's cross-entropies
 # then prints the speed table and a summary table (tests/gpu/_suite.py), last, even when a step
