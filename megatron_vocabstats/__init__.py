@@ -24,12 +24,15 @@ from .ops import (
     vocab_parallel_topk,
     vocab_parallel_topk_logprobs,
     VocabStats,
+    configure_workspace,
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
+    reset_workspace,
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
     vocab_parallel_stats,
+    with_workspace_reset,
 )
 from .packing import (
     PackedBatch,
@@ -79,4 +82,7 @@ __all__ = [
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
     "vocab_parallel_stats",
+    "configure_workspace",
+    "reset_workspace",
+    "with_workspace_reset",
 ]

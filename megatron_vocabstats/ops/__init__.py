@@ -10,6 +10,7 @@ from .vocab_parallel import (
     vocab_parallel_logprobs,
     vocab_parallel_stats,
 )
+from .workspace import configure_workspace, reset_workspace, with_workspace_reset
 
 __all__ = [
     "TopK",
@@ -24,4 +25,7 @@ __all__ = [
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
     "vocab_parallel_stats",
+    "configure_workspace",
+    "reset_workspace",
+    "with_workspace_reset",
 ]
