@@ -117,6 +117,18 @@ def _backward(outputs, leaf):
     leaf.grad = None
 
 
+def peak_bound(tokens: int, width: int, chunk: int, tp: int = 1, elem_bytes: int = 2,
+               rounding: float = 0.0) -> int:
+    """Bytes ``vocab_parallel_stats`` is held to for one forward + backward of a
+    ``[tokens, width]`` shard (``elem_bytes`` per logit) with ``chunk`` tokens per fp32 chunk on
+    ``tp`` ranks: the shard and its gradient, two fp32 ``[chunk, width]`` buffers (larger by the
+    share ``rounding`` where a cache rounds them up) and ``BOUND_PER_TOKEN_VECTORS`` fp32 numbers
+    per token and rank."""
+    shard = tokens * width * elem_bytes
+    buffers = int(2 * chunk * width * 4 * (1 + rounding))
+    return 2 * shard + buffers + BOUND_PER_TOKEN_VECTORS * tp * tokens * 4
+
+
 def estimate_bytes(provider: str, tokens: int, width: int, tp: int, chunk: int) -> int:
     """Rough per-rank peak, used only to skip configurations that cannot fit."""
     shard = tokens * width * 2
@@ -168,8 +180,7 @@ def worker(args) -> None:
             if name == "ours":
                 row.extra["chunk"] = chunk
             if name == "ours" and "bi=" not in mode:  # block statistics are outside the bound
-                bound = (2 * row.extra["shard_bytes"] + 2 * chunk * width * 4
-                         + BOUND_PER_TOKEN_VECTORS * tp * tokens * 4)
+                bound = peak_bound(tokens, width, chunk, tp)
                 row.extra["bound_ratio"] = round(row.peak_bytes / bound, 3)
             rows.append(row)
             if rank == 0:
