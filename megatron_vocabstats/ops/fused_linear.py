@@ -277,6 +277,11 @@ def _finish_weight_grad(acc, weight, main_grad, cfg: LinearStatsConfig):
     return make(main_grad.shape, dtype=weight.dtype, device=weight.device)
 
 
+def _full_hidden(hidden, cfg: LinearStatsConfig, tp_group) -> torch.Tensor:
+    """``hidden``, or under sequence parallelism every rank's shard gathered along dim 0."""
+    return _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
+
+
 def _reduce_hidden_grad(dx2d, total_shape, cfg: LinearStatsConfig, tp_group):
     """Sum the per-shard ``dX`` over the vocabulary shards, as ``ColumnParallelLinear``'s backward:
     one all-reduce, or under sequence parallelism one reduce-scatter to the local shard."""
@@ -289,7 +294,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, grad_weights, cfg: LinearStatsConfig, tp_group):
         sc = cfg.stats
-        total = _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
+        total = _full_hidden(hidden, cfg, tp_group)
         total_shape = total.shape
         hidden2d = total.reshape(-1, total_shape[-1])
         target1d, valid = flatten_target(target, sc.ignore_index)
@@ -429,33 +434,26 @@ def _upstream_scale(grad_logprobs, grad_weights, valid, cfg: LinearStatsConfig, 
     return scale
 
 
-def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
-    hidden, weight, target, lse, ent = ctx.saved_tensors
-    cfg: LinearStatsConfig = ctx.cfg
+def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, tp_group,
+                       main_grad, logits_grad_) -> tuple:
+    """``(grad_hidden, grad_weight)`` of a fused op by recomputing each chunk's logits.
+
+    ``logits_grad_(rows, logits, z, index, owned, scratch)`` turns the chunk's logits (model
+    dtype, in ``logits``; ``z`` their fp32 upcast) into their gradient in place; each chunk's
+    gradient then becomes ``dX = g @ W`` and ``dW += g.T @ h`` right away. ``hidden`` is this
+    rank's (sequence-parallel) shard; ``None`` for a gradient ``cfg`` does not ask for.
+    """
     sc = cfg.stats
-    tp_group = ctx.tp_group
-    total = _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
+    total = _full_hidden(hidden, cfg, tp_group)
     hidden2d = total.reshape(-1, total.shape[-1])
-    target1d, valid = flatten_target(target, sc.ignore_index)
-    coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, sc.temperature)
-    lse = finite_lse(lse.reshape(-1), valid)
-    ent = ent.reshape(-1) if coef_h is not None else None
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
-    acc = _weight_grad_buffer(weight, ctx.main_grad) if cfg.grad_weight else None
+    acc = _weight_grad_buffer(weight, main_grad) if cfg.grad_weight else None
     bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
                          batch_invariant=bool(sc.batch_invariant))
     try:
         for rows, logits, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid, sc,
                                                            bufs):
-            chunk_grad(
-                z, bufs.scratch, logits,
-                lse=lse[rows],
-                ent=ent[rows] if ent is not None else None,
-                coef_lp=coef_lp[rows] if coef_lp is not None else None,
-                coef_h=coef_h[rows] if coef_h is not None else None,
-                index=index, owned=owned, valid=valid[rows] if valid is not None else None,
-                layout=sc.layout, label_smoothing=sc.label_smoothing,
-            )
+            logits_grad_(rows, logits, z, index, owned, bufs.scratch)
             _input_grads_of_chunk(logits, hidden2d[rows], weight,
                                   dx2d[rows] if dx2d is not None else None, acc, bufs)
     finally:
@@ -465,8 +463,32 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
         grad_hidden = _reduce_hidden_grad(dx2d, total.shape, cfg, tp_group)
     grad_weight = None
     if acc is not None:
-        grad_weight = _finish_weight_grad(acc, weight, ctx.main_grad, cfg)
+        grad_weight = _finish_weight_grad(acc, weight, main_grad, cfg)
     return grad_hidden, grad_weight
+
+
+def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
+    hidden, weight, target, lse, ent = ctx.saved_tensors
+    cfg: LinearStatsConfig = ctx.cfg
+    sc = cfg.stats
+    target1d, valid = flatten_target(target, sc.ignore_index)
+    coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, sc.temperature)
+    lse = finite_lse(lse.reshape(-1), valid)
+    ent = ent.reshape(-1) if coef_h is not None else None
+
+    def logits_grad_(rows, logits, z, index, owned, scratch):
+        chunk_grad(
+            z, scratch, logits,
+            lse=lse[rows],
+            ent=ent[rows] if ent is not None else None,
+            coef_lp=coef_lp[rows] if coef_lp is not None else None,
+            coef_h=coef_h[rows] if coef_h is not None else None,
+            index=index, owned=owned, valid=valid[rows] if valid is not None else None,
+            layout=sc.layout, label_smoothing=sc.label_smoothing,
+        )
+
+    return recompute_backward(hidden, weight, target1d, valid, cfg, ctx.tp_group, ctx.main_grad,
+                              logits_grad_)
 
 
 def _local_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence_parallel,

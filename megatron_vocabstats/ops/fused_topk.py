@@ -23,11 +23,9 @@ from .fused_linear import (
     LinearStatsConfig,
     _checked_linear_config,
     _ChunkBuffers,
-    _finish_weight_grad,
-    _input_grads_of_chunk,
+    _full_hidden,
     _logit_chunks,
-    _reduce_hidden_grad,
-    _weight_grad_buffer,
+    recompute_backward,
 )
 from .topk import (
     TopK,
@@ -52,11 +50,6 @@ def _linear_config(hidden, weight, tp_group, *, sequence_parallel=False,
         accumulate_into_main_grad=accumulate_into_main_grad, chunk_size=chunk_size,
         local_error=local_error, agree=agree, vocab_size=vocab_size, entropy="off",
         temperature=temperature, ignore_index=-100, label_smoothing=0.0, validate=validate)
-
-
-def _full_hidden(hidden, cfg: LinearStatsConfig, tp_group) -> torch.Tensor:
-    """``hidden``, or under sequence parallelism every rank's shard gathered along dim 0."""
-    return _comm.gather_sequence(hidden, tp_group) if cfg.sequence_parallel else hidden
 
 
 def _lead_shape(hidden, sequence_parallel, tp_group) -> tuple[int, ...] | None:
@@ -97,28 +90,14 @@ class _LinearTopKLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None
         hidden, weight, indices, valid, lse = ctx.saved_tensors
         cfg: LinearStatsConfig = ctx.cfg
-        sc = cfg.stats
-        total = _full_hidden(hidden, cfg, ctx.tp_group)
-        hidden2d = total.reshape(-1, total.shape[-1])
-        local, coef, hits, lse = backward_terms(grad, indices, valid, lse, sc)
-        dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
-        acc = _weight_grad_buffer(weight, ctx.main_grad) if cfg.grad_weight else None
-        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-        try:
-            for rows, logits, z, _, _ in _logit_chunks(hidden2d, weight, None, None, sc, bufs):
-                chunk_topk_grad(z, bufs.scratch, logits, lse=lse[rows], coef=coef[rows],
-                                hits=hits[rows], local=local[rows], valid=valid[rows],
-                                layout=sc.layout)
-                _input_grads_of_chunk(logits, hidden2d[rows], weight,
-                                      dx2d[rows] if dx2d is not None else None, acc, bufs)
-        finally:
-            bufs.release()
-        grad_hidden = None
-        if dx2d is not None:
-            grad_hidden = _reduce_hidden_grad(dx2d, total.shape, cfg, ctx.tp_group)
-        grad_weight = None
-        if acc is not None:
-            grad_weight = _finish_weight_grad(acc, weight, ctx.main_grad, cfg)
+        local, coef, hits, lse = backward_terms(grad, indices, valid, lse, cfg.stats)
+
+        def logits_grad_(rows, logits, z, _index, _owned, scratch):
+            chunk_topk_grad(z, scratch, logits, lse=lse[rows], coef=coef[rows], hits=hits[rows],
+                            local=local[rows], valid=valid[rows], layout=cfg.stats.layout)
+
+        grad_hidden, grad_weight = recompute_backward(hidden, weight, None, None, cfg,
+                                                      ctx.tp_group, ctx.main_grad, logits_grad_)
         return grad_hidden, grad_weight, None, None, None, None
 
 
