@@ -221,6 +221,14 @@ def _combine(parts: torch.Tensor, *, entropy: bool, target: bool, zsum: bool,
         zsum=_sum0(parts[:, STAT_ZSUM], ordered, copy=True) if zsum else None)
 
 
+def log_normaliser(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, log S)`` per token from ``[P, NUM_STATS, T]`` per-shard statistics (only the max and
+    sum-of-exp rows are read), combined in rank order as :func:`merge_stats` does:
+    ``log Z = m + log S``. ``m`` is 0 for a row with no live column (then ``log S = -inf``)."""
+    c = _combine(parts, entropy=False, target=False, zsum=False, ordered=False)
+    return c.max_safe, torch.log(c.sumexp)
+
+
 def reduce_blocks(blocks: torch.Tensor, out: torch.Tensor, *, entropy: bool, target: bool,
                   zsum: bool) -> None:
     """Shard statistics ``out`` [NUM_STATS, n] (the format of :func:`chunk_stats`) from the

@@ -41,13 +41,12 @@ from ._checks import (
 )
 from ._math import (
     NUM_STATS,
-    STAT_MAX,
-    STAT_SUMEXP,
     Z_FLOOR,
     ShardLayout,
     chunk_grad,
     chunk_stats,
     finite_lse,
+    log_normaliser,
 )
 from .vocab_parallel import _chunks
 
@@ -95,16 +94,6 @@ def chunk_candidates(z: torch.Tensor, layout: ShardLayout, k_local: int):
     ids = torch.arange(layout.vocab_start, layout.vocab_start + layout.width, device=z.device)
     top = rank_keys(z, ids).topk(k_local, dim=1).indices
     return z.gather(1, top), top + layout.vocab_start
-
-
-def log_normaliser(stats: torch.Tensor):
-    """``(m, log S)`` per token from every shard's statistics ``[tp, NUM_STATS, T]`` (only the
-    max and sum-of-exp rows are read), in rank order: ``log Z = m + log S``. ``m`` is 0 for a row
-    with no live column (then ``log S = -inf``)."""
-    m_r = stats[:, STAT_MAX]
-    m = m_r.amax(dim=0)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    return m, torch.log((stats[:, STAT_SUMEXP] * torch.exp(m_r - m)).sum(dim=0))
 
 
 def logprobs_of(values: torch.Tensor, m: torch.Tensor, log_sumexp: torch.Tensor) -> torch.Tensor:
