@@ -434,7 +434,7 @@ def _upstream_scale(grad_logprobs, grad_weights, valid, cfg: LinearStatsConfig, 
     return scale
 
 
-def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, tp_group,
+def _recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, tp_group,
                        main_grad, logits_grad_) -> tuple:
     """``(grad_hidden, grad_weight)`` of a fused op by recomputing each chunk's logits.
 
@@ -487,7 +487,7 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
             layout=sc.layout, label_smoothing=sc.label_smoothing,
         )
 
-    return recompute_backward(hidden, weight, target1d, valid, cfg, ctx.tp_group, ctx.main_grad,
+    return _recompute_backward(hidden, weight, target1d, valid, cfg, ctx.tp_group, ctx.main_grad,
                               logits_grad_)
 
 

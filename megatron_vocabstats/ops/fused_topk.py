@@ -25,7 +25,7 @@ from .fused_linear import (
     _ChunkBuffers,
     _full_hidden,
     _logit_chunks,
-    recompute_backward,
+    _recompute_backward,
 )
 from .topk import (
     TopK,
@@ -96,7 +96,7 @@ class _LinearTopKLogprobs(torch.autograd.Function):
             chunk_topk_grad(z, scratch, logits, lse=lse[rows], coef=coef[rows], hits=hits[rows],
                             local=local[rows], valid=valid[rows], layout=cfg.stats.layout)
 
-        grad_hidden, grad_weight = recompute_backward(hidden, weight, None, None, cfg,
+        grad_hidden, grad_weight = _recompute_backward(hidden, weight, None, None, cfg,
                                                       ctx.tp_group, ctx.main_grad, logits_grad_)
         return grad_hidden, grad_weight, None, None, None, None
 
@@ -128,6 +128,9 @@ def linear_vocab_parallel_topk_logprobs(
     :func:`~megatron_vocabstats.linear_vocab_parallel_stats`, so the results equal the unfused op
     on the logits assembled from those chunk products bit for bit (see that function for the
     rounding of a full ``hidden @ weight.T`` versus chunks). Backward recomputes each chunk.
+    Method: the chunked linear cross-entropy of Wijmans et al. 2024 ("Cut Your Losses in
+    Large-Vocabulary Language Models", arXiv:2411.09009) applied to the top-k log-probs of
+    ``docs/numerics.md`` ("Top-k distillation").
 
     Args:
         hidden: ``[..., H]`` bf16/fp16/fp32 hidden states (Megatron ``[s, b, H]``), replicated
@@ -151,7 +154,7 @@ def linear_vocab_parallel_topk_logprobs(
         fp32 ``[..., k]`` log-probs, identical on every rank (0 at masked rows).
 
     Communication: forward, one all-gather of ``[5 + k, T]`` fp32 (plus, with ``validate`` on
-    tp > 1, two of a few int64, and under ``sequence_parallel`` the all-gather of ``hidden``);
+    tp > 1, one of a few int64, and under ``sequence_parallel`` the all-gather of ``hidden``);
     backward, one all-reduce of ``dX``, or under ``sequence_parallel`` one reduce-scatter and
     the all-gather of ``hidden`` again (as ``ColumnParallelLinear``).
     Memory beyond inputs and outputs: the fused head's chunk buffers, ``O(tp k T)`` fp32, the
@@ -196,7 +199,7 @@ def linear_vocab_parallel_topk(
     :func:`linear_vocab_parallel_topk_logprobs` for ``hidden``/``weight``/``sequence_parallel``
     and the rounding); results ``[*lead, k]`` for the (gathered) leading shape.
 
-    Not differentiable. Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 (plus two
+    Not differentiable. Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 (plus one
     of a few int64 with ``validate``, and the all-gather of ``hidden`` under
     ``sequence_parallel``). Raises ``ValueError`` for ``k`` outside ``[1, V]`` and what
     ``linear_vocab_parallel_stats`` raises; under ``validate`` and tp > 1 on every rank,

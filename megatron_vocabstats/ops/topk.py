@@ -349,7 +349,7 @@ def vocab_parallel_topk(
         differentiable (the teacher is a constant).
 
     Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 in forward (plus, with
-    ``validate`` on tp > 1, two of a few int64: the core checks, then the agreement on ``k``).
+    ``validate`` on tp > 1, one of a few int64: the core checks and the agreement on ``k``).
     Memory: the core op's two fp32 ``[chunk, W]`` buffers plus a few chunk-sized int64 keys, and
     ``O(tp * k * T)`` for the candidates.
 
@@ -451,7 +451,7 @@ def vocab_parallel_topk_logprobs(
     the temperature), recomputed chunk by chunk in fp32 and cast once to the logits dtype.
 
     Communication: one all-gather of ``[5 + k, T]`` fp32 in forward (plus, with ``validate`` on
-    tp > 1, two of a few int64: the core checks, then the agreement on ``k``, ``mask`` and the
+    tp > 1, one of a few int64: the core checks and the agreement on ``k``, ``mask`` and the
     ids), none in backward. Memory: two fp32 ``[chunk, W]`` buffers, ``O(tp k T)`` fp32;
     backward allocates the logits gradient once, in the logits dtype.
 

@@ -220,12 +220,21 @@ WORKSPACE = Workspace()
 
 
 def reset_workspace() -> None:
-    """Drop every buffer cached by the ops (:data:`WORKSPACE`). See the module's rule 4."""
+    """Drop every free buffer cached by the ops (:data:`WORKSPACE`); their memory goes back to
+    the allocator. Buffers a running op holds are unaffected (rule 4 of the module). Raises
+    nothing."""
     WORKSPACE.reset()
 
 
 def configure_workspace(*, max_buffers: int | None = None, max_bytes: int | None = None) -> None:
-    """Bounds of the ops' cache (:meth:`Workspace.configure`); ``max_buffers=0`` disables it."""
+    """Set the bounds of the ops' cache (:data:`WORKSPACE`): ``max_buffers`` free buffers and
+    ``max_bytes`` bytes at most (None keeps a bound; defaults 8 and 2 GiB). ``max_buffers=0``
+    turns the cache off; results never depend on it. Free buffers beyond the new bounds are
+    dropped at once.
+
+    Raises:
+        ValueError: a bound that is not a non-negative int.
+    """
     WORKSPACE.configure(max_buffers=max_buffers, max_bytes=max_bytes)
 
 
@@ -235,6 +244,9 @@ def with_workspace_reset(reset: Callable) -> Callable:
 
         FullCudaGraphWrapper.reset_cuda_graph = with_workspace_reset(
             FullCudaGraphWrapper.reset_cuda_graph)
+
+    Returns the wrapper (same signature and result as ``reset``); raises what ``reset`` raises,
+    and then leaves the cache as it was.
     """
 
     @functools.wraps(reset)
