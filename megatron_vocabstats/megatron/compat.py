@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 
 import torch.distributed as dist
@@ -21,18 +22,25 @@ class UnsupportedMegatronError(ImportError):
 
 
 def megatron_core_version() -> str:
-    """The installed megatron-core version string, or ``"not installed"``."""
+    """The version of the megatron-core that Python imports, with where it comes from.
+
+    ``"0.19.2 (/path/to/megatron/core)"``: read from the imported ``megatron.core`` (its
+    ``package_info``), not the installed wheel's metadata, so that a Megatron-LM checkout placed
+    first on ``sys.path`` is reported as itself. ``"not installed"`` when it cannot be imported.
+    """
     try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:  # noqa: BLE001 - metadata may be missing for source checkouts
+        import megatron.core
+    except ImportError:
+        return "not installed"
+    version = getattr(megatron.core, "__version__", None)
+    if version is None:
         try:
-            import megatron.core
+            from importlib.metadata import version as dist_version
 
-            return getattr(megatron.core, "__version__", "unknown")
-        except ImportError:
-            return "not installed"
+            version = f"{dist_version('megatron-core')} (wheel metadata)"
+        except Exception:  # noqa: BLE001 - a source checkout may have no metadata
+            version = "unknown"
+    return f"{version} ({os.path.dirname(megatron.core.__file__)})"
 
 
 def language_module_class():
@@ -107,11 +115,26 @@ def default_tp_group() -> dist.ProcessGroup | None:
 
 
 def training_module(name: str):
-    """``megatron.training.<name>``, or None where the wheel has no ``megatron.training`` (< 0.17)."""
+    """``megatron.training.<name>``, or None where the wheel has no ``megatron.training`` (< 0.17).
+
+    Raises :class:`UnsupportedMegatronError` when ``megatron.training`` is there but fails to
+    import (a missing dependency such as pydantic): the patch then applies nothing instead of
+    leaving Megatron's parser without our flags.
+    """
+    module_name = f"megatron.training.{name}"
     try:
-        return importlib.import_module(f"megatron.training.{name}")
-    except ImportError:
-        return None
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name in ("megatron.training", module_name):
+            return None
+        raise UnsupportedMegatronError(
+            f"importing {module_name} failed ({exc}); install what it needs, or import the plugin "
+            f"where megatron.training is absent; megatron-core {megatron_core_version()}"
+        ) from exc
+    except ImportError as exc:
+        raise UnsupportedMegatronError(
+            f"importing {module_name} failed ({exc}); megatron-core {megatron_core_version()}"
+        ) from exc
 
 
 def full_cuda_graph_wrapper_class():
