@@ -44,6 +44,11 @@ class UsageError(ValueError):
     """A command line the parser refuses; :func:`main` prints it as ``error: ...`` (exit 2)."""
 
 
+class OutputError(ValueError):
+    """An output refused by :func:`check_outputs`; unlike the other checks it may fail on some
+    ranks only (a directory local to each node), so every rank that fails prints it."""
+
+
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`UsageError` instead of exiting, so that :func:`main` (and the profiler,
     which parses the example's flags) report it like every other bad input, once."""
@@ -258,11 +263,11 @@ def read_paths(args) -> list[tuple[str, str]]:
 def check_outputs(args) -> None:
     """Refuse outputs that would destroy something, before any input is read or model built.
 
-    Raises ``ValueError`` naming the flag and the path: an output that is one of the run's
-    inputs (resolved through symbolic links; also with ``--overwrite``), two outputs on the
-    same path, an output file that is a directory, an existing output file (or a ``--save``
-    directory holding files) without ``--overwrite``, or an output whose directory cannot be
-    created or written.
+    Raises :class:`OutputError` (a ``ValueError``) naming the flag and the path: an output that
+    is one of the run's inputs (resolved through symbolic and hard links; also with
+    ``--overwrite``), two outputs on the same path, an output file that is a directory, an
+    existing output file (or a ``--save`` directory holding files) without ``--overwrite``, or
+    an output whose directory cannot be created or written.
     """
     from .report import output_problem, same_path
 
@@ -271,11 +276,11 @@ def check_outputs(args) -> None:
         for other_flag, other in inputs + outputs[:i]:
             if same_path(path, other):
                 kind = "input" if (other_flag, other) in inputs else "output"
-                raise ValueError(f"{flag} {path} is the same path as the {kind} {other_flag} "
-                                 f"{other}: give another path (--overwrite does not allow this)")
+                raise OutputError(f"{flag} {path} is the same path as the {kind} {other_flag} "
+                                  f"{other}: give another path (--overwrite does not allow this)")
         problem = output_problem(path, directory=flag == "--save", overwrite=args.overwrite)
         if problem:
-            raise ValueError(f"{flag} {path} {problem}")
+            raise OutputError(f"{flag} {path} {problem}")
 
 
 def _cuda() -> bool:
@@ -319,9 +324,13 @@ def main(argv=None) -> int:
         check_outputs(args)
         return _run(args)
     except ValueError as exc:
-        # Every rank raises the same error; one copy is enough.
-        if os.environ.get("RANK", "0") == "0":
+        # Every rank raises the same error; one copy is enough. Output paths may be local to a
+        # node, so a rank other than 0 that refuses one says so.
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif isinstance(exc, OutputError):
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2
 
 

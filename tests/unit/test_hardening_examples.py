@@ -311,3 +311,14 @@ def test_stored_topk_missing_is_refused_before_any_model(cli, capsys, tmp_path, 
     fails(cli, capsys, ["distill", *TINY, "--tp", "1", "--data-dir", str(gsm8k_dir),
                         "--teacher-topk-load", str(stored), "--out", str(tmp_path / "out")],
           f"--teacher-topk-load: {stored / 'teacher_topk_dp0.pt'} does not exist")
+
+
+def test_output_refused_on_another_rank_is_printed_there(cli, capsys, monkeypatch, scoring):
+    # Output directories may be local to a node: a rank other than 0 that refuses one says so
+    # (other errors, the same on every rank, are printed by rank 0 alone).
+    monkeypatch.setenv("RANK", "1")
+    fails_on_1 = ["score", "--input", scoring, "--output", scoring]
+    assert cli.main(fails_on_1) == 2
+    assert capsys.readouterr().err.startswith("error (rank 1): --output")
+    assert cli.main(["sft", "--steps", "0"]) == 2
+    assert capsys.readouterr().err == ""
