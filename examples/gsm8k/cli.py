@@ -6,8 +6,11 @@ The plugin comes in as a user adds it to a script with its own argument parser: 
 ``megatron_vocabstats.megatron.arguments.extra_args_provider`` and, after parsing,
 ``config_hook(args)``, which turns the plugin on with ``--vocab-parallel-stats`` (off without).
 
-Every check of the input (data files, sizes, tp against heads, world size) runs before any
-output is written; errors are ``ValueError`` with the flag named, printed as ``error: ...``.
+Every check of the flags (at parse time: counts, sizes and finite numbers), of the outputs (no
+output is an input; an existing one is replaced only with ``--overwrite``; its directory is
+writable) and of the input (data files, sizes, tp against heads, world size) runs before any
+model is built or output written; errors are ``ValueError`` with the flag named, printed as
+``error: ...`` with exit status 2.
 """
 
 from __future__ import annotations
@@ -28,8 +31,30 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 
 import megatron_vocabstats.patch  # noqa: E402,F401 - the one line that brings the plugin in
+from megatron_vocabstats.megatron.arguments import FloatIn, IntAtLeast  # noqa: E402
 
 DESCRIPTION = "Train / score a Megatron-Core GPT on GSM8K with megatron-vocabstats."
+
+# argparse types: a value they refuse stops the run at parse time, naming the flag (exit 2).
+POSITIVE, NON_NEGATIVE = IntAtLeast(1), IntAtLeast(0)
+POSITIVE_REAL, NON_NEGATIVE_REAL = FloatIn(0.0, open_low=True), FloatIn(0.0)
+
+
+class UsageError(ValueError):
+    """A command line the parser refuses; :func:`main` prints it as ``error: ...`` (exit 2)."""
+
+
+class OutputError(ValueError):
+    """An output refused by :func:`check_outputs`; unlike the other checks it may fail on some
+    ranks only (a directory local to each node), so every rank that fails prints it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`UsageError` instead of exiting, so that :func:`main` (and the profiler,
+    which parses the example's flags) report it like every other bad input, once."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -38,27 +63,27 @@ def _common(parser: argparse.ArgumentParser) -> None:
     from .data import DEFAULT_DATA_DIR
 
     g = parser.add_argument_group("model and parallelism")
-    g.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    g.add_argument("--cp", type=int, default=1,
+    g.add_argument("--tp", type=POSITIVE, default=2, help="tensor-parallel size")
+    g.add_argument("--cp", type=POSITIVE, default=1,
                    help="context-parallel size (needs CUDA + transformer-engine)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism (needs transformer-engine or apex norms)")
-    g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
-    g.add_argument("--hidden-size", type=int, default=512, help="model width")
-    g.add_argument("--num-attention-heads", type=int, default=8,
+    g.add_argument("--num-layers", type=POSITIVE, default=4, help="transformer layers")
+    g.add_argument("--hidden-size", type=POSITIVE, default=512, help="model width")
+    g.add_argument("--num-attention-heads", type=POSITIVE, default=8,
                    help="attention heads (a multiple of --tp)")
-    g.add_argument("--ffn-hidden-size", type=int, default=0, help="0 = 4 x hidden")
-    g.add_argument("--seq-length", type=int, default=1024,
+    g.add_argument("--ffn-hidden-size", type=NON_NEGATIVE, default=0, help="0 = 4 x hidden")
+    g.add_argument("--seq-length", type=POSITIVE, default=1024,
                    help="tokens per packed row (one microbatch)")
     g.add_argument("--position-embedding", choices=("learned_absolute", "rope"),
                    default="learned_absolute",
                    help="rope needs CUDA (Megatron builds its frequencies there)")
     g.add_argument("--tie-embeddings", action="store_true",
                    help="share the input embedding and the LM head weight")
-    g.add_argument("--dropout", type=float, default=0.0,
+    g.add_argument("--dropout", type=FloatIn(0.0, 1.0, open_high=True), default=0.0,
                    help="hidden and attention dropout (0 keeps the comparison exact)")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
-    g.add_argument("--seed", type=int, default=1234,
+    g.add_argument("--seed", type=NON_NEGATIVE, default=1234,
                    help="initialisation, data order and rollouts")
     g.add_argument("--load", default=None, help="checkpoint directory to start from")
     g.add_argument("--save", default=None, help="write a checkpoint here at the end")
@@ -68,47 +93,55 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
                    help="directory with GSM8K train.jsonl and test.jsonl")
     g.add_argument("--out", default="outputs/gsm8k", help="directory for reports")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace outputs that already exist (the mode's reports in --out, "
+                        "--output, --save, stored top-k files); without it they are refused. "
+                        "An output that is also an input is always refused")
     extra_args_provider(parser)
 
 
 def _training(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    g.add_argument("--micro-batches", type=int, default=1,
+    g.add_argument("--steps", type=POSITIVE, default=20, help="optimizer steps")
+    g.add_argument("--micro-batches", type=POSITIVE, default=1,
                    help="packed rows per step per data-parallel rank")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
-    g.add_argument("--warmup-steps", type=int, default=3,
+    g.add_argument("--lr", type=POSITIVE_REAL, default=1e-3, help="peak AdamW learning rate")
+    g.add_argument("--warmup-steps", type=NON_NEGATIVE, default=3,
                    help="linear warmup, then cosine decay to 10%% of --lr")
-    g.add_argument("--weight-decay", type=float, default=0.1,
+    g.add_argument("--weight-decay", type=NON_NEGATIVE_REAL, default=0.1,
                    help="AdamW weight decay of the matrices")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 = no clipping")
-    g.add_argument("--train-examples", type=int, default=0, help="0 = all")
+    g.add_argument("--clip-grad", type=NON_NEGATIVE_REAL, default=1.0, help="0 = no clipping")
+    g.add_argument("--train-examples", type=NON_NEGATIVE, default=0, help="0 = all")
     g.add_argument("--repeat-batch", action="store_true",
                    help="train on the first step's rows every step (a check that loss falls)")
 
 
 # Mode-specific flags: (flag, type, default, help).
 SFT_FLAGS = [
-    ("--test-examples", int, 32, "held-out test questions for the NLL before/after"),
-    ("--compare-batches", int, 1, "packed rows on which the loss paths are compared"),
-    ("--compare-chunk", int, 256,
+    ("--test-examples", POSITIVE, 32, "held-out test questions for the NLL before/after"),
+    ("--compare-batches", POSITIVE, 1, "packed rows on which the loss paths are compared"),
+    ("--compare-chunk", POSITIVE, 256,
      "fused LM-head chunk of the comparison when --lm-head-chunk-size is 0"),
 ]
 GRPO_FLAGS = [
-    ("--questions-per-step", int, 4, "questions per step per data-parallel rank"),
-    ("--group-size", int, 4, "answers per question"),
-    ("--ppo-epochs", int, 2, "policy updates per batch of rollouts"),
-    ("--clip-eps", float, 0.2,
-     "PPO ratio clip; the entropy bonus is --entropy-coef (with --vocab-stats-entropy grad)"),
+    ("--questions-per-step", POSITIVE, 4, "questions per step per data-parallel rank"),
+    ("--group-size", IntAtLeast(2), 4,
+     "answers per question (>= 2: advantages are normalised within a group)"),
+    ("--ppo-epochs", POSITIVE, 2, "policy updates per batch of rollouts"),
+    ("--clip-eps", FloatIn(0.0, 1.0, open_low=True, open_high=True), 0.2,
+     "PPO ratio clip, in (0, 1); the entropy bonus is --entropy-coef (with "
+     "--vocab-stats-entropy grad)"),
 ]
 
 DISTILL_FLAGS = [
-    ("--topk", int, 16, "teacher ids per token the student is distilled on"),
-    ("--teacher-steps", int, 20, "SFT steps of the teacher trained on the fly (no --teacher-load)"),
-    ("--teacher-num-layers", int, 0, "teacher layers (0 = 2 x --num-layers)"),
-    ("--teacher-hidden-size", int, 0, "teacher width (0 = --hidden-size)"),
-    ("--jsd-beta", float, 0.5, "JSD: weight of the teacher in the mixture, in (0, 1)"),
-    ("--distill-temperature", float, 1.0, "softmax temperature of teacher and student"),
+    ("--topk", POSITIVE, 16, "teacher ids per token the student is distilled on"),
+    ("--teacher-steps", POSITIVE, 20,
+     "SFT steps of the teacher trained on the fly (no --teacher-load)"),
+    ("--teacher-num-layers", NON_NEGATIVE, 0, "teacher layers (0 = 2 x --num-layers)"),
+    ("--teacher-hidden-size", NON_NEGATIVE, 0, "teacher width (0 = --hidden-size)"),
+    ("--jsd-beta", FloatIn(0.0, 1.0, open_low=True, open_high=True), 0.5,
+     "JSD: weight of the teacher in the mixture, in (0, 1)"),
+    ("--distill-temperature", POSITIVE_REAL, 1.0, "softmax temperature of teacher and student"),
 ]
 
 
@@ -141,7 +174,7 @@ def _flags(parser: argparse.ArgumentParser, title: str, flags):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m examples.gsm8k", description=DESCRIPTION)
+    parser = _Parser(prog="python -m examples.gsm8k", description=DESCRIPTION)
     modes = parser.add_subparsers(dest="mode", required=True)
     sft = modes.add_parser("sft", help="supervised fine-tuning on answers + report")
     grpo = modes.add_parser("grpo", help="GRPO-style policy steps on stand-in rollouts")
@@ -152,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mode in (sft, grpo, distill):
         _training(mode)
     _distill_flags(distill)
-    distill.add_argument("--test-examples", type=int, default=32,
+    distill.add_argument("--test-examples", type=POSITIVE, default=32,
                          help="held-out test questions for the NLL before/after")
     _flags(sft, "evaluation and comparison", SFT_FLAGS)
     _flags(grpo, "policy", GRPO_FLAGS)
@@ -163,16 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parse ``argv`` and apply the plugin's config hook; ``ValueError`` for bad values."""
+    """Parse ``argv`` and apply the plugin's config hook.
+
+    Raises ``ValueError`` naming the flag: :class:`UsageError` for what the parser refuses (an
+    unknown flag, a count below its minimum, a NaN, infinite or out-of-range number), plain
+    ``ValueError`` for combinations that cannot run. Outputs are checked by
+    :func:`check_outputs`, inputs by :func:`check_inputs`.
+    """
     from megatron_vocabstats.megatron.arguments import config_hook
 
     args = build_parser().parse_args(argv)
     config_hook(args)
-    positive = ["steps", "micro_batches", "test_examples", "compare_batches", "compare_chunk",
-                "questions_per_step", "group_size", "ppo_epochs", "topk", "teacher_steps"]
-    for name in positive:
-        if getattr(args, name, 1) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.bf16 and not _cuda():
         raise ValueError("--bf16 needs CUDA (Megatron's schedule autocasts on 'cuda'); drop it "
                          "on CPU")
@@ -181,24 +215,72 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "moves its frequencies to the GPU); use learned_absolute on CPU")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} exists and is not a directory")
-    if args.mode == "score" and os.path.isdir(args.output):
-        raise ValueError(f"--output {args.output} is a directory; name the JSONL file to write")
     if args.mode == "distill":
-        if not 0.0 < args.jsd_beta < 1.0:
-            raise ValueError(f"--jsd-beta must lie in (0, 1), got {args.jsd_beta}")
-        if not args.distill_temperature > 0.0:
-            raise ValueError(f"--distill-temperature must be > 0, got {args.distill_temperature}")
         if args.cp > 1:
             raise ValueError("distill runs with --cp 1 (the teacher's top-k is per packed row)")
-        for name in ("teacher_num_layers", "teacher_hidden_size"):
-            if getattr(args, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if args.teacher_topk_load and not os.path.isdir(args.teacher_topk_load):
             raise ValueError(f"--teacher-topk-load {args.teacher_topk_load} is not a directory "
                              "(the --out of a --teacher-topk precomputed run)")
-    if args.mode == "grpo" and args.group_size < 2:
-        raise ValueError("--group-size must be >= 2 (advantages are normalised within a group)")
     return args
+
+
+def _dp_size(args) -> int:
+    """Data-parallel size of this launch (``WORLD_SIZE`` / (tp x cp); 1 when they disagree,
+    which :func:`.model.init_parallel` refuses later)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, world // (args.tp * args.cp)) if world % (args.tp * args.cp) == 0 else 1
+
+
+def planned_outputs(args) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every file the run writes, and ``("--save", dir)`` for a checkpoint."""
+    from . import distill, report
+
+    out = [("--out", path) for path in report.report_paths(args.out, args.mode)]
+    if args.mode == "distill" and args.teacher_topk == "precomputed" \
+            and not args.teacher_topk_load:
+        out += [("--out", distill.topk_file(args.out, r)) for r in range(_dp_size(args))]
+    if args.mode == "score":
+        out.append(("--output", args.output))
+    if args.save:
+        out.append(("--save", args.save))
+    return out
+
+
+def read_paths(args) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every file or directory the run reads."""
+    if args.mode == "score":
+        paths = [("--input", args.input)]
+    else:
+        names = ("train.jsonl",) + (("test.jsonl",) if args.mode in ("sft", "distill") else ())
+        paths = [("--data-dir", os.path.join(args.data_dir, n)) for n in names]
+    for flag in ("--tokenizer", "--load", "--teacher-load", "--teacher-topk-load"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value:
+            paths.append((flag, value))
+    return paths
+
+
+def check_outputs(args) -> None:
+    """Refuse outputs that would destroy something, before any input is read or model built.
+
+    Raises :class:`OutputError` (a ``ValueError``) naming the flag and the path: an output that
+    is one of the run's inputs (resolved through symbolic and hard links; also with
+    ``--overwrite``), two outputs on the same path, an output file that is a directory, an
+    existing output file (or a ``--save`` directory holding files) without ``--overwrite``, or
+    an output whose directory cannot be created or written.
+    """
+    from .report import output_problem, same_path
+
+    outputs, inputs = planned_outputs(args), read_paths(args)
+    for i, (flag, path) in enumerate(outputs):
+        for other_flag, other in inputs + outputs[:i]:
+            if same_path(path, other):
+                kind = "input" if (other_flag, other) in inputs else "output"
+                raise OutputError(f"{flag} {path} is the same path as the {kind} {other_flag} "
+                                  f"{other}: give another path (--overwrite does not allow this)")
+        problem = output_problem(path, directory=flag == "--save", overwrite=args.overwrite)
+        if problem:
+            raise OutputError(f"{flag} {path} {problem}")
 
 
 def _cuda() -> bool:
@@ -239,11 +321,16 @@ def main(argv=None) -> int:
     """Run one mode; returns the process exit code (2 for bad input, 1 for a failed check)."""
     try:
         args = parse_args(argv)
+        check_outputs(args)
         return _run(args)
     except ValueError as exc:
-        # Every rank raises the same error; one copy is enough.
-        if os.environ.get("RANK", "0") == "0":
+        # Every rank raises the same error; one copy is enough. Output paths may be local to a
+        # node, so a rank other than 0 that refuses one says so.
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif isinstance(exc, OutputError):
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -279,11 +366,17 @@ def check_inputs(args) -> tuple[dict, object, int]:
     if args.load:
         model_lib.check_checkpoint(args.load, shape)
     if args.mode == "distill":
-        from .distill import teacher_shape
+        from .distill import teacher_shape, topk_file
 
         teacher = teacher_shape(args, inputs["tokenizer"].n_words)
         if args.topk > teacher.vocab_size:
             raise ValueError(f"--topk {args.topk} exceeds the vocabulary ({teacher.vocab_size})")
+        if args.teacher_topk_load:  # contents are checked once the rows are packed
+            for r in range(_dp_size(args)):
+                if not os.path.isfile(topk_file(args.teacher_topk_load, r)):
+                    raise ValueError(f"--teacher-topk-load: {topk_file(args.teacher_topk_load, r)}"
+                                     " does not exist (written by a --teacher-topk precomputed "
+                                     "run with the same --tp/--dp layout?)")
     if "examples" in inputs:  # scoring: every row must fit
         fits = _fits(inputs["examples"], args.seq_length, alignment)
         if not all(fits):

@@ -17,6 +17,7 @@ token.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -74,7 +75,8 @@ def read_jsonl(path: str, fields: Sequence[str], *, what: str) -> list[dict[str,
             not an object, or a row without one of ``fields`` as a string (path:line named).
     """
     if not os.path.isfile(path):
-        raise ValueError(f"{what}: {path} not found")
+        kind = "is a directory, not a JSONL file" if os.path.isdir(path) else "not found"
+        raise ValueError(f"{what}: {path} {kind}")
     rows = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -96,6 +98,8 @@ def read_jsonl(path: str, fields: Sequence[str], *, what: str) -> list[dict[str,
                 rows.append(row)
     except UnicodeDecodeError as exc:
         raise ValueError(f"{what}: {path} is not UTF-8 text ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"{what}: {path} cannot be read ({exc.strerror or exc})") from None
     if not rows:
         raise ValueError(f"{what}: {path} holds no rows")
     return rows
@@ -105,7 +109,7 @@ def final_answer(text: str) -> str | None:
     """The number after the last ``####`` of a GSM8K answer, normalised (no ``,`` or ``$``).
 
     ``"... #### 1,080"`` -> ``"1080"``; ``"4.50"`` -> ``"4.5"``; None when there is no ``####``
-    or what follows is not a number.
+    or what follows is not a finite number.
     """
     match = FINAL_ANSWER.search(text)
     if match is None:
@@ -114,6 +118,8 @@ def final_answer(text: str) -> str | None:
     try:
         value = float(raw)
     except ValueError:
+        return None
+    if not math.isfinite(value):  # "nan", "inf", "1e400": not an answer
         return None
     return str(int(value)) if value.is_integer() else repr(value)
 

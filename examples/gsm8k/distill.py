@@ -90,8 +90,13 @@ _META_FLAGS = {"topk": "--topk", "temperature": "--distill-temperature",
                "vocab_size": "the tokenizer's vocabulary size", "seq_length": "--seq-length"}
 
 
+def topk_file(directory: str, dp_rank: int) -> str:
+    """The stored top-k file of data-parallel rank ``dp_rank`` under ``directory``."""
+    return os.path.join(directory, f"teacher_topk_dp{dp_rank}.pt")
+
+
 def topk_path(directory: str, par: Parallel) -> str:
-    return os.path.join(directory, f"teacher_topk_dp{par.dp_rank}.pt")
+    return topk_file(directory, par.dp_rank)
 
 
 def topk_meta(args, vocab_size: int) -> dict:
@@ -291,7 +296,7 @@ def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> di
     if par.is_main:
         print(f"distill: student test NLL {nll_before:.4f} -> {nll_after:.4f} (teacher "
               f"{teacher_text})", flush=True)
-        path = os.path.join(args.out, "distill.json")
+        (path,) = report.report_paths(args.out, "distill")
         report.write_outputs({path: report.json_writer(result)})
         print(f"wrote {path}", flush=True)
     return result

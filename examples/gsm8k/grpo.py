@@ -16,7 +16,6 @@ as the policy learns to prefer correct answers).
 from __future__ import annotations
 
 import functools
-import os
 import random
 import time
 
@@ -154,9 +153,9 @@ def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> di
         print(report.table(["step"] + list(METRICS),
                            [[h["step"]] + [f"{h[k]:.4g}" for k in METRICS] for h in history],
                            title="\nGRPO-style steps (stand-in rollouts)"), flush=True)
-        base = os.path.join(args.out, "grpo")
-        report.write_outputs({base + ".json": report.json_writer(result),
-                              base + ".png": (report.curves_figure(history, METRICS,
-                                                                   "GRPO-style steps"), True)})
-        print(f"wrote {base}.json and {base}.png", flush=True)
+        json_path, png_path = report.report_paths(args.out, "grpo")
+        report.write_outputs({json_path: report.json_writer(result),
+                              png_path: (report.curves_figure(history, METRICS,
+                                                              "GRPO-style steps"), True)})
+        print(f"wrote {json_path} and {png_path}", flush=True)
     return result

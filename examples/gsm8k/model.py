@@ -295,8 +295,15 @@ def check_checkpoint(path: str, shape: ModelShape) -> None:
     if not os.path.isfile(meta_path):
         raise ValueError(f"--load: {path} is not a checkpoint of this example ({CHECKPOINT_META} "
                          "missing)")
-    with open(meta_path) as f:
-        saved = json.load(f)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8 or not JSON
+        raise ValueError(f"--load: {meta_path} is not a readable checkpoint description "
+                         f"({exc})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"--load: {meta_path} must hold a JSON object, got "
+                         f"{type(saved).__name__}")
     differ = {k: (v, saved.get(k)) for k, v in asdict(shape).items()
               if k != "seq_length" and saved.get(k) != v}
     if differ:
@@ -319,12 +326,20 @@ def load_checkpoint(model, path: str, par: Parallel) -> None:
 
 
 def save_checkpoint(model, path: str, shape: ModelShape, par: Parallel) -> None:
-    """Each tp rank's parameters (written by dp/cp rank 0) and ``meta.json``, atomically."""
-    if par.cp_rank == 0 and par.dp_rank == 0:
+    """Each tp rank's parameters (written by dp/cp rank 0) and ``meta.json``, each file
+    atomically. ``meta.json`` (what :func:`check_checkpoint` looks for) is removed first and
+    written last, once every shard is in place, so a run interrupted while replacing a
+    checkpoint leaves one that is refused, never a mix of two."""
+    writer = par.cp_rank == 0 and par.dp_rank == 0
+    meta = os.path.join(path, CHECKPOINT_META)
+    if writer and par.tp_rank == 0 and os.path.lexists(meta):
+        os.remove(meta)
+    dist.barrier()
+    if writer:
         state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         report.atomic_write(os.path.join(path, _shard_name(par.tp_rank)),
                             lambda f: torch.save(state, f), binary=True)
-        if par.tp_rank == 0:
-            report.atomic_write(os.path.join(path, CHECKPOINT_META),
-                                lambda f: json.dump(asdict(shape), f, indent=1))
+    dist.barrier()
+    if writer and par.tp_rank == 0:
+        report.atomic_write(meta, lambda f: json.dump(asdict(shape), f, indent=1))
     dist.barrier()

@@ -15,6 +15,50 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
 MIB = 1024 * 1024
+# The report files each mode writes under --out (scoring writes --output instead).
+REPORT_FILES = {"sft": ("sft.json", "sft.png"), "grpo": ("grpo.json", "grpo.png"),
+                "distill": ("distill.json",), "score": ()}
+
+
+def report_paths(out: str, mode: str) -> list[str]:
+    """The paths of ``mode``'s report files under the directory ``out``."""
+    return [os.path.join(out, name) for name in REPORT_FILES[mode]]
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` name the same file or directory: equal once symbolic links are
+    resolved (also for paths not created yet), or one file under two hard links."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def output_problem(path: str, *, directory: bool = False, overwrite: bool = False) -> str | None:
+    """Why ``path`` cannot be written as an output file (``directory``: a directory of files),
+    or None. Refused: a file path that is a directory, a directory path that is not one, an
+    existing file (or a directory holding files) unless ``overwrite``, and a path whose nearest
+    existing ancestor is not a writable directory. Nothing is created."""
+    if directory:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return "exists and is not a directory"
+        if os.path.isdir(path) and os.listdir(path) and not overwrite:
+            return ("already holds files: give a new directory, or --overwrite to replace the "
+                    "files of the same names")
+    elif os.path.isdir(path):
+        return "is a directory: name the file to write"
+    elif os.path.lexists(path) and not overwrite:
+        return "exists: give a new path, or --overwrite to replace it"
+    ancestor = os.path.abspath(path if directory else os.path.dirname(os.path.abspath(path)))
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"cannot be created: {ancestor} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot be written: no write permission in {ancestor}"
+    return None
 
 
 def atomic_write(path: str, write: Callable, *, binary: bool = False) -> None:

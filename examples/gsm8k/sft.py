@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import time
 
@@ -117,10 +116,10 @@ def run(model, data: dict, args, par: Parallel, alignment: int, thd: bool) -> di
     }
     if par.is_main:
         print(summary(result), flush=True)
-        base = os.path.join(args.out, "sft")
-        report.write_outputs({base + ".json": report.json_writer(result),
-                              base + ".png": (report.sft_figure(result), True)})
-        print(f"wrote {base}.json and {base}.png", flush=True)
+        json_path, png_path = report.report_paths(args.out, "sft")
+        report.write_outputs({json_path: report.json_writer(result),
+                              png_path: (report.sft_figure(result), True)})
+        print(f"wrote {json_path} and {png_path}", flush=True)
     return result
 
 

@@ -30,6 +30,108 @@ VOCAB_SHARD_MULTIPLE = 128
 # --vocab-stats-batch-invariant value -> the ops' batch_invariant argument.
 BATCH_INVARIANT_FLAG = {"off": False, "batch": True, "tp": "tp"}
 
+class IntAtLeast:
+    """An argparse ``type``: an integer >= ``minimum``.
+
+    ``IntAtLeast(1)("0")`` raises ``argparse.ArgumentTypeError`` (argparse then exits with status
+    2 and a message naming the flag); :meth:`problem` applies the same test to a value that did
+    not come through the parser (a YAML config, a script) and returns the complaint or None.
+    """
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+        self.__name__ = f"integer >= {minimum}"  # argparse's name for the type in messages
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer >= {self.minimum}, got {value!r}"
+        if value < self.minimum:
+            return f"must be >= {self.minimum}, got {value}"
+        return None
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {self.minimum}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+class FloatIn:
+    """An argparse ``type``: a finite float in the interval from ``low`` to ``high`` (each bound
+    closed unless ``open_low`` / ``open_high``; infinite bounds mean no bound).
+
+    NaN and infinities are always refused. Errors as :class:`IntAtLeast`.
+    """
+
+    def __init__(self, low: float = -math.inf, high: float = math.inf, *,
+                 open_low: bool = False, open_high: bool = False):
+        self.low, self.high, self.open_low, self.open_high = low, high, open_low, open_high
+        self.__name__ = self.describe()
+
+    def describe(self) -> str:
+        bounded = (math.isfinite(self.low), math.isfinite(self.high))
+        if all(bounded):
+            return (f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
+                    f"{')' if self.open_high else ']'}")
+        if bounded[0]:
+            return f"a finite number {'>' if self.open_low else '>='} {self.low:g}"
+        if bounded[1]:
+            return f"a finite number {'<' if self.open_high else '<='} {self.high:g}"
+        return "a finite number"
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be {self.describe()}, got {value!r}"
+        too_low = value <= self.low if self.open_low else value < self.low
+        too_high = value >= self.high if self.open_high else value > self.high
+        if not math.isfinite(value) or too_low or too_high:
+            return f"must be {self.describe()}, got {value!r}"
+        return None
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+# The value flags of the family and their types: the parser and config_hook check the same.
+FLAG_TYPES = {
+    "logprobs_chunk_size": IntAtLeast(0),
+    "lm_head_chunk_size": IntAtLeast(0),
+    "entropy_coef": FloatIn(),
+    "vocab_stats_label_smoothing": FloatIn(0.0, 1.0, open_high=True),
+}
+
+
+def check_flag_values(args) -> None:
+    """Raise ``ValueError`` naming the flag for a value of the family its parser would refuse:
+    a number outside :data:`FLAG_TYPES` or a choice not offered, set without the parser (a YAML
+    config, a script). Flags absent from ``args`` are not checked."""
+    choices = {"vocab_stats_entropy": settings.ENTROPY_MODES,
+               "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG)}
+    for name in (*FLAG_TYPES, *choices):
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if name in FLAG_TYPES:
+            problem = FLAG_TYPES[name].problem(value)
+        else:
+            problem = None if value in choices[name] else \
+                f"must be one of {choices[name]}, got {value!r}"
+        if problem:
+            raise ValueError(f"--{name.replace('_', '-')} {problem}")
+
+
 def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the plugin's flags to ``parser`` (once; a second call is a no-op) and return it."""
     if "--vocab-parallel-stats" in parser._option_string_actions:
@@ -38,17 +140,19 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--vocab-parallel-stats", action="store_true",
                        help="Compute the LM loss with megatron-vocabstats' exact, chunked "
                        "vocab-parallel op (needs `import megatron_vocabstats.patch`).")
-    group.add_argument("--logprobs-chunk-size", type=int, default=0,
+    group.add_argument("--logprobs-chunk-size", type=FLAG_TYPES["logprobs_chunk_size"],
+                       default=0,
                        help="Tokens per fp32 chunk of the unfused op; 0 = auto.")
-    group.add_argument("--lm-head-chunk-size", type=int, default=0,
+    group.add_argument("--lm-head-chunk-size", type=FLAG_TYPES["lm_head_chunk_size"], default=0,
                        help="Tokens per chunk of the fused LM head (logits never "
                        "materialised); 0 = unfused.")
     group.add_argument("--vocab-stats-entropy", choices=settings.ENTROPY_MODES, default="off",
                        help="Entropy: off, metric (reported, no grad) or grad (differentiable).")
-    group.add_argument("--entropy-coef", type=float, default=0.0,
+    group.add_argument("--entropy-coef", type=FLAG_TYPES["entropy_coef"], default=0.0,
                        help="Entropy bonus: per-token loss -logprob - coef * entropy "
                        "(needs --vocab-stats-entropy grad).")
-    group.add_argument("--vocab-stats-label-smoothing", type=float, default=0.0,
+    group.add_argument("--vocab-stats-label-smoothing",
+                       type=FLAG_TYPES["vocab_stats_label_smoothing"], default=0.0,
                        help="Label smoothing over the real vocabulary (numerics.md).")
     group.add_argument("--vocab-stats-batch-invariant", nargs="?", const="batch",
                        choices=tuple(BATCH_INVARIANT_FLAG), default="off",
@@ -173,12 +277,16 @@ def config_hook(args) -> settings.PluginSettings:
     padding multiple stored as ``args.vocab_stats_token_alignment``), and stores the settings.
 
     Raises:
-        ValueError: naming the flags to change, for our path together with
+        ValueError: naming the flag, for a value of the family its parser would refuse
+            (:func:`check_flag_values`: a negative chunk size, a non-finite entropy
+            coefficient, label smoothing outside [0, 1), an unknown choice), whether or not the
+            plugin is on; and naming the flags to change, for our path together with
             ``--cross-entropy-loss-fusion``, an entropy bonus without ``--vocab-stats-entropy
             grad``, FP8 without bf16, missing precision-aware-optimizer prerequisites (all of
             them listed at once), or ``--vocab-stats-batch-invariant tp`` under tensor
             parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128.
     """
+    check_flag_values(args)
     if not getattr(args, "vocab_parallel_stats", False):
         defaults = vars(add_vocab_stats_args(argparse.ArgumentParser()).parse_args([]))
         given = [k for k, v in defaults.items() if getattr(args, k, v) != v]

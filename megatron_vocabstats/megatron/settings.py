@@ -8,6 +8,7 @@ Megatron's original code, so the plugin is either fully on or fully off.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from ..ops._checks import ENTROPY_MODES, check_batch_invariant
@@ -30,6 +31,10 @@ class PluginSettings:
     padding multiple derived by the config hook (FP8 recipe x 2*cp x tp with sequence parallel),
     for :mod:`megatron_vocabstats.packing`; ``batch_invariant``: False, True or "tp", the ops'
     argument of that name [--vocab-stats-batch-invariant {off,batch,tp}].
+
+    Raises ``TypeError`` (a field of the wrong Python type) or ``ValueError`` (a chunk size,
+    vocabulary size or alignment out of range, a non-finite coefficient, an unknown entropy or
+    batch-invariant mode, a bonus without entropy="grad"), naming the field and the value.
     """
 
     active: bool = True
@@ -44,6 +49,26 @@ class PluginSettings:
     batch_invariant: bool | str = False
 
     def __post_init__(self):
+        for name in ("active", "validate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name, minimum in (("lm_head_chunk_size", 0), ("logprobs_chunk_size", 1),
+                              ("vocab_size", 1), ("token_alignment", 1)):
+            value = getattr(self, name)
+            if value is None and name in ("logprobs_chunk_size", "vocab_size"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < minimum:
+                raise ValueError(f"{name} must be >= {minimum}"
+                                 f"{' or None (auto)' if name == 'logprobs_chunk_size' else ''}"
+                                 f", got {value}")
+        for name in ("entropy_coef", "label_smoothing"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
         check_batch_invariant(self.batch_invariant)
         if self.entropy not in ENTROPY_MODES:
             raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {self.entropy!r}")
@@ -51,12 +76,6 @@ class PluginSettings:
             raise ValueError(
                 f"entropy_coef={self.entropy_coef} needs entropy='grad' (got {self.entropy!r}): "
                 "an entropy bonus must be differentiable"
-            )
-        if self.lm_head_chunk_size < 0:
-            raise ValueError(f"lm_head_chunk_size must be >= 0, got {self.lm_head_chunk_size}")
-        if self.logprobs_chunk_size is not None and self.logprobs_chunk_size <= 0:
-            raise ValueError(
-                f"logprobs_chunk_size must be > 0 or None (auto), got {self.logprobs_chunk_size}"
             )
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1), got {self.label_smoothing}")

@@ -314,3 +314,55 @@ def test_tp_invariant_mode_with_fused_head_warns(patch, monkeypatch):
                       "--lm-head-chunk-size", "256"], monkeypatch)
     with pytest.warns(UserWarning, match="not tp-invariant"):
         config_hook(args)
+
+
+# ---- bad values of the plugin's own flags: refused by the parser, and by the hook ----
+
+@pytest.mark.parametrize("flag, value", [("--lm-head-chunk-size", "-1"),
+                                         ("--logprobs-chunk-size", "-8"),
+                                         ("--lm-head-chunk-size", "1.5"),
+                                         ("--entropy-coef", "nan"), ("--entropy-coef", "inf"),
+                                         ("--vocab-stats-label-smoothing", "1"),
+                                         ("--vocab-stats-label-smoothing", "nan")])
+def test_bad_flag_values_stop_megatron_parser(patch, monkeypatch, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        _parse(["--vocab-parallel-stats", flag, value], monkeypatch)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("switch", [["--vocab-parallel-stats"], []])
+@pytest.mark.parametrize("name, value, message", [
+    ("lm_head_chunk_size", -4, "--lm-head-chunk-size must be >= 0, got -4"),
+    ("logprobs_chunk_size", "64", "--logprobs-chunk-size must be an integer >= 0, got '64'"),
+    ("entropy_coef", float("nan"), "--entropy-coef must be a finite number, got nan"),
+    ("vocab_stats_label_smoothing", 1.0,
+     "--vocab-stats-label-smoothing must be a number in [0, 1)"),
+    ("vocab_stats_entropy", "yes", "--vocab-stats-entropy must be one of"),
+    ("vocab_stats_batch_invariant", "maybe", "--vocab-stats-batch-invariant must be one of"),
+])
+def test_config_hook_refuses_values_set_without_the_parser(patch, monkeypatch, switch, name,
+                                                           value, message):
+    # A YAML config or a script sets args directly: the hook checks them before validate_args.
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse([*switch, "--vocab-stats-entropy", "grad"], monkeypatch)
+    setattr(args, name, value)
+    with pytest.raises(ValueError) as err:
+        config_hook(args)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(entropy="grad", entropy_coef=float("nan")), ValueError, "entropy_coef must be finite"),
+    (dict(label_smoothing=float("nan")), ValueError, "label_smoothing must be finite"),
+    (dict(lm_head_chunk_size=1.5), TypeError, "lm_head_chunk_size must be an int"),
+    (dict(lm_head_chunk_size=-1), ValueError, "lm_head_chunk_size must be >= 0"),
+    (dict(logprobs_chunk_size=0), ValueError, "logprobs_chunk_size must be >= 1 or None"),
+    (dict(token_alignment=0), ValueError, "token_alignment must be >= 1"),
+    (dict(vocab_size=0), ValueError, "vocab_size must be >= 1"),
+    (dict(validate="no"), TypeError, "validate must be a bool"),
+])
+def test_settings_refuse_bad_fields(changes, error, message):
+    with pytest.raises(error, match=message):
+        settings.PluginSettings(**changes)
