@@ -4,6 +4,7 @@
 # CPU, NCCL when CUDA is present), with megatron-vocabstats' fused LM head, then compared with
 # Megatron's own loss on the same batches. About 3-6 minutes on 2 CPU cores.
 #   bash scripts/main.sh [more flags of `python -m examples.gsm8k sft`, e.g. --steps 40]
+# The demo rewrites its own report (outputs/gsm8k) on every run (--overwrite).
 # NPROC_PER_NODE (default 2) sets the number of ranks (= tp x cp x dp).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,4 +17,4 @@ ensure_venv .venv 3.12 requirements/py312.txt
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m torch.distributed.run --standalone \
     --nproc-per-node "${NPROC_PER_NODE:-2}" -m examples.gsm8k sft \
-    --vocab-parallel-stats --lm-head-chunk-size 128 "$@"
+    --vocab-parallel-stats --lm-head-chunk-size 128 --overwrite "$@"
