@@ -200,8 +200,9 @@ def smoothed_logprob_bound(b: StatsBounds, target: torch.Tensor, eps: float) -> 
     mean = b.logp_ref.mean(-1)
     d_mean = (gamma(v - 1) * zf.abs().sum(-1) / v + u * (zsum / v).abs() + u * (zsum / v - m).abs()
               + b.log_s + u * _finite(mean).abs())
-    # d_lp already holds dz_y + sum p dz; the smoothing adds eps/V sum_j dz_j.
-    d_in = eps / v * b.dz.sum(-1)
+    # Input error through q - p: d_lp holds (dz_y + sum_j p_j dz_j), weighted 1 - eps; the mean's
+    # sensitivity 1/V - p_j adds eps (sum_j dz_j / V + sum_j p_j dz_j).
+    d_in = eps * (b.dz.sum(-1) / v + (b.p * b.dz).sum(-1))
     result = (1 - eps) * lp + eps * mean
     return ((1 - eps) * d_lp + eps * d_mean + d_in
             + 2 * u * ((1 - eps) * _finite(lp).abs() + eps * _finite(mean).abs())

@@ -708,3 +708,12 @@ def test_out_of_range_ids_without_validate_are_never_a_plausible_number(op, valu
     else:
         out = sft_loss(logits, target, torch.ones(2, 3), validate=False)
         assert not bool(torch.isfinite(out.loss_sum)), f"loss_sum {out.loss_sum}"
+
+
+@pytest.mark.parametrize("eps", [1e-46, 1e-200])
+def test_label_smoothing_below_fp32_resolution_with_a_masked_column_is_not_nan(eps):
+    """Found by the ``dev`` profile: an eps that rounds to 0 in fp32, times the -inf mean log-prob
+    of a row with a masked column, gave ``0 * -inf = NaN``; the float64 value is -inf."""
+    logits = torch.tensor([[float("-inf"), 0.5, -1.0]])
+    lp = vocab_parallel_stats(logits, torch.tensor([1]), label_smoothing=eps).logprobs
+    assert not bool(torch.isnan(lp).any()), lp
