@@ -175,8 +175,11 @@ def stats_bounds(z: torch.Tensor, *, dz: torch.Tensor | None = None, width: int 
 
 
 def temperature_dz(z: torch.Tensor, temperature: float) -> torch.Tensor | None:
-    """Input error of the op's fp32 ``x / tau`` (one rounding; exact for tau = 1)."""
-    return None if temperature == 1.0 else U32 * _finite(z.double()).abs()
+    """Input error of the op's fp32 ``x / tau`` (one rounding, relative u or, for a subnormal
+    result, absolute 2^-150; exact for tau = 1)."""
+    if temperature == 1.0:
+        return None
+    return U32 * _finite(z.double()).abs() + UNDERFLOW[torch.float32]
 
 
 def smoothed_logprob_bound(b: StatsBounds, target: torch.Tensor, eps: float) -> torch.Tensor:

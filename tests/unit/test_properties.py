@@ -495,7 +495,6 @@ def _call(op: str, **override):
     indices = torch.randint(0, 8, (2, 3, 2))
     teacher = TopK(torch.full((2, 3, 2), -1.0), indices)
     mask = torch.ones(2, 3)
-    args = dict(logits=logits, target=target)
     if op == "vocab_parallel_stats":
         args = dict(dict(logits=logits, target=target), **override)
         return vocab_parallel_stats(args.pop("logits"), args.pop("target"), **args)
