@@ -1,4 +1,5 @@
-"""Shared test helpers: the torchrun launcher for the multi-process (gloo) cases."""
+"""Shared test helpers: the torchrun launcher for the multi-process (gloo) cases, the pinned
+BLAS thread count and the hypothesis profiles."""
 
 from __future__ import annotations
 
@@ -10,9 +11,36 @@ import sys
 import tempfile
 
 import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+# One intra-op thread for every in-process test: how a reduction or a GEMM splits its work over
+# threads changes its rounding, so with the machine's default the bits of a result depend on the
+# machine. The bounds of _reference.py hold for any summation order, but the bitwise comparisons
+# (chunked vs unchunked, fused vs unfused, batch invariance) need both sides split alike. It is
+# also faster on a loaded 2-core machine (docs/numerics.md, "Test tolerances"). torchrun children
+# get OMP_NUM_THREADS=1 (torchrun_results).
+torch.set_num_threads(1)
+
+# Hypothesis: "ci" (the default) draws a bounded number of examples from a fixed seed
+# (derandomize), so a run never meets a new example and never flakes; no example database is
+# written; a failure is shrunk to a small example but not "explained" (that phase reruns the
+# failing example many times). "dev" searches more and at random. HYPOTHESIS_PROFILE=dev selects it.
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=300, deadline=None, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @functools.cache
