@@ -263,8 +263,8 @@ class Field:
     def difference(self, seen: list[int], group_name: str) -> str:
         if self.checksum:
             ranks = [r for r, v in enumerate(seen) if v != seen[0]]
-            return (f"{self.name} differ across the ranks of {group_name}: ranks {ranks} differ "
-                    "from rank 0")
+            return (f"{self.name} differs across the ranks of {group_name}: ranks {ranks} "
+                    "differ from rank 0")
         return (f"{self.name} differs across the ranks of {group_name}: "
                 f"{[self.show(v) for v in seen]} (in rank order)")
 
