@@ -90,7 +90,7 @@ def agreement_errors_print_values_per_rank(group):
     expect_error(lambda: vocab_parallel_stats(logits, target, tp_group=group,
                                               batch_invariant=True if rank else False),
                  "batch_invariant differs across the ranks of tp_group: [False, True")
-    mine = torch.full((4,), rank % 2)
+    mine = torch.full((4,), 3 + rank % 2)
     message = expect_error(lambda: vocab_parallel_stats(logits, mine, tp_group=group),
                            "target (token ids) differs across the ranks of tp_group")
     odd = [r for r in range(tp) if r % 2]
