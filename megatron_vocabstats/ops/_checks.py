@@ -436,12 +436,12 @@ def check_finite(lse: torch.Tensor, valid: torch.Tensor | None, *,
         return
     first = int(bad.nonzero()[0, 0])
     cause = "NaN or +inf logits, or every real vocabulary column at -inf"
-    if temperature < 1.0:
+    if temperature < 1.0:  # (another rank's shard may be the one that overflowed)
         row = None if logits2d is None else logits2d[first]
-        if row is None:
-            cause += f", or logits / temperature={temperature!r} overflowing fp32"
-        elif bool(torch.isfinite(row).all()) and bool((row.float() / temperature).isinf().any()):
+        if (row is not None and bool(torch.isfinite(row).all())
+                and bool((row.float() / temperature).isinf().any())):
             raise ValueError(f"temperature={temperature!r} is too small for these logits: logits / "
                              f"temperature overflows fp32 (the row at flat position {first})")
+        cause += f", or logits / temperature={temperature!r} overflowing fp32"
     raise ValueError(f"logits: the row at flat position {first} has no finite logsumexp ({cause});"
                      " such a row cannot be scored")

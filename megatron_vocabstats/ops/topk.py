@@ -362,7 +362,8 @@ def vocab_parallel_topk(
     ``O(tp * k * T)`` for the candidates.
 
     Raises:
-        ValueError: ``k`` not an int in ``[1, V]``, and everything ``vocab_parallel_stats`` raises
+        ValueError: ``k`` not an int in ``[1, V]`` (``InputTypeError``, also a ``TypeError``,
+            when not an int at all), and everything ``vocab_parallel_stats`` raises
             for the logits and options (NaN or +inf logits included, with ``validate``); under
             ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
@@ -453,7 +454,8 @@ def vocab_parallel_topk_logprobs(
 
     Returns:
         fp32 ``[..., k]`` log-probs (nats), identical on every rank; -inf where the logit is -inf;
-        NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error).
+        NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error);
+        such an id passes no gradient.
 
     Gradient: ``d/dz_j sum_k g_k log p(i_k) = sum_k g_k 1[j = i_k] - p_j sum_k g_k`` (divided by
     the temperature), recomputed chunk by chunk in fp32 and cast once to the logits dtype.
@@ -468,7 +470,9 @@ def vocab_parallel_topk_logprobs(
             a misshapen ``mask``, devices that differ, (with ``validate``) unmasked ids outside
             ``[0, V)``, and everything ``vocab_parallel_stats`` raises; under ``validate`` and
             tp > 1 on every rank, also for a ``k``, ``mask`` or ids at unmasked rows that differ
-            across the ranks (compared by checksum).
+            across the ranks (compared by checksum; the message names the ranks that differ).
+            ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
+        RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
     problem = None
     if isinstance(logits, torch.Tensor) and logits.dim():  # else the core checks name logits

@@ -258,9 +258,10 @@ def vocab_parallel_stats(
         entropy: ``"off"`` (not computed, returned as None), ``"metric"`` (computed, not
             differentiable, nothing extra saved) or ``"grad"`` (differentiable:
             ``dH/dz_j = -p_j (log p_j + H)``).
-        temperature: logits are divided by it (in the fp32 chunk, never copied); gradients too.
-        ignore_index: positions whose target equals it get logprob 0 and entropy 0 and exactly zero
-            gradient; their logsumexp is still reported.
+        temperature: a real number >= 1 / fp32 max (about 2.94e-39); logits are divided by it
+            (in the fp32 chunk, never copied); gradients too.
+        ignore_index: an int; positions whose target equals it get logprob 0 and entropy 0 and
+            exactly zero gradient; their logsumexp is still reported.
         label_smoothing: eps in [0, 1). ``logprobs`` becomes ``sum_j q_j log p_j`` with
             ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real size,
             never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
@@ -269,7 +270,10 @@ def vocab_parallel_stats(
             across ranks, and finite results). Skipped while a CUDA graph is being captured.
             Without it, ranks that disagree are not detected (a wrong result or a failed
             collective). This rank's shape, dtype and argument checks always run. Must be equal
-            on all ranks. Logits at or below -1e30 count as -inf.
+            on all ranks (a bool). Logits at or below -1e30 count as -inf. Without it a target
+            id outside ``[0, V)`` (and not ``ignore_index``) gives a NaN logprob and passes no
+            logprob gradient (its entropy and logsumexp are still exact); found on the device,
+            without a host synchronisation.
         batch_invariant: ``False`` (default, torch's reductions), ``True`` or ``"tp"``. With
             ``True`` a row's logprobs, entropy and logsumexp (and its gradient row) are bitwise
             the same whatever the number of tokens, the row's position, the other rows and
@@ -300,14 +304,28 @@ def vocab_parallel_stats(
     the logits dtype. No host synchronisation with ``validate=False`` (graph-capturable).
 
     Raises:
+        TypeError: naming the argument and value, for an argument of the wrong Python type
+            (``logits`` or ``target`` not a tensor, ``temperature``/``label_smoothing`` not a
+            real number, ``ignore_index``/``chunk_size``/``vocab_size`` not an int, ``validate``
+            not a bool, ``tp_group`` not a process group). It is ``ops._checks.InputTypeError``,
+            a ``ValueError`` as well.
         ValueError: naming the argument, for a non-integer ``target``, leading shapes that differ,
-            a dtype other than bf16/fp16/fp32, ``chunk_size <= 0``, an unknown ``entropy`` mode,
-            ``temperature <= 0``, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that does not
-            fit the shards, and (with ``validate``) full replicated logits passed as a shard (as
-            wide as the real vocabulary, first row equal on every rank),
-            target ids outside ``[0, V)`` other than ``ignore_index``, shards or targets that
-            differ across ranks, and scored rows whose logits are NaN, +inf or all -inf. Without
-            ``validate`` such rows give NaN.
+            a dtype other than bf16/fp16/fp32, an empty vocabulary shard (width 0),
+            ``chunk_size <= 0``, an unknown ``entropy`` mode, a ``temperature`` that is not
+            finite or below 2.94e-39, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that
+            does not fit the shards, and (with ``validate``) full replicated logits passed as a
+            shard (as wide as the real vocabulary, first row equal on every rank), target ids
+            outside ``[0, V)`` other than ``ignore_index``, shards, targets or options that
+            differ across ranks (the message names the field and prints each rank's value), and
+            scored rows whose logits are NaN, +inf or all -inf, or whose ``logits / temperature``
+            overflows fp32 (reported as a too small ``temperature``). Without ``validate`` such
+            rows give NaN. Under tensor parallelism with ``validate`` any error of one rank's
+            checks raises on every rank (the others name the rank).
+        RuntimeError: on double backward (``create_graph=True``), which is not supported.
+
+    Extreme finite logits (up to the fp32 maximum, with label smoothing too) give exact results;
+    the smoothing sum is taken relative to the row maximum and scaled so that it cannot
+    overflow.
     """
     cfg = checked_config(
         logits,
