@@ -359,10 +359,11 @@ def merge_stats(
     if tokens_per_pass is not None and num_tokens > tokens_per_pass:
         options = dict(vocab_size=vocab_size, label_smoothing=label_smoothing, entropy=entropy,
                        has_target=has_target, batch_invariant=batch_invariant)
-        passes = [merge_stats(gathered[..., s:s + tokens_per_pass],
-                              None if valid is None else valid[s:s + tokens_per_pass],
-                              in_range=None if in_range is None else in_range[s:s + tokens_per_pass],
-                              **options)
+        def part(x, s):
+            return None if x is None else x[s:s + tokens_per_pass]
+
+        passes = [merge_stats(gathered[..., s:s + tokens_per_pass], part(valid, s),
+                              in_range=part(in_range, s), **options)
                   for s in range(0, num_tokens, tokens_per_pass)]
         return MergedStats(*(None if parts[0] is None else torch.cat(parts)
                              for parts in zip(*((p.logsumexp, p.logprobs, p.entropy)
