@@ -13,10 +13,29 @@ import torch.distributed as dist
 
 
 def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``; ``(0, 1)`` for ``None``."""
+    """``(rank, size)`` of this process in ``group``; ``(0, 1)`` for ``None``.
+
+    Raises ``TypeError`` (also a ``ValueError``) naming ``tp_group`` for anything else than a
+    ``ProcessGroup`` or None.
+    """
     if group is None:
         return 0, 1
+    if not isinstance(group, dist.ProcessGroup):
+        from ._checks import InputTypeError
+
+        raise InputTypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got "
+                             f"{type(group).__name__}")
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def exchange_device(group: dist.ProcessGroup) -> torch.device:
+    """The device of a small collective over ``group`` when no tensor argument names one (e.g. a
+    rank whose ``logits`` is not a tensor must still join the check exchange): the CPU for a
+    gloo group, else the current CUDA device (NCCL)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def all_gather_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

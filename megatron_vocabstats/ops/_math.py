@@ -5,10 +5,14 @@ to the scratch buffers handed in). The formulas are those of ``docs/numerics.md`
 
 * per shard r and token: ``m_r = max_j z_j``, ``s_r = sum_j exp(z_j - m_r)``,
   ``u_r = sum_j exp(z_j - m_r) * (z_j - m_r)``, ``t_r = z_y`` if the target is local else 0, and
-  with label smoothing ``a_r = sum_j z_j`` over the real columns;
+  with label smoothing ``a_r = c sum_j (z_j - m_r)`` over the n_r real columns (-inf if one is
+  at -inf), ``c = zsum_scale(V)`` a power of two <= 1/(2V) so that the sum cannot overflow;
 * merged with ``m = max_r m_r``: ``S = sum_r s_r e^(m_r - m)``,
-  ``U = sum_r e^(m_r - m) (u_r + (m_r - m) s_r)``, ``logZ = m + log S``,
-  ``logprob = t - logZ``, ``H = log S - U / S`` (exact: ``logZ - E_p[z]``);
+  ``U = sum_r e^(m_r - m) (u_r + (m_r - m) s_r)`` (a part whose scale ``e^(m_r - m)``
+  underflows to 0 adds 0), ``logZ = m + log S``, ``logprob = t - logZ``,
+  ``H = log S - U / S`` (exact: ``logZ - E_p[z]``), and ``mean_j z_j - m =
+  sum_r (a_r + c n_r (m_r - m)) / (c V)`` (:func:`rebase_zsum_`: every term <= 0, so extreme
+  logits neither overflow nor cancel);
 * gradient w.r.t. z with upstream ``g_lp``, ``g_H``:
   ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
 
@@ -27,6 +31,7 @@ bits for every tensor-parallel size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +90,60 @@ def load_chunk(logits: torch.Tensor, out: torch.Tensor, layout: ShardLayout, tem
     return z
 
 
+def zsum_scale(vocab_size: int) -> float:
+    """``c``: the power of two <= ``1 / (2 * vocab_size)`` that the label-smoothing sums of
+    ``z - max`` are scaled by (exactly, being a power of two), so that they cannot overflow."""
+    return math.ldexp(1.0, -((vocab_size - 1).bit_length() + 1))
+
+
+def real_columns(num_parts: int, part_width: int, real: int, device) -> torch.Tensor:
+    """``[num_parts]`` real column counts of consecutive parts of ``part_width`` columns of which
+    the first ``real`` columns are real (the rest padding)."""
+    starts = torch.arange(num_parts, device=device) * part_width
+    return (real - starts).clamp(0, part_width)
+
+
+def rebase_zsum_(parts: torch.Tensor, counts: torch.Tensor, vocab_size: int) -> None:
+    """Make the label-smoothing row of ``[P, NUM_STATS, T]`` part statistics relative to the
+    row's maximum over all parts, in place: ``a_r += c n_r (m_r - m)`` (``counts`` [P] the
+    n_r). Summing the rows then gives ``c sum_j (z_j - m)`` over the whole row."""
+    m_r = parts[:, STAT_MAX]
+    m = m_r.amax(dim=0)
+    delta = m_r - torch.where(torch.isfinite(m), m, 0.0)
+    weight = (counts.to(delta.dtype) * zsum_scale(vocab_size)).unsqueeze(1)
+    parts[:, STAT_ZSUM] += torch.where(torch.isfinite(delta), delta * weight, 0.0)
+
+
+def _real_zsum(z: torch.Tensor, scratch: torch.Tensor, real: int, vocab_size: int) -> torch.Tensor:
+    """``c sum_j z_j`` over the first ``real`` columns of ``z`` (already shifted by the row or
+    block maximum), scaled into ``scratch``; ``z`` ``[n, W]``, or ``[n, nb, BLOCK]`` for one
+    value per block (by :func:`tree_sum_`, padding columns counted as 0)."""
+    n, c = z.shape[0], zsum_scale(vocab_size)
+    if z.dim() == 2:
+        return torch.mul(z[:, :real], c, out=scratch[:n, :real]).sum(dim=-1)
+    scaled = torch.mul(z.reshape(n, -1), c, out=scratch[:n, : z.shape[1] * z.shape[2]])
+    scaled[:, real:] = 0.0
+    return tree_sum_(scaled.view(z.shape), 2)
+
+
+def _floor_flag(z: torch.Tensor, scratch: torch.Tensor, real: int) -> torch.Tensor:
+    """Whether a real column (of the first ``real``) of ``z`` ([n, W] or [n, nb, BLOCK]) is at
+    the floor, per row (or block); taken before the shift, which could round a column just
+    above the floor onto the shifted floor."""
+    if z.dim() == 2:
+        return z[:, :real].amin(dim=-1) <= Z_FLOOR
+    flat = scratch[: z.shape[0], : z.shape[1] * z.shape[2]].copy_(z.reshape(z.shape[0], -1))
+    flat[:, real:] = 0.0
+    return flat.view(z.shape).amin(dim=-1) <= Z_FLOOR
+
+
+def target_in_range(target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[T]`` bool: the target id lies in ``[0, vocab_size)`` (on the device, no host sync).
+    Rows where it does not (and that are not ignored) get a NaN logprob and no logprob gradient
+    (``merge_stats(in_range=...)``, ``grad_coefficients(in_range=...)``)."""
+    return (target >= 0) & (target < vocab_size)
+
+
 def local_target_index(target: torch.Tensor, valid: torch.Tensor, layout: ShardLayout):
     """Map global target ids to local columns: ``(index clamped to [0, W), owned mask)``."""
     local = target.long() - layout.vocab_start  # gather/scatter index with int64
@@ -114,18 +173,25 @@ def chunk_stats(
     if batch_invariant:
         blocks = out.new_zeros((NUM_STATS, z.shape[0], z.shape[1] // BLOCK))
         block_stats(z, scratch, index, owned, blocks, layout=layout, entropy=entropy, zsum=zsum)
-        reduce_blocks(blocks, out, entropy=entropy, target=index is not None, zsum=zsum)
+        reduce_blocks(blocks, out, entropy=entropy, target=index is not None, zsum=zsum,
+                      layout=layout)
         return
     n = z.shape[0]
     if index is not None:
         picked = z.gather(1, index.unsqueeze(1)).squeeze(1)
         out[STAT_TARGET] = torch.where(owned, picked, 0.0)
+    if zsum and layout.real_width == 0:  # no real column on this shard
+        out[STAT_ZSUM] = 0.0
+        zsum = False
     if zsum:
-        out[STAT_ZSUM] = z[:, : layout.real_width].sum(dim=-1)
+        at_floor = _floor_flag(z, scratch, layout.real_width)
     m = z.amax(dim=-1)
     live = ~(m <= Z_FLOOR)  # a NaN maximum stays live, so the row comes out NaN
     out[STAT_MAX] = torch.where(live, m, float("-inf"))
     z.sub_(m.unsqueeze(1))
+    if zsum:
+        out[STAT_ZSUM] = torch.where(at_floor, float("-inf"),
+                                     _real_zsum(z, scratch, layout.real_width, layout.vocab_size))
     e = torch.exp(z, out=scratch[:n])
     out[STAT_SUMEXP] = torch.where(live, e.sum(dim=-1), 0.0)
     if entropy:
@@ -159,7 +225,8 @@ def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: 
     the caller), block b holding local columns ``[b*BLOCK, (b+1)*BLOCK)``.
 
     Per block: its maximum, the sum of ``exp(z - m_b)``, of ``exp(z - m_b) (z - m_b)`` and of the
-    real columns' z (each by :func:`tree_sum_`, so each value is batch-invariant); the target
+    real columns' ``c (z - m_b)`` (each by :func:`tree_sum_`, so each value is batch-invariant,
+    -inf if a real column is at the floor); the target
     logit sits in its own block, 0 elsewhere. ``z``: ``[n, nb*BLOCK]`` from :func:`load_chunk`
     (overwritten); ``scratch``: fp32 with at least n rows of that width.
     """
@@ -169,13 +236,16 @@ def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: 
         picked = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
         out[STAT_TARGET].scatter_(1, (index // BLOCK).unsqueeze(1), picked.unsqueeze(1))
     if zsum:
-        real = scratch[:n].copy_(z)
-        real[:, layout.real_width:] = 0.0
-        out[STAT_ZSUM] = tree_sum_(real.view(zb.shape), 2)
+        at_floor = _floor_flag(zb, scratch, layout.real_width)
     m = zb.amax(dim=-1)
     live = ~(m <= Z_FLOOR)  # a NaN maximum stays live, so the row comes out NaN
     out[STAT_MAX] = torch.where(live, m, float("-inf"))
     zb.sub_(m.unsqueeze(2))
+    if zsum:
+        # Blocks with no real column stay 0; the others -inf when one is at the floor.
+        out[STAT_ZSUM] = torch.where(at_floor, float("-inf"),
+                                     _real_zsum(zb, scratch, layout.real_width,
+                                                layout.vocab_size))
     e = torch.exp(z, out=scratch[:n]).view(zb.shape)
     if entropy:
         out[STAT_ENT] = torch.where(live, tree_sum_(zb.mul_(e), 2), 0.0)
@@ -213,8 +283,10 @@ def _combine(parts: torch.Tensor, *, entropy: bool, target: bool, zsum: bool,
     s_r = parts[:, STAT_SUMEXP]
     ent = None
     if entropy:
-        shifted = torch.where(s_r > 0, delta * s_r, 0.0)
-        ent = _sum0(scale * (parts[:, STAT_ENT] + shifted), ordered)
+        # A part whose scale underflows to 0 adds 0: exactly its share, and never 0 * inf
+        # (delta * s_r overflows for a part at -9e29 next to one at 3e38).
+        ent = _sum0(torch.where(scale == 0, 0.0, scale * (parts[:, STAT_ENT] + delta * s_r)),
+                    ordered)
     return _Combined(
         max=m, max_safe=m_safe, sumexp=_sum0(s_r * scale, ordered), ent=ent,
         target=_sum0(parts[:, STAT_TARGET], ordered, copy=True) if target else None,
@@ -230,11 +302,14 @@ def log_normaliser(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reduce_blocks(blocks: torch.Tensor, out: torch.Tensor, *, entropy: bool, target: bool,
-                  zsum: bool) -> None:
+                  zsum: bool, layout: ShardLayout) -> None:
     """Shard statistics ``out`` [NUM_STATS, n] (the format of :func:`chunk_stats`) from the
     :func:`block_stats` ``blocks`` [NUM_STATS, n, nb], combined in a fixed order."""
-    c = _combine(blocks.permute(2, 0, 1), entropy=entropy, target=target, zsum=zsum,
-                 ordered=True)
+    parts = blocks.permute(2, 0, 1)
+    if zsum:
+        rebase_zsum_(parts, real_columns(parts.shape[0], BLOCK, layout.real_width, parts.device),
+                     layout.vocab_size)
+    c = _combine(parts, entropy=entropy, target=target, zsum=zsum, ordered=True)
     out[STAT_MAX] = c.max
     out[STAT_SUMEXP] = c.sumexp
     for row, value in ((STAT_ENT, c.ent), (STAT_TARGET, c.target), (STAT_ZSUM, c.zsum)):
@@ -261,6 +336,7 @@ def merge_stats(
     has_target: bool,
     batch_invariant: bool = False,
     tokens_per_pass: int | None = None,
+    in_range: torch.Tensor | None = None,
 ) -> MergedStats:
     """Merge ``[tp, NUM_STATS, T]`` shard statistics into per-token logsumexp, logprob, entropy.
 
@@ -268,6 +344,10 @@ def merge_stats(
     results. ``logprobs`` is ``sum_j q_j log p_j`` with ``q = (1-eps) onehot(y) + eps/V`` (plain
     ``log p_y`` without smoothing). Positions with ``valid`` False get logprob and entropy 0. A row
     with no live column anywhere gets logsumexp -inf and NaN logprob and entropy.
+    With label smoothing the parts' smoothing rows must be relative to the merged maximum
+    (:func:`rebase_zsum_`, as ``vocab_parallel.gathered_stats`` leaves them).
+    ``in_range``: :func:`target_in_range` of the targets; valid rows where it is False get a NaN
+    logprob (an id outside the vocabulary, not rejected when ``validate`` is off).
     ``batch_invariant``: sum over the first dimension with :func:`tree_sum_` (which makes the
     merge of the :func:`block_stats` of all blocks of all shards, ``[tp * nb, NUM_STATS, T]`` in
     global column order, independent of tp).
@@ -279,8 +359,11 @@ def merge_stats(
     if tokens_per_pass is not None and num_tokens > tokens_per_pass:
         options = dict(vocab_size=vocab_size, label_smoothing=label_smoothing, entropy=entropy,
                        has_target=has_target, batch_invariant=batch_invariant)
-        passes = [merge_stats(gathered[..., s:s + tokens_per_pass],
-                              None if valid is None else valid[s:s + tokens_per_pass], **options)
+        def part(x, s):
+            return None if x is None else x[s:s + tokens_per_pass]
+
+        passes = [merge_stats(gathered[..., s:s + tokens_per_pass], part(valid, s),
+                              in_range=part(in_range, s), **options)
                   for s in range(0, num_tokens, tokens_per_pass)]
         return MergedStats(*(None if parts[0] is None else torch.cat(parts)
                              for parts in zip(*((p.logsumexp, p.logprobs, p.entropy)
@@ -304,11 +387,11 @@ def merge_stats(
         # (t - m) - log S, not t - (m + log S): no rounding at the scale of large logits.
         logprobs = (target_logit - m_safe) - log_sumexp
         if smooth:
-            zsum = c.zsum
-            # A real column at -inf makes the smoothed loss infinite; say so instead of ~-1e30.
-            zsum = torch.where(zsum > 0.5 * Z_FLOOR, zsum, float("-inf"))
-            mean_logp = (zsum / vocab_size - m_safe) - log_sumexp
+            # c.zsum = c sum_j (z_j - m) (-inf with a real column at -inf: an infinite loss).
+            mean_logp = c.zsum / (vocab_size * zsum_scale(vocab_size)) - log_sumexp
             logprobs = (1.0 - label_smoothing) * logprobs + label_smoothing * mean_logp
+        if in_range is not None:
+            logprobs = torch.where(in_range, logprobs, float("nan"))
         logprobs = torch.where(valid, logprobs, 0.0)
     return MergedStats(logsumexp=lse, logprobs=logprobs, entropy=ent)
 
@@ -365,14 +448,17 @@ def grad_coefficients(
     grad_entropy: torch.Tensor | None,
     valid: torch.Tensor | None,
     temperature: float,
+    in_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(coef_lp, coef_h)`` of :func:`chunk_grad` from upstream gradients shaped like the tokens.
 
     Flattened fp32 ``g / tau``, exactly 0 at rows where ``valid`` is False (their gradient is then
-    exactly 0); None where that upstream gradient is None.
+    exactly 0); None where that upstream gradient is None. ``coef_lp`` is also 0 where
+    ``in_range`` (:func:`target_in_range`) is False: a NaN logprob passes no gradient.
     """
     keep = valid.float() / temperature if valid is not None else 1.0 / temperature
-    coef_lp = grad_logprobs.reshape(-1).float() * keep if grad_logprobs is not None else None
+    keep_lp = keep if in_range is None else keep * in_range
+    coef_lp = grad_logprobs.reshape(-1).float() * keep_lp if grad_logprobs is not None else None
     coef_h = grad_entropy.reshape(-1).float() * keep if grad_entropy is not None else None
     return coef_lp, coef_h
 

@@ -33,10 +33,13 @@ import torch.distributed as dist
 
 from . import _comm
 from ._checks import (
+    Field,
+    InputTypeError,
     StatsConfig,
     _target_checksum,
     check_finite,
     checked_config,
+    first_order_backward,
     host_checks_enabled,
 )
 from ._math import (
@@ -189,7 +192,7 @@ def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> Top
     gathered = _comm.gather_stats(packed, tp_group)
     m, log_sumexp = log_normaliser(gathered[:, :NUM_STATS].view(torch.float32))
     if host_checks_enabled(cfg.stats.validate, device):
-        check_finite(m + log_sumexp, None)
+        check_finite(m + log_sumexp, None, temperature=cfg.stats.temperature)
     candidates = gathered[:, NUM_STATS:NUM_STATS + k_local].view(torch.float32)
     top_values, top_ids = merge_candidates(candidates, gathered[:, NUM_STATS + k_local:].long(),
                                            cfg.k)
@@ -217,7 +220,7 @@ def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
     m, log_sumexp = log_normaliser(gathered[:, :NUM_STATS])
     lse = m + log_sumexp
     if host_checks_enabled(cfg.validate, valid.device):
-        check_finite(lse, valid)
+        check_finite(lse, valid, temperature=cfg.temperature)
     lp = logprobs_of(gathered[:, NUM_STATS:].sum(dim=0).t(), m, log_sumexp)
     lp = torch.where(in_range, lp, float("nan"))
     return torch.where(valid.unsqueeze(1), lp, 0.0), lse
@@ -234,8 +237,8 @@ def index_problem(indices, mask, lead_shape, device, vocab_size: int | None,
     With ``host_checks``, ids at unmasked rows must lie in ``[0, vocab_size)`` (reads the host).
     """
     if not isinstance(indices, torch.Tensor):
-        return ValueError(f"indices must be an int64 tensor [..., k], got "
-                          f"{type(indices).__name__}")
+        return InputTypeError(f"indices must be an int64 tensor [..., k], got "
+                              f"{type(indices).__name__}")
     if indices.dtype not in _INDEX_DTYPES:
         return ValueError(f"indices must hold integer token ids (int64), got {indices.dtype}")
     if indices.dim() < 1 or indices.shape[-1] < 1 or tuple(indices.shape[:-1]) != tuple(lead_shape):
@@ -263,15 +266,20 @@ def index_problem(indices, mask, lead_shape, device, vocab_size: int | None,
 
 
 def k_problem(k, vocab_size: int) -> ValueError | None:
-    """A ``ValueError`` for a ``k`` that is not an int in ``[1, vocab_size]``, else None."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
+    """A ``ValueError`` for a ``k`` that is not an int in ``[1, vocab_size]``
+    (:class:`InputTypeError` if not an int at all), else None."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        return InputTypeError(f"k must be an int in [1, vocab_size={vocab_size}], got {k!r}")
+    if not 1 <= k <= vocab_size:
         return ValueError(f"k must be an int in [1, vocab_size={vocab_size}], got {k!r}")
     return None
 
 
 def real_vocab(width: int, tp_group, vocab_size) -> int | None:
-    """``vocab_size``, or ``width * tp`` when None (None if it is not an int: the core checks
-    then name it)."""
+    """``vocab_size``, or ``width * tp`` when None (None if it is not an int or the shard is
+    empty: the core checks then name it)."""
+    if width == 0:
+        return None
     if vocab_size is None:
         return width * _comm.group_rank_size(tp_group)[1]
     return vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else None
@@ -289,8 +297,8 @@ def agreement(k, indices=None, mask=None) -> tuple:
         def ids():
             return torch.where(keep().view(*indices.shape[:-1], 1), indices.long(), -1)
 
-        pairs += [("mask", lambda: _target_checksum(keep())),
-                  ("indices", lambda: _target_checksum(ids()))]
+        pairs += [(Field("mask", checksum=True), lambda: _target_checksum(keep())),
+                  (Field("indices", checksum=True), lambda: _target_checksum(ids()))]
     return tuple(pairs)
 
 
@@ -354,7 +362,8 @@ def vocab_parallel_topk(
     ``O(tp * k * T)`` for the candidates.
 
     Raises:
-        ValueError: ``k`` not an int in ``[1, V]``, and everything ``vocab_parallel_stats`` raises
+        ValueError: ``k`` not an int in ``[1, V]`` (``InputTypeError``, also a ``TypeError``,
+            when not an int at all), and everything ``vocab_parallel_stats`` raises
             for the logits and options (NaN or +inf logits included, with ``validate``); under
             ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
@@ -393,7 +402,7 @@ class _TopKLogprobs(torch.autograd.Function):
         return logprobs.view(indices.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward("vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
         if grad is None:
             return None, None, None, None, None
@@ -445,7 +454,8 @@ def vocab_parallel_topk_logprobs(
 
     Returns:
         fp32 ``[..., k]`` log-probs (nats), identical on every rank; -inf where the logit is -inf;
-        NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error).
+        NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error);
+        such an id passes no gradient.
 
     Gradient: ``d/dz_j sum_k g_k log p(i_k) = sum_k g_k 1[j = i_k] - p_j sum_k g_k`` (divided by
     the temperature), recomputed chunk by chunk in fp32 and cast once to the logits dtype.
@@ -460,17 +470,22 @@ def vocab_parallel_topk_logprobs(
             a misshapen ``mask``, devices that differ, (with ``validate``) unmasked ids outside
             ``[0, V)``, and everything ``vocab_parallel_stats`` raises; under ``validate`` and
             tp > 1 on every rank, also for a ``k``, ``mask`` or ids at unmasked rows that differ
-            across the ranks (compared by checksum).
+            across the ranks (compared by checksum; the message names the ranks that differ).
+            ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
+        RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
-    lead = logits.shape[:-1] if isinstance(logits, torch.Tensor) and logits.dim() else ()
-    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
-    width = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else 0
-    problem = index_problem(indices, mask, lead, device, real_vocab(width, tp_group, vocab_size),
-                            host_checks_enabled(validate, device))
+    problem = None
+    if isinstance(logits, torch.Tensor) and logits.dim():  # else the core checks name logits
+        try:
+            problem = index_problem(indices, mask, logits.shape[:-1], logits.device,
+                                    real_vocab(logits.shape[-1], tp_group, vocab_size),
+                                    host_checks_enabled(validate is True, logits.device))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the core exchange
+            problem = exc
     cfg = checked_config(logits, None, tp_group, local_error=problem,
                          agree=agreement(lambda: indices.shape[-1], indices, mask),
                          vocab_size=vocab_size, chunk_size=chunk_size, entropy="off",
                          temperature=temperature, ignore_index=-100, label_smoothing=0.0,
                          validate=validate)
-    valid = valid_rows(mask, logits.numel() // cfg.layout.width, device)
+    valid = valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)

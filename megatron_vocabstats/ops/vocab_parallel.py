@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._checks import StatsConfig, check_finite, checked_config, host_checks_enabled
+from ._checks import (
+    StatsConfig,
+    check_finite,
+    checked_config,
+    first_order_backward,
+    host_checks_enabled,
+)
 from ._math import (
     BLOCK,
     NUM_STATS,
@@ -28,6 +34,9 @@ from ._math import (
     local_target_index,
     merge_stats,
     padded_width,
+    real_columns,
+    rebase_zsum_,
+    target_in_range,
 )
 from .workspace import WORKSPACE
 
@@ -94,10 +103,12 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
     Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
     ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
     ``BLOCK`` columns per shard; a view of the gathered tensor, no copy: merge it with
-    :func:`merge_tokens_per_pass`). One all-gather (none for tp = 1).
+    :func:`merge_tokens_per_pass`). One all-gather (none for tp = 1). With label smoothing the
+    parts' smoothing rows are made relative to the merged maximum (``_math.rebase_zsum_``), in
+    passes of :func:`merge_tokens_per_pass` tokens.
     """
-    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off",
-                zsum=has_target and cfg.label_smoothing > 0.0)
+    zsum = has_target and cfg.label_smoothing > 0.0
+    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum)
     if cfg.batch_invariant == "tp":
         blocks = padded_width(cfg.layout.width, True) // BLOCK
         # Block-major, so that the gathered [tp, nb, NUM_STATS, T] is [tp * nb, ...] as a view.
@@ -105,12 +116,21 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
         for rows, z, scratch, index, owned in chunks:
             block_stats(z, scratch, index, owned, stats.permute(1, 2, 0)[:, rows], **opts)
         gathered = _comm.gather_stats(stats, tp_group)
-        return gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
-    stats = torch.zeros((NUM_STATS, num_tokens), dtype=torch.float32, device=device)
-    for rows, z, scratch, index, owned in chunks:
-        chunk_stats(z, scratch, index, owned, stats[:, rows],
-                    batch_invariant=bool(cfg.batch_invariant), **opts)
-    return _comm.gather_stats(stats, tp_group)
+        gathered = gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
+        part_width = BLOCK
+    else:
+        stats = torch.zeros((NUM_STATS, num_tokens), dtype=torch.float32, device=device)
+        for rows, z, scratch, index, owned in chunks:
+            chunk_stats(z, scratch, index, owned, stats[:, rows],
+                        batch_invariant=bool(cfg.batch_invariant), **opts)
+        gathered = _comm.gather_stats(stats, tp_group)
+        part_width = cfg.layout.width
+    if zsum and gathered.shape[0] > 1:
+        counts = real_columns(gathered.shape[0], part_width, cfg.layout.vocab_size, device)
+        step = merge_tokens_per_pass(cfg, gathered.shape[0]) or max(num_tokens, 1)
+        for start in range(0, num_tokens, step):
+            rebase_zsum_(gathered[..., start:start + step], counts, cfg.layout.vocab_size)
+    return gathered
 
 
 def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:
@@ -136,6 +156,10 @@ def _flatten(logits, target, cfg: StatsConfig):
     return (logits.reshape(-1, cfg.layout.width), *flatten_target(target, cfg.ignore_index))
 
 
+def _in_range(target1d, cfg: StatsConfig):
+    return None if target1d is None else target_in_range(target1d, cfg.layout.vocab_size)
+
+
 class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
@@ -148,9 +172,10 @@ class _VocabParallelStats(torch.autograd.Function):
                              label_smoothing=cfg.label_smoothing if has_target else 0.0,
                              entropy=cfg.entropy != "off", has_target=has_target,
                              batch_invariant=bool(cfg.batch_invariant),
-                             tokens_per_pass=merge_tokens_per_pass(cfg, parts.shape[0]))
+                             tokens_per_pass=merge_tokens_per_pass(cfg, parts.shape[0]),
+                             in_range=_in_range(target1d, cfg))
         if host_checks_enabled(cfg.validate, logits.device):
-            check_finite(merged.logsumexp, valid)
+            check_finite(merged.logsumexp, valid, logits2d=logits2d, temperature=cfg.temperature)
 
         logprobs, entropy, lse = function_outputs(ctx, merged, logits.shape[:-1], cfg.entropy)
         ctx.cfg = cfg
@@ -158,7 +183,7 @@ class _VocabParallelStats(torch.autograd.Function):
         return logprobs, entropy, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward("vocab_parallel_stats")
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
         logits, target, lse, ent = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
@@ -167,7 +192,8 @@ class _VocabParallelStats(torch.autograd.Function):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
         # exactly 0 (their lse is made finite so that p stays finite).
-        coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, cfg.temperature)
+        coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, cfg.temperature,
+                                            in_range=_in_range(target1d, cfg))
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
 
@@ -232,9 +258,10 @@ def vocab_parallel_stats(
         entropy: ``"off"`` (not computed, returned as None), ``"metric"`` (computed, not
             differentiable, nothing extra saved) or ``"grad"`` (differentiable:
             ``dH/dz_j = -p_j (log p_j + H)``).
-        temperature: logits are divided by it (in the fp32 chunk, never copied); gradients too.
-        ignore_index: positions whose target equals it get logprob 0 and entropy 0 and exactly zero
-            gradient; their logsumexp is still reported.
+        temperature: a real number >= 1 / fp32 max (about 2.94e-39); logits are divided by it
+            (in the fp32 chunk, never copied); gradients too.
+        ignore_index: an int; positions whose target equals it get logprob 0 and entropy 0 and
+            exactly zero gradient; their logsumexp is still reported.
         label_smoothing: eps in [0, 1). ``logprobs`` becomes ``sum_j q_j log p_j`` with
             ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real size,
             never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
@@ -243,7 +270,10 @@ def vocab_parallel_stats(
             across ranks, and finite results). Skipped while a CUDA graph is being captured.
             Without it, ranks that disagree are not detected (a wrong result or a failed
             collective). This rank's shape, dtype and argument checks always run. Must be equal
-            on all ranks. Logits at or below -1e30 count as -inf.
+            on all ranks (a bool). Logits at or below -1e30 count as -inf. Without it a target
+            id outside ``[0, V)`` (and not ``ignore_index``) gives a NaN logprob and passes no
+            logprob gradient (its entropy and logsumexp are still exact); found on the device,
+            without a host synchronisation.
         batch_invariant: ``False`` (default, torch's reductions), ``True`` or ``"tp"``. With
             ``True`` a row's logprobs, entropy and logsumexp (and its gradient row) are bitwise
             the same whatever the number of tokens, the row's position, the other rows and
@@ -274,14 +304,28 @@ def vocab_parallel_stats(
     the logits dtype. No host synchronisation with ``validate=False`` (graph-capturable).
 
     Raises:
+        TypeError: naming the argument and value, for an argument of the wrong Python type
+            (``logits`` or ``target`` not a tensor, ``temperature``/``label_smoothing`` not a
+            real number, ``ignore_index``/``chunk_size``/``vocab_size`` not an int, ``validate``
+            not a bool, ``tp_group`` not a process group). It is ``ops._checks.InputTypeError``,
+            a ``ValueError`` as well.
         ValueError: naming the argument, for a non-integer ``target``, leading shapes that differ,
-            a dtype other than bf16/fp16/fp32, ``chunk_size <= 0``, an unknown ``entropy`` mode,
-            ``temperature <= 0``, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that does not
-            fit the shards, and (with ``validate``) full replicated logits passed as a shard (as
-            wide as the real vocabulary, first row equal on every rank),
-            target ids outside ``[0, V)`` other than ``ignore_index``, shards or targets that
-            differ across ranks, and scored rows whose logits are NaN, +inf or all -inf. Without
-            ``validate`` such rows give NaN.
+            a dtype other than bf16/fp16/fp32, an empty vocabulary shard (width 0),
+            ``chunk_size <= 0``, an unknown ``entropy`` mode, a ``temperature`` that is not
+            finite or below 2.94e-39, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that
+            does not fit the shards, and (with ``validate``) full replicated logits passed as a
+            shard (as wide as the real vocabulary, first row equal on every rank), target ids
+            outside ``[0, V)`` other than ``ignore_index``, shards, targets or options that
+            differ across ranks (the message names the field and prints each rank's value), and
+            scored rows whose logits are NaN, +inf or all -inf, or whose ``logits / temperature``
+            overflows fp32 (reported as a too small ``temperature``). Without ``validate`` such
+            rows give NaN. Under tensor parallelism with ``validate`` any error of one rank's
+            checks raises on every rank (the others name the rank).
+        RuntimeError: on double backward (``create_graph=True``), which is not supported.
+
+    Extreme finite logits (up to the fp32 maximum, with label smoothing too) give exact results;
+    the smoothing sum is taken relative to the row maximum and scaled so that it cannot
+    overflow.
     """
     cfg = checked_config(
         logits,

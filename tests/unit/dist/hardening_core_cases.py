@@ -1,0 +1,150 @@
+"""Issue 14, core ops under tensor parallelism (gloo): every rank raises promptly on a bad input
+of any one rank, agreement errors print values, and extreme logits stay exact across shards.
+Run by tests/unit/test_hardening_core_dist.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import Cases, Skip, main  # noqa: E402
+
+from _reference import reference_stats  # noqa: E402
+from megatron_vocabstats import (  # noqa: E402
+    vocab_parallel_stats,
+    vocab_parallel_topk,
+    vocab_parallel_topk_logprobs,
+)
+from megatron_vocabstats.ops._checks import _target_checksum, checked_config  # noqa: E402
+from megatron_vocabstats.testing import forbid_host_sync  # noqa: E402
+from vocab_parallel_cases import rank_size  # noqa: E402
+
+CASES = Cases()
+OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,
+               ignore_index=-100, label_smoothing=0.0, validate=True)
+
+
+def _tp2(group):
+    rank, tp = rank_size(group)
+    if tp < 2:
+        raise Skip("needs tp >= 2")
+    return rank, tp
+
+
+def expect_error(fn, *fragments, kind=ValueError):
+    try:
+        fn()
+    except kind as exc:
+        assert any(f in str(exc) for f in fragments), str(exc)
+        return str(exc)
+    raise AssertionError(f"no error (expected one of {fragments})")
+
+
+@CASES.register
+def one_rank_local_error_raises_on_every_rank(group):
+    """A list for logits, a width-0 shard, a bad option type, or any other exception on the last
+    rank: that rank raises its own error, the others name it (no rank left in a collective)."""
+    rank, tp = _tp2(group)
+    last = rank == tp - 1
+    logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+    cases = [
+        (lambda: vocab_parallel_stats(logits.tolist() if last else logits, None, tp_group=group),
+         "logits must be a tensor"),
+        (lambda: vocab_parallel_stats(torch.randn(4, 0) if last else logits, target,
+                                      tp_group=group), "is empty"),
+        (lambda: vocab_parallel_stats(logits, target, tp_group=group,
+                                      temperature="2" if last else 2.0), "temperature"),
+        (lambda: vocab_parallel_stats(logits, target, tp_group=group,
+                                      ignore_index=1.5 if last else -100), "ignore_index"),
+        (lambda: vocab_parallel_topk(torch.randn(4, 0) if last else logits, 2, tp_group=group),
+         "is empty"),
+        (lambda: vocab_parallel_topk_logprobs(logits.tolist() if last else logits,
+                                              torch.zeros(4, 1, dtype=torch.long),
+                                              tp_group=group), "logits must be a tensor"),
+        (lambda: checked_config(logits, None, group,
+                                agree=(("x", (lambda: 1 // 0) if last else (lambda: 1)),),
+                                **OPTIONS), "division"),
+    ]
+    for fn, own in cases:
+        expect_error(fn, own if last else "rejected their inputs", kind=Exception)
+
+
+@CASES.register
+def agreement_errors_print_values_per_rank(group):
+    rank, tp = _tp2(group)
+    logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+    expect_error(lambda: vocab_parallel_stats(logits, target, tp_group=group,
+                                              temperature=1.0 + (rank == 1)),
+                 "temperature differs across the ranks of tp_group: [1.0, 2.0")
+    expect_error(lambda: vocab_parallel_stats(logits, target, tp_group=group,
+                                              entropy="off" if rank == 1 else "grad"),
+                 "entropy mode differs across the ranks of tp_group: ['grad', 'off'")
+    expect_error(lambda: vocab_parallel_stats(logits.to(torch.float32 if rank else torch.bfloat16),
+                                              target, tp_group=group),
+                 "logits dtype differs across the ranks of tp_group: [torch.bfloat16, "
+                 "torch.float32")
+    expect_error(lambda: vocab_parallel_stats(logits, target, tp_group=group,
+                                              batch_invariant=True if rank else False),
+                 "batch_invariant differs across the ranks of tp_group: [False, True")
+    mine = torch.full((4,), 3 + rank % 2)
+    message = expect_error(lambda: vocab_parallel_stats(logits, mine, tp_group=group),
+                           "target (token ids) differs across the ranks of tp_group")
+    odd = [r for r in range(tp) if r % 2]
+    assert f"ranks {odd} differ from rank 0" in message, message
+    assert str(_target_checksum(mine)) not in message, message
+
+
+def _check_exact(st, full, target, **kw):
+    z = full.double()
+    lp, ent, lse = reference_stats(torch.where(z <= -1e30, float("-inf"), z), target, **kw)
+    for name, actual, expected in (("logprobs", st.logprobs, lp), ("entropy", st.entropy, ent),
+                                   ("logsumexp", st.logsumexp, lse)):
+        assert torch.isfinite(actual).all(), f"{name}: {actual}"
+        err = (actual.double() - expected).abs()
+        assert bool((err <= 1e-5 + 1e-5 * expected.abs()).all()), f"{name}: {actual} vs {expected}"
+
+
+@CASES.register
+def extreme_shards_are_exact(group):
+    """One shard all -9e29, another at 3e38 (was: NaN entropy); label smoothing at 3e38 (was:
+    +inf logprob); batch-invariant blocks at 3e38 and -9e29."""
+    rank, tp = _tp2(group)
+    width = 128
+    full = torch.full((4, width * tp), -9e29)
+    full[0, width:2 * width] = 3e38           # shard 1 all at 3e38, shard 0 all at -9e29
+    full[1, :] = 3e38                          # every shard at 3e38
+    full[2, ::2] = 3e38                        # mixed within each shard
+    full[3, 5] = 3e38                          # one column
+    target = torch.tensor([3, width + 1, 2, 5])
+    shard = full[:, rank * width:(rank + 1) * width]
+    for mode in (False, True, "tp"):
+        for smoothing in (0.0, 0.1):
+            st = vocab_parallel_stats(shard, target, tp_group=group, label_smoothing=smoothing,
+                                      batch_invariant=mode)
+            _check_exact(st, full, target, label_smoothing=smoothing)
+
+
+@CASES.register
+def out_of_range_target_without_validate_is_nan_on_every_rank(group):
+    rank, tp = _tp2(group)
+    torch.manual_seed(3)
+    full = torch.randn(3, 16 * tp)
+    vocab = 16 * tp - 3
+    target = torch.tensor([vocab + 1, 16 * tp + 4, 2])  # padding column, outside, fine
+    leaf = full[:, rank * 16:(rank + 1) * 16].clone().requires_grad_()
+    with forbid_host_sync():
+        lp = vocab_parallel_stats(leaf, target, tp_group=group, vocab_size=vocab, entropy="off",
+                                  validate=False).logprobs
+        lp.nan_to_num(0.0).sum().backward()
+    assert torch.isnan(lp[:2]).all() and torch.isfinite(lp[2]), lp
+    assert torch.equal(leaf.grad[:2], torch.zeros(2, 16)), leaf.grad
+    expect_error(lambda: vocab_parallel_stats(leaf, target, tp_group=group, vocab_size=vocab),
+                 "target holds id")
+
+
+if __name__ == "__main__":
+    main(CASES)
