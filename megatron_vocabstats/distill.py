@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .losses import LossOutput, _check_float, _count, _pair, _token_mask
-from .ops._checks import host_checks_enabled
+from .ops._checks import Field, checked_on_every_rank, host_checks_enabled, tensor_checksum
 from .ops._math import LOGP_MIN
 from .ops.topk import TopK, vocab_parallel_topk_logprobs
 
@@ -189,6 +189,9 @@ def topk_divergence(
     if student_logprobs.dim() < 1 or teacher_logprobs.shape != student_logprobs.shape:
         raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} and student_logprobs "
                          f"{tuple(student_logprobs.shape)} must both be [..., k], the same shape")
+    if student_logprobs.shape[-1] == 0:
+        raise ValueError(f"student_logprobs and teacher_logprobs have k = 0 (shape "
+                         f"{tuple(student_logprobs.shape)}): the divergence needs k >= 1")
     if teacher_logprobs.device != student_logprobs.device:
         raise ValueError(f"teacher_logprobs is on {teacher_logprobs.device} but student_logprobs "
                          f"on {student_logprobs.device}")
@@ -227,7 +230,35 @@ def _teacher_parts(teacher) -> tuple[torch.Tensor, torch.Tensor]:
     if logprobs.shape != indices.shape or logprobs.dim() < 1:
         raise ValueError(f"teacher.logprobs {tuple(logprobs.shape)} and teacher.indices "
                          f"{tuple(indices.shape)} must both be [..., k], the same shape")
+    if logprobs.shape[-1] == 0:
+        raise ValueError(f"teacher: k = 0 (teacher.logprobs {tuple(logprobs.shape)}): the top-k "
+                         "needs k >= 1 ids per token")
     return logprobs, indices
+
+
+def _check_teacher_values(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """``ValueError`` if a counted row of the teacher's ``[..., k]`` log-probs holds NaN, a value
+    above 0, or probabilities summing above 1 (reads the host).
+
+    Tolerance of the sum: a log-prob stored with unit roundoff u (of its dtype) moves its
+    probability by at most ``p |log p| u``, and ``sum_k p |log p| <= log k`` for a mass <= 1; the
+    fp32 softmax the teacher came from adds at most a few ulps per term.
+    """
+    lp = torch.where(mask.unsqueeze(-1), logprobs.detach().double(), float("-inf"))
+    rows = lp.reshape(-1, lp.shape[-1])
+    k = rows.shape[-1]
+    unit = torch.finfo(logprobs.dtype).eps / 2
+    tol = 2 * unit * (1 + math.log(k)) + k * 2.0**-22
+    mass = torch.exp(rows).sum(dim=-1)
+    for bad, what in ((torch.isnan(rows).any(dim=-1), "NaN"),
+                      ((rows > 0).any(dim=-1), "a log-probability above 0"),
+                      (mass > 1 + tol, "probabilities summing above 1")):
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"teacher.logprobs holds {what} at the counted token at flat position {row} "
+                f"(log-probs {rows[row].tolist()[:8]}, mass {float(mass[row]):.6g}): a teacher's "
+                "top-k are log-probabilities normalised over its vocabulary")
 
 
 def _check_distinct(indices: torch.Tensor, mask: torch.Tensor) -> None:
@@ -308,9 +339,12 @@ def distillation_loss(
             divergence as it is, as TRL's GKD and Megatron's ModelOpt KD do not scale either.
         validate: the op's host-reading checks (off by default in a training step, as in
             :class:`~megatron_vocabstats.losses.StatsOptions`): teacher ids outside
-            ``[0, vocab_size)`` at counted tokens, or an id twice in one counted token's top-k,
-            raise ``ValueError`` on every rank, and so do ``k``, ``indices`` or ``loss_mask``
-            that differ across the ranks of ``tp_group``. Without it an out-of-range id makes the
+            ``[0, vocab_size)`` at counted tokens, an id twice in one counted token's top-k, or
+            teacher log-probs that are NaN, above 0 or whose probabilities sum above 1 (beyond
+            their rounding) raise ``ValueError`` on every rank, and so do ``k``, ``indices``,
+            ``loss_mask`` or teacher log-probs that differ across the ranks of ``tp_group``;
+            every check of this function then raises on every rank (one all-gather of three
+            int64 before the op's). Without it an out-of-range id makes the
             loss NaN (never a silently wrong number); a repeated id counts as a bucket of its
             own each time (the top-k measures then weigh that id twice, and with
             ``tail_bucket`` the teacher's mass may exceed 1, so the loss has no meaning).
@@ -329,30 +363,44 @@ def distillation_loss(
             ``temperature_scale`` not a bool, with ``validate`` repeated ids (see there), and
             what :func:`topk_divergence` and the op raise.
     """
-    cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
-                        renormalize=renormalize)
-    if not isinstance(temperature_scale, bool):
-        raise ValueError(f"temperature_scale must be a bool, got {temperature_scale!r}")
-    teacher_lp, indices = _teacher_parts(teacher)
-    mask = _token_mask(loss_mask, teacher_lp[..., 0], "teacher.logprobs[..., 0]")
-    student_vocab = _student_vocab(student, vocab_size, tp_group)
-    if teacher_vocab_size is not None and student_vocab is None:
-        raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} cannot be checked: with a "
-                         "callable student (fused LM head) pass the student's vocab_size too")
-    if teacher_vocab_size is not None and teacher_vocab_size != student_vocab:
-        raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} differs from the student's "
-                         f"vocabulary size {student_vocab!r}: top-k distillation compares "
-                         "probabilities of the same ids, so both models need one vocabulary")
+    def local_checks():
+        cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
+                            renormalize=renormalize)
+        if not isinstance(temperature_scale, bool):
+            raise ValueError(f"temperature_scale must be a bool, got {temperature_scale!r}")
+        teacher_lp, indices = _teacher_parts(teacher)
+        mask = _token_mask(loss_mask, teacher_lp[..., 0], "teacher.logprobs[..., 0]")
+        student_vocab = _student_vocab(student, vocab_size, tp_group)
+        if teacher_vocab_size is not None and student_vocab is None:
+            raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} cannot be checked: with "
+                             "a callable student (fused LM head) pass the student's vocab_size too")
+        if teacher_vocab_size is not None and teacher_vocab_size != student_vocab:
+            raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} differs from the "
+                             f"student's vocabulary size {student_vocab!r}: top-k distillation "
+                             "compares probabilities of the same ids, so both models need one "
+                             "vocabulary")
+        if not (isinstance(student, torch.Tensor) or callable(student)):
+            raise ValueError(f"student must be logits or a callable returning top-k log-probs, "
+                             f"got {type(student).__name__}")
+        if host_checks_enabled(validate is True, indices.device):
+            _check_teacher_values(teacher_lp, mask)
+        return cfg, teacher_lp, indices, mask
+
+    device = getattr(teacher[0], "device", None) if isinstance(teacher, tuple) and teacher \
+        else None
+    cfg, teacher_lp, indices, mask = checked_on_every_rank(
+        local_checks, tp_group, validate=validate, device=device,
+        agree=((Field("loss_mask", checksum=True), lambda checked: tensor_checksum(checked[3])),
+               (Field("teacher.logprobs", checksum=True),
+                lambda checked: tensor_checksum(checked[1], checked[3]))),
+        hint="every tensor-parallel rank must pass the same teacher top-k and loss_mask")
     kwargs = dict(tp_group=tp_group, mask=mask, vocab_size=vocab_size, temperature=temperature,
                   chunk_size=chunk_size, validate=validate)
     if isinstance(student, torch.Tensor):
         student_lp = vocab_parallel_topk_logprobs(student, indices, **kwargs)
-    elif callable(student):
-        student_lp = student(indices, **kwargs)
     else:
-        raise ValueError(f"student must be logits or a callable returning top-k log-probs, got "
-                         f"{type(student).__name__}")
-    if host_checks_enabled(validate, indices.device):
+        student_lp = student(indices, **kwargs)
+    if host_checks_enabled(validate is True, indices.device):
         # After the op: its checks made every rank agree on the ids and mask, so all raise alike.
         _check_distinct(indices, mask)
     per_token = topk_divergence(student_lp, teacher_lp, mask, divergence=cfg.divergence,

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .megatron.compat import tp_group_of
 from .ops import VocabStats, vocab_parallel_stats
+from .ops._checks import checked_on_every_rank
 
 IGNORE_INDEX = -100
 AGGREGATIONS = ("token-mean", "sequence-mean")
@@ -66,6 +67,10 @@ class LossOutput(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # Input checks (shapes, dtypes, devices and options only: never tensor values)
+
+_EVERY_RANK_HINT = ("every tensor-parallel rank must pass the same labels, loss_mask and "
+                    "per-token inputs")
+
 
 
 def _check_float(name: str, tensor, like: torch.Tensor | None = None) -> None:
@@ -563,14 +568,31 @@ def token_loss(
         what ``loss_fn`` returns (:class:`LossOutput` for the losses here).
 
     Raises:
-        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, and what
-            :func:`selected_tokens`, :func:`token_stats` and ``loss_fn`` raise.
+        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, tensors of
+            ``loss_inputs`` not shaped like ``labels``, and what :func:`selected_tokens`,
+            :func:`token_stats` and ``loss_fn`` raise. With ``options.validate`` under tensor
+            parallelism the checks of ``labels``, ``loss_mask`` and ``loss_inputs`` raise on
+            every rank (one more all-gather of one int64, before the op's): a rank's bad input
+            never leaves the others blocked in the op's collectives. Without ``validate`` there
+            is no exchange (no host sync), and such an error raises on its own rank only.
     """
     loss_inputs = dict(loss_inputs or {})
     clash = sorted({"loss_mask", "entropy", "non_loss_data"} & loss_inputs.keys())
     if clash:
         raise ValueError(f"loss_inputs must not set {clash}: token_loss passes them")
-    selected = selected_tokens(labels, loss_mask)
+    options = options or StatsOptions()
+
+    def local_checks():
+        selected = selected_tokens(labels, loss_mask)
+        for name, value in loss_inputs.items():
+            if isinstance(value, torch.Tensor) and value.shape != labels.shape:
+                raise ValueError(f"{name} has shape {tuple(value.shape)} but labels has "
+                                 f"{tuple(labels.shape)}; per-token inputs are shaped alike")
+        return selected
+
+    device = labels.device if isinstance(labels, torch.Tensor) else None
+    selected = checked_on_every_rank(local_checks, tp_group, validate=options.validate,
+                                     device=device, hint=_EVERY_RANK_HINT)
     stats = token_stats(output, labels, selected, tp_group=tp_group, options=options)
     if non_loss_data:
         loss_inputs["non_loss_data"] = True

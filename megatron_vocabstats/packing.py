@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import zlib
 from collections.abc import Sequence
 from itertools import accumulate
@@ -220,7 +221,20 @@ def _segments(cu_padded: torch.Tensor, lengths: torch.Tensor, total: int):
     return seq, offset, offset < length, offset + 1 < length
 
 
+def _token_value(name: str, value, dtype: torch.dtype) -> int:
+    """``value`` (a pad id or ``ignore_index``) as an int that the token dtype holds exactly, else
+    ``ValueError`` naming ``name`` (torch would wrap it, e.g. -100 to 156 in uint8)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"{name}={value} does not fit the token dtype {dtype} "
+                         f"([{info.min}, {info.max}]): use wider token ids (e.g. int64)")
+    return int(value)
+
+
 def _shift(tokens: torch.Tensor, next_real: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    ignore_index = _token_value("ignore_index", ignore_index, tokens.dtype)
     return torch.where(next_real, tokens.roll(-1, dims=-1), ignore_index)
 
 
@@ -419,6 +433,7 @@ def pack_sequences(
         pad_between = True
 
     seq, offset, real, next_real = _segments(cu_p, lens, total)
+    pad_token_id = _token_value("pad_token_id", pad_token_id, flat.dtype)
     source = torch.cat([flat, flat.new_full((1,), pad_token_id)])
     tokens = source[torch.where(real, starts[seq] + offset, flat.numel())]
     cu32, cu_p32 = cu.to(torch.int32), cu_p.to(torch.int32)

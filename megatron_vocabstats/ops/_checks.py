@@ -421,6 +421,45 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
     return cfg
 
 
+def checked_on_every_rank(check: Callable[[], object], tp_group: dist.ProcessGroup | None, *,
+                          validate: bool, device: torch.device | None,
+                          agree: tuple[tuple, ...] = (), hint: str) -> object:
+    """``check()`` (a caller's own input checks, run before any collective of the call), made to
+    raise on every rank of ``tp_group``; returns what it returns.
+
+    With ``validate`` on a group of size > 1 (and not under CUDA graph capture) this costs one
+    all-gather of ``1 + len(agree)`` int64 numbers: an exception of ``check`` on one rank raises
+    there and a ``ValueError`` naming that rank on the others, instead of leaving them blocked in
+    the op's collectives; ``agree`` entries (as :func:`checked_config`'s, but ``value_fn`` takes
+    what ``check`` returned) must be equal on every rank. Otherwise ``check()`` runs alone
+    and its exception raises on this rank only (no collective, no host read).
+    """
+    _, tp = _comm.group_rank_size(tp_group)
+    if tp == 1 or not host_checks_enabled(validate, device or _comm.exchange_device(tp_group)):
+        return check()
+    error, result, row = None, None, None
+    try:
+        result = check()
+        row = [_int64(_agree_field(entry).name, entry[1](result)) for entry in agree]
+    except Exception as exc:  # noqa: BLE001 - every local failure must reach the other ranks
+        error = exc
+    agree_across_ranks(error, row, tuple(_agree_field(entry) for entry in agree), tp_group,
+                       device=device, group_name="tp_group", hint=hint)
+    return result
+
+
+def tensor_checksum(tensor: torch.Tensor, where: torch.Tensor | None = None) -> int:
+    """An int64 checksum of ``tensor``'s values (floats by their fp32 bits) at the positions
+    where the bool ``where`` (broadcast over trailing dims) holds; reads the host."""
+    values = tensor.detach()
+    if values.dtype.is_floating_point:
+        values = values.float().contiguous().view(torch.int32)
+    if where is not None:
+        keep = where.reshape(*where.shape, *([1] * (values.dim() - where.dim())))
+        values = torch.where(keep, values, 0)
+    return _target_checksum(values)
+
+
 def check_finite(lse: torch.Tensor, valid: torch.Tensor | None, *,
                  logits2d: torch.Tensor | None = None, temperature: float = 1.0) -> None:
     """Raise ``ValueError`` if a scored row has no finite logsumexp (NaN, +inf or all -inf).

@@ -389,7 +389,11 @@ def merge_stats(
         if smooth:
             # c.zsum = c sum_j (z_j - m) (-inf with a real column at -inf: an infinite loss).
             mean_logp = c.zsum / (vocab_size * zsum_scale(vocab_size)) - log_sumexp
-            logprobs = (1.0 - label_smoothing) * logprobs + label_smoothing * mean_logp
+            # An eps below fp32 resolution rounds to 0 in the product, and 0 * -inf would be NaN
+            # where the float64 value is -inf: keep the -inf of a real column at -inf.
+            smoothed = torch.where(torch.isneginf(mean_logp), mean_logp,
+                                   label_smoothing * mean_logp)
+            logprobs = (1.0 - label_smoothing) * logprobs + smoothed
         if in_range is not None:
             logprobs = torch.where(in_range, logprobs, float("nan"))
         logprobs = torch.where(valid, logprobs, 0.0)

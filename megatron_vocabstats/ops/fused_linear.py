@@ -29,6 +29,7 @@ from ._checks import (
     auto_chunk_size,
     check_finite,
     checked_config,
+    first_order_backward,
     host_checks_enabled,
 )
 from ._math import (
@@ -339,7 +340,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         return logprobs, entropy, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward("linear_vocab_parallel_stats")
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
@@ -385,12 +386,16 @@ def _forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
 
 
 def _scaled_forward_grads(ctx, grad_logprobs):
+    # Checked before ctx.saved_tensors: the first backward scaled acc in place, and unpacking it
+    # again would raise torch's version-counter error instead.
+    if ctx.used:
+        raise RuntimeError("linear_vocab_parallel_stats: with grad_weights (forward-gradient "
+                           "mode) backward runs once per forward: the gradients stored in "
+                           "forward were scaled in place by the first backward. Run the forward "
+                           "again, or pass grad_weights=None to backpropagate more than once")
+    ctx.used = True
     weight, target, grad_weights, grad_hidden, acc = ctx.saved_tensors
     cfg: LinearStatsConfig = ctx.cfg
-    if ctx.used:
-        raise RuntimeError("linear_vocab_parallel_stats: with grad_weights the backward can run "
-                           "only once (its stored gradients are scaled in place)")
-    ctx.used = True
     valid = target.reshape(-1) != cfg.stats.ignore_index
     scale = _upstream_scale(grad_logprobs, grad_weights, valid, cfg, ctx.tp_group)
     if grad_hidden is not None:
@@ -499,6 +504,9 @@ def _local_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
     if hidden.dim() < (2 if sequence_parallel else 1):
         return ValueError(f"hidden must be [..., H] ([s/tp, ..., H] with sequence_parallel), got "
                           f"shape {tuple(hidden.shape)}")
+    if hidden.shape[-1] == 0:
+        return ValueError(f"hidden: the hidden dimension is empty (shape "
+                          f"{tuple(hidden.shape)}); the logits hidden @ weight.T need H >= 1")
     if hidden.dtype not in LOGITS_DTYPES:
         return ValueError(f"hidden must be bf16, fp16 or fp32, got {hidden.dtype}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -560,13 +568,15 @@ def _first_device(*candidates) -> torch.device:
 
 def _checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, sequence_parallel,
                            accumulate_into_main_grad, chunk_size,
-                           local_error: ValueError | None = None,
+                           local_error: ValueError | None = None, agree: tuple = (),
                            **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
     (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
 
-    Under ``validate`` and tp > 1 a problem on one rank raises on every rank, at the cost of the
-    core op's one tiny all-gather.
+    Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
+    agree on ``sequence_parallel``, whether ``grad_weights`` is given, and
+    ``accumulate_into_main_grad`` (they change the collectives or the gradients), then on the
+    caller's ``agree`` entries: all in the core op's one tiny all-gather.
     """
     _, tp = _comm.group_rank_size(tp_group)
     lead_shape = None
@@ -588,8 +598,13 @@ def _checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, se
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
         logits = torch.empty(0, device=_first_device(hidden, weight, target))
+    agree = (("sequence_parallel", lambda: int(sequence_parallel), bool),
+             ("grad_weights", lambda: int(grad_weights is not None),
+              lambda given: "tensor" if given else None),
+             ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
+             *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
-                           **options)
+                           agree=agree, **options)
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
@@ -680,7 +695,8 @@ def linear_vocab_parallel_stats(
             the fp32 ``dW`` sums (``4 * W * H`` bytes), and one all-gather of
             ``[5, chunk]`` statistics per chunk instead of one in all. With ``validate`` the
             backward checks the proportionality (a host sync) and raises ``ValueError`` if it
-            does not hold. Backward may run once. Not differentiated.
+            does not hold. Backward runs once per forward (a second one, e.g. after
+            ``retain_graph=True``, raises ``RuntimeError``). Not differentiated.
         accumulate_into_main_grad: Megatron's gradient-accumulation fusion: add the fp32 weight
             gradient into ``weight.main_grad`` (read at forward time), set
             ``weight.grad_added_to_main_grad = True`` and return a dummy gradient (zeros if
@@ -720,13 +736,18 @@ def linear_vocab_parallel_stats(
 
     Raises:
         ValueError: naming the argument: ``hidden``/``weight`` not tensors, ``weight`` not 2-D,
-            hidden sizes, dtypes or devices that differ, a ``target`` whose shape is not the
-            (gathered) leading shape of ``hidden``, ``grad_weights`` misshaped or with
-            ``entropy="grad"``, ``accumulate_into_main_grad`` without a matching
-            ``weight.main_grad``, and everything :func:`vocab_parallel_stats` raises; with
-            ``validate`` on tp > 1, on every rank, including a sequence-parallel shard whose
-            length differs across ranks (without ``validate`` that fails or hangs in the
-            gather).
+            an empty hidden dimension (H = 0), hidden sizes, dtypes or devices that differ, a
+            ``target`` whose shape is not the (gathered) leading shape of ``hidden``,
+            ``grad_weights`` misshaped or with ``entropy="grad"``, ``accumulate_into_main_grad``
+            without a matching ``weight.main_grad``, and everything
+            :func:`vocab_parallel_stats` raises; with ``validate`` on tp > 1, on every rank,
+            including a sequence-parallel shard whose length differs across ranks, and
+            ``sequence_parallel``, ``grad_weights`` (given or None) or
+            ``accumulate_into_main_grad`` differing across the ranks (the error names the field
+            and prints each rank's value). Without ``validate`` those fail, hang or give wrong
+            gradients.
+        RuntimeError: a second backward through one forward with ``grad_weights`` (not
+            supported: the gradients stored in forward are scaled in place by the first).
     """
     cfg = _checked_linear_config(
         hidden, weight, target, grad_weights, tp_group,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._checks import host_checks_enabled
+from ._checks import first_order_backward, host_checks_enabled
 from .fused_linear import (
     LinearStatsConfig,
     _checked_linear_config,
@@ -84,7 +84,7 @@ class _LinearTopKLogprobs(torch.autograd.Function):
         return logprobs.view(indices.shape)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_backward("linear_vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
         if grad is None:
             return None, None, None, None, None, None

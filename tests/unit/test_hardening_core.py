@@ -15,6 +15,8 @@ import torch
 
 from _reference import reference_stats
 from megatron_vocabstats import (
+    linear_vocab_parallel_stats,
+    linear_vocab_parallel_topk_logprobs,
     vocab_parallel_entropy,
     vocab_parallel_stats,
     vocab_parallel_topk,
@@ -26,6 +28,7 @@ from megatron_vocabstats.ops._math import Z_FLOOR
 from megatron_vocabstats.testing import forbid_host_sync
 
 MODES = [False, True, "tp"]
+WEIGHT = torch.randn(8, 16)  # a [V, H] LM-head weight for the fused ops
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -110,7 +113,9 @@ def test_out_of_range_topk_ids_without_validate_give_nan_and_zero_gradient():
     lambda x: vocab_parallel_stats(x, torch.tensor([1, 2])).logprobs,
     lambda x: vocab_parallel_entropy(x),
     lambda x: vocab_parallel_topk_logprobs(x, torch.tensor([[1, 2], [3, 4]])),
-], ids=["stats", "entropy", "topk_logprobs"])
+    lambda x: linear_vocab_parallel_stats(x, WEIGHT, torch.tensor([1, 2])).logprobs,
+    lambda x: linear_vocab_parallel_topk_logprobs(x, WEIGHT, torch.tensor([[1, 2], [3, 4]])),
+], ids=["stats", "entropy", "topk_logprobs", "fused_stats", "fused_topk_logprobs"])
 def test_double_backward_is_refused(call):
     x = torch.randn(2, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match="does not support double backward"):
@@ -331,3 +336,51 @@ def test_target_on_another_device_and_bool_or_float_target_are_rejected():
     for bad in (torch.tensor([True, False]), torch.tensor([1.0, 2.0])):
         with pytest.raises(ValueError, match="target must hold integer"):
             vocab_parallel_stats(logits, bad)
+
+
+# ------------------------------------------------------------------ losses, distillation, packing
+
+
+@pytest.mark.parametrize("dtype, kwargs, name", [
+    (torch.int8, dict(pad_token_id=1000), "pad_token_id"),
+    (torch.int8, dict(ignore_index=-1000), "ignore_index"),
+    (torch.uint8, dict(), "ignore_index"),  # -100 would wrap to 156, a real token id
+    (torch.int64, dict(pad_token_id=1.5), "pad_token_id"),
+])
+def test_pack_ids_that_the_token_dtype_cannot_hold_are_refused(dtype, kwargs, name):
+    from megatron_vocabstats import pack_sequences, shift_packed_labels
+
+    seq = torch.tensor([1, 2, 3], dtype=dtype)
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        pack_sequences([seq], seq_params=False, **kwargs)
+    if name == "ignore_index":
+        with pytest.raises(ValueError, match=r"\bignore_index\b"):
+            shift_packed_labels(seq, torch.tensor([0, 3], dtype=torch.int32), **kwargs)
+
+
+def test_topk_divergence_and_teacher_with_k_zero_are_value_errors():
+    from megatron_vocabstats import TopK, distillation_loss, topk_divergence
+
+    empty = torch.zeros(2, 3, 0)
+    with pytest.raises(ValueError, match="k = 0"):
+        topk_divergence(empty, empty, torch.ones(2, 3))
+    teacher = TopK(empty, torch.zeros(2, 3, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="teacher: k = 0"):
+        distillation_loss(torch.randn(2, 3, 8), teacher, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("values", [[0.5, -3.0], [-0.1, -0.1], [float("nan"), -1.0]])
+def test_distillation_teacher_that_is_no_distribution_is_refused_with_validate(values):
+    from megatron_vocabstats import TopK, distillation_loss
+
+    indices = torch.tensor([0, 1]).expand(2, 3, 2)
+    teacher = TopK(torch.tensor(values).expand(2, 3, 2), indices)
+    with pytest.raises(ValueError, match=r"teacher\.logprobs holds"):
+        distillation_loss(torch.randn(2, 3, 8), teacher, torch.ones(2, 3), validate=True)
+    # Masked rows are not checked, and rounding of a real distribution stays within the bound.
+    mask = torch.zeros(2, 3)
+    distillation_loss(torch.randn(2, 3, 8), teacher, mask, validate=True)
+    exact = torch.log_softmax(torch.randn(2, 3, 8) * 30, -1).topk(8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        distillation_loss(torch.randn(2, 3, 8), TopK(exact.values.to(dtype), exact.indices),
+                          torch.ones(2, 3), validate=True)

@@ -324,6 +324,16 @@ def ranks_agree_bitwise(group):
         assert all(torch.equal(table[0], x) for x in table), "ranks returned different values"
 
 
+def expect_value_error(fn, expected):
+    """``fn()`` must raise a ``ValueError`` whose message contains ``expected``."""
+    try:
+        fn()
+    except ValueError as exc:
+        assert expected in str(exc), str(exc)
+    else:
+        raise AssertionError(f"no ValueError (expected one saying {expected!r})")
+
+
 def _last_rank_input_is_bad(group, spoil, own_message, **options):
     """The last rank's (hidden, weight shard) go through ``spoil``; every rank must raise: that
     rank with ``own_message``, the others saying it rejected its inputs (no hang)."""
@@ -336,12 +346,8 @@ def _last_rank_input_is_bad(group, spoil, own_message, **options):
     if rank == tp - 1:
         h, w = spoil(h, w)
     expected = own_message if rank == tp - 1 else f"ranks [{tp - 1}] of tp_group rejected"
-    try:
-        linear_vocab_parallel_stats(h, w, target, tp_group=group, vocab_size=101, **options)
-    except ValueError as exc:
-        assert expected in str(exc), str(exc)
-    else:
-        raise AssertionError(f"no ValueError (expected one saying {expected!r})")
+    expect_value_error(lambda: linear_vocab_parallel_stats(h, w, target, tp_group=group,
+                                                           vocab_size=101, **options), expected)
 
 
 @CASES.register
@@ -353,6 +359,39 @@ def sequence_parallel_shard_length_mismatch_raises_everywhere(group):
 @CASES.register
 def rank_local_bad_input_raises_everywhere(group):
     _last_rank_input_is_bad(group, lambda h, w: (h, w.to(torch.bfloat16)), "weight dtype")
+
+
+@CASES.register
+def empty_hidden_dimension_raises_everywhere(group):
+    _last_rank_input_is_bad(group, lambda h, w: (h[..., :0], w[:, :0]),
+                            "hidden: the hidden dimension is empty")
+
+
+@CASES.register
+def options_differing_across_ranks_raise_everywhere(group):
+    """``sequence_parallel``, ``grad_weights`` or ``accumulate_into_main_grad`` set on rank 0
+    only: every rank raises naming the field, with each rank's value (was: a failed or mismatched
+    collective on one rank and wrong gradients on the others)."""
+    rank, tp = rank_size(group)
+    if tp < 2:
+        raise Skip("needs tp >= 2")
+    hidden, weight, target = make_problem(tp, tokens=(3 * tp, 2))
+    first = rank == 0
+    param = megatron_like_weight(shard_rows(weight, rank, tp), zero_out_wgrad=True)
+    sp_hidden = shard_rows(hidden, rank, tp) if first else hidden  # same gathered tokens
+    cases = [
+        ("sequence_parallel", bool, dict(sequence_parallel=first, hidden=sp_hidden)),
+        ("grad_weights", lambda given: "tensor" if given else None,
+         dict(grad_weights=torch.ones(target.shape) if first else None)),
+        ("accumulate_into_main_grad", bool, dict(accumulate_into_main_grad=first)),
+    ]
+    for field, show, options in cases:
+        h = options.pop("hidden", hidden).clone().requires_grad_()
+        values = [show(r == 0) for r in range(tp)]
+        expect_value_error(
+            lambda: linear_vocab_parallel_stats(h, param, target, tp_group=group, vocab_size=101,
+                                                chunk_size=4, entropy="off", **options),
+            f"{field} differs across the ranks of tp_group: {values}")
 
 
 @CASES.register

@@ -146,5 +146,60 @@ def out_of_range_target_without_validate_is_nan_on_every_rank(group):
                  "target holds id")
 
 
+
+
+@CASES.register
+def one_rank_loss_input_error_raises_on_every_rank(group):
+    """The losses' own checks (labels, loss_mask, per-token inputs, the teacher) run before the
+    op's collectives: with validate a bad input of the last rank raises on every rank (was: a
+    hang of the others until the gloo timeout)."""
+    from megatron_vocabstats import TopK, distillation_loss, policy_loss, sft_loss, token_loss
+    from megatron_vocabstats.losses import StatsOptions
+
+    rank, tp = _tp2(group)
+    last = rank == tp - 1
+    logits, labels = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.ones(2, 3)
+    indices = torch.tensor([0, 1]).expand(2, 3, 2)
+    teacher = TopK(torch.full((2, 3, 2), -1.0), indices)
+    bad_teacher = TopK(torch.full((2, 3, 2), 0.5 if last else -1.0), indices)
+    cases = [
+        (lambda: sft_loss(logits, labels.float() if last else labels, mask, tp_group=group,
+                          validate=True), "labels"),
+        (lambda: sft_loss(logits, labels, torch.ones(3, 2) if last else mask, tp_group=group,
+                          validate=True), "loss_mask"),
+        (lambda: token_loss(logits, labels, mask, loss_fn=policy_loss, tp_group=group,
+                            options=StatsOptions(validate=True),
+                            loss_inputs=dict(old_logprobs=torch.zeros(2, 2 if last else 3),
+                                             advantages=torch.zeros(2, 3))), "old_logprobs"),
+        (lambda: distillation_loss(logits, teacher, torch.ones(3, 2) if last else mask,
+                                   tp_group=group, validate=True), "loss_mask"),
+        (lambda: distillation_loss(logits, bad_teacher, mask, tp_group=group, validate=True),
+         "teacher.logprobs"),
+    ]
+    for fn, own in cases:
+        expect_error(fn, own if last else "rejected their inputs", kind=Exception)
+
+
+@CASES.register
+def teacher_differing_across_ranks_is_refused(group):
+    from megatron_vocabstats import TopK, distillation_loss
+
+    rank, _ = _tp2(group)
+    logits, mask = torch.randn(2, 3, 8), torch.ones(2, 3)
+    indices = torch.tensor([0, 1]).expand(2, 3, 2)
+    mine = TopK(torch.full((2, 3, 2), -1.0 - 0.5 * rank), indices)
+    message = expect_error(lambda: distillation_loss(logits, mine, mask, tp_group=group,
+                                                     validate=True),
+                           "teacher.logprobs differs across the ranks of tp_group")
+    assert "ranks [1] differ from rank 0" in message, message
+    # Masked rows are not compared (as the op compares ids at counted rows only).
+    masked = mask.clone()
+    masked[0, 0] = 0
+    lp = torch.full((2, 3, 2), -1.0)
+    lp[0, 0] = -1.0 - rank
+    distillation_loss(logits, TopK(lp, indices), masked, tp_group=group, validate=True)
+
+
 if __name__ == "__main__":
     main(CASES)

@@ -334,7 +334,7 @@ def mismatched_k_mask_indices_raise_everywhere(group):
                                                            tp_group=group, mask=mask,
                                                            vocab_size=VOCAB)):
         assert bool((fn()[2, 4] == 0).all())
-    teacher = TopK(torch.zeros(3, 5, 4), indices)
+    teacher = TopK(torch.full((3, 5, 4), -2.0), indices)
     expect_error(lambda: distillation_loss(shard, teacher, wrong_mask, tp_group=group,
                                            vocab_size=VOCAB, validate=True), "mask differs")
 
