@@ -40,7 +40,14 @@ import torch
 import torch.distributed as dist
 
 from .losses import LossOutput, _check_float, _count, _pair, _token_mask
-from .ops._checks import Field, checked_on_every_rank, host_checks_enabled, tensor_checksum
+from .ops._checks import (
+    Field,
+    bits_float,
+    checked_on_every_rank,
+    float_bits,
+    host_checks_enabled,
+    tensor_checksum,
+)
 from .ops._math import LOGP_MIN
 from .ops.topk import TopK, vocab_parallel_topk_logprobs
 
@@ -342,9 +349,10 @@ def distillation_loss(
             ``[0, vocab_size)`` at counted tokens, an id twice in one counted token's top-k, or
             teacher log-probs that are NaN, above 0 or whose probabilities sum above 1 (beyond
             their rounding) raise ``ValueError`` on every rank, and so do ``k``, ``indices``,
-            ``loss_mask`` or teacher log-probs that differ across the ranks of ``tp_group``;
-            every check of this function then raises on every rank (one all-gather of three
-            int64 before the op's). Without it an out-of-range id makes the
+            ``loss_mask``, teacher log-probs or the divergence's options (``divergence``,
+            ``beta``, ``tail_bucket``, ``renormalize``, ``temperature_scale``) that differ
+            across the ranks of ``tp_group``; every check of this function then raises on every
+            rank (one all-gather of a few int64 before the op's). Without it an out-of-range id makes the
             loss NaN (never a silently wrong number); a repeated id counts as a bucket of its
             own each time (the top-k measures then weigh that id twice, and with
             ``tail_bucket`` the teacher's mass may exceed 1, so the loss has no meaning).
@@ -392,7 +400,13 @@ def distillation_loss(
         local_checks, tp_group, validate=validate, device=device,
         agree=((Field("loss_mask", checksum=True), lambda checked: tensor_checksum(checked[3])),
                (Field("teacher.logprobs", checksum=True),
-                lambda checked: tensor_checksum(checked[1], checked[3]))),
+                lambda checked: tensor_checksum(checked[1], checked[3])),
+               ("divergence", lambda checked: DIVERGENCES.index(checked[0].divergence),
+                DIVERGENCES.__getitem__),
+               ("beta", lambda checked: float_bits(checked[0].beta), bits_float),
+               ("tail_bucket", lambda checked: int(checked[0].tail_bucket), bool),
+               ("renormalize", lambda checked: int(checked[0].renormalize), bool),
+               ("temperature_scale", lambda _: int(temperature_scale), bool)),
         hint="every tensor-parallel rank must pass the same teacher top-k and loss_mask")
     kwargs = dict(tp_group=tp_group, mask=mask, vocab_size=vocab_size, temperature=temperature,
                   chunk_size=chunk_size, validate=validate)

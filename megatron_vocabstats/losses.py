@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from .megatron.compat import tp_group_of
 from .ops import VocabStats, vocab_parallel_stats
-from .ops._checks import checked_on_every_rank
+from .ops._checks import Field, checked_on_every_rank, tensor_checksum
 
 IGNORE_INDEX = -100
 AGGREGATIONS = ("token-mean", "sequence-mean")
@@ -568,13 +569,14 @@ def token_loss(
         what ``loss_fn`` returns (:class:`LossOutput` for the losses here).
 
     Raises:
-        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, tensors of
-            ``loss_inputs`` not shaped like ``labels``, and what :func:`selected_tokens`,
-            :func:`token_stats` and ``loss_fn`` raise. With ``options.validate`` under tensor
-            parallelism the checks of ``labels``, ``loss_mask`` and ``loss_inputs`` raise on
-            every rank (one more all-gather of one int64, before the op's): a rank's bad input
-            never leaves the others blocked in the op's collectives. Without ``validate`` there
-            is no exchange (no host sync), and such an error raises on its own rank only.
+        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, and what
+            :func:`selected_tokens`, :func:`token_stats` and ``loss_fn`` raise. With
+            ``options.validate`` under tensor parallelism these raise on every rank, and so do
+            tensors of ``loss_inputs`` that differ across the ranks at counted tokens: two more
+            all-gathers of a few int64, one before the op's collectives (``labels``,
+            ``loss_mask``) and one around ``loss_fn``, so that a rank's bad input never leaves
+            the others blocked. Without ``validate`` there is no exchange (no host sync), and
+            such an error raises on its own rank only.
     """
     loss_inputs = dict(loss_inputs or {})
     clash = sorted({"loss_mask", "entropy", "non_loss_data"} & loss_inputs.keys())
@@ -582,21 +584,30 @@ def token_loss(
         raise ValueError(f"loss_inputs must not set {clash}: token_loss passes them")
     options = options or StatsOptions()
 
-    def local_checks():
-        selected = selected_tokens(labels, loss_mask)
-        for name, value in loss_inputs.items():
-            if isinstance(value, torch.Tensor) and value.shape != labels.shape:
-                raise ValueError(f"{name} has shape {tuple(value.shape)} but labels has "
-                                 f"{tuple(labels.shape)}; per-token inputs are shaped alike")
-        return selected
-
     device = labels.device if isinstance(labels, torch.Tensor) else None
-    selected = checked_on_every_rank(local_checks, tp_group, validate=options.validate,
-                                     device=device, hint=_EVERY_RANK_HINT)
+    every_rank = dict(validate=options.validate, device=device, hint=_EVERY_RANK_HINT)
+    # Before the op's collectives, and again around loss_fn (its own checks and the per-token
+    # inputs, which must agree across the ranks): with validate no rank raises alone.
+    selected = checked_on_every_rank(lambda: selected_tokens(labels, loss_mask), tp_group,
+                                     **every_rank)
     stats = token_stats(output, labels, selected, tp_group=tp_group, options=options)
     if non_loss_data:
         loss_inputs["non_loss_data"] = True
-    return loss_fn(stats.logprobs, loss_mask=selected, entropy=stats.entropy, **loss_inputs)
+    return checked_on_every_rank(
+        lambda: loss_fn(stats.logprobs, loss_mask=selected, entropy=stats.entropy, **loss_inputs),
+        tp_group, agree=((Field("loss_inputs", checksum=True),
+                          lambda _: _inputs_checksum(loss_inputs, selected)),), **every_rank)
+
+
+def _inputs_checksum(inputs: Mapping[str, Any], selected: torch.Tensor) -> int:
+    """One checksum of the names and the values (at selected tokens) of the tensors of
+    ``inputs`` (reads the host)."""
+    total = 0
+    for name in sorted(inputs):
+        if isinstance(inputs[name], torch.Tensor):
+            part = zlib.crc32(name.encode()) + tensor_checksum(inputs[name], selected)
+            total = (total * 1_000_003 + part) % (2**61 - 1)
+    return total
 
 
 def sft_loss(

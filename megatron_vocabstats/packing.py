@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .ops import _comm
 from .megatron.compat import packed_seq_params_class
-from .ops._checks import agree_across_ranks, host_checks_enabled
+from .ops._checks import Field, agree_across_ranks, host_checks_enabled
 
 IGNORE_INDEX = -100
 
@@ -221,20 +221,33 @@ def _segments(cu_padded: torch.Tensor, lengths: torch.Tensor, total: int):
     return seq, offset, offset < length, offset + 1 < length
 
 
-def _token_value(name: str, value, dtype: torch.dtype) -> int:
-    """``value`` (a pad id or ``ignore_index``) as an int that the token dtype holds exactly, else
-    ``ValueError`` naming ``name`` (torch would wrap it, e.g. -100 to 156 in uint8)."""
+def _fill_value(name: str, value, dtype: torch.dtype) -> int | float | bool:
+    """``value`` (a pad id, ``ignore_index``, a padding value) as a number that ``dtype`` holds,
+    else ``ValueError`` naming ``name`` (torch would wrap or truncate it: -100 to 156 in uint8,
+    -0.5 to 0 in int64)."""
+    if dtype.is_floating_point:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a real number, got {value!r} "
+                             f"({type(value).__name__})")
+        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+            raise ValueError(f"{name}={value} overflows {dtype}")
+        return float(value)
+    if dtype == torch.bool:
+        if value not in (0, 1):
+            raise ValueError(f"{name} must be a bool for bool values, got {value!r}")
+        return bool(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be an int for {dtype} values, got {value!r} "
+                         f"({type(value).__name__})")
     info = torch.iinfo(dtype)
     if not info.min <= value <= info.max:
-        raise ValueError(f"{name}={value} does not fit the token dtype {dtype} "
+        raise ValueError(f"{name}={value} does not fit the dtype {dtype} "
                          f"([{info.min}, {info.max}]): use wider token ids (e.g. int64)")
     return int(value)
 
 
 def _shift(tokens: torch.Tensor, next_real: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    ignore_index = _token_value("ignore_index", ignore_index, tokens.dtype)
+    ignore_index = _fill_value("ignore_index", ignore_index, tokens.dtype)
     return torch.where(next_real, tokens.roll(-1, dims=-1), ignore_index)
 
 
@@ -267,9 +280,10 @@ def shift_packed_labels(
         float32 (1.0 where the label is a real next token).
 
     Raises:
-        ValueError: non-integer or wrongly shaped ``tokens``/``cu_seqlens``; with ``validate``,
-            ``cu_seqlens``/``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T,
-            or a sequence longer than its padded length.
+        ValueError: non-integer or wrongly shaped ``tokens``/``cu_seqlens``, an
+            ``ignore_index`` that is not an int or does not fit the tokens' dtype; with
+            ``validate``, ``cu_seqlens``/``cu_seqlens_padded`` not starting at 0, decreasing, not
+            ending at T, or a sequence longer than its padded length.
     """
     if not _is_int_tensor(tokens) or tokens.dim() not in (1, 2) or (
             tokens.dim() == 2 and tokens.shape[0] != 1):
@@ -384,7 +398,8 @@ def pack_sequences(
             mixed dtypes/devices, a padded batch without ``lengths`` or with lengths of the wrong
             shape, device or dtype, lengths outside ``[0, S]`` (a tensor: with ``validate``), a
             non-positive ``alignment``, ``total_length`` not a multiple of ``alignment`` or smaller
-            than the packed length (a tensor: with ``validate``).
+            than the packed length (a tensor: with ``validate``), a ``pad_token_id`` or
+            ``ignore_index`` that is not an int or does not fit the token dtype.
     """
     alignment = _positive_int(alignment, "alignment")
     if total_length is not None and (isinstance(total_length, bool)
@@ -433,7 +448,7 @@ def pack_sequences(
         pad_between = True
 
     seq, offset, real, next_real = _segments(cu_p, lens, total)
-    pad_token_id = _token_value("pad_token_id", pad_token_id, flat.dtype)
+    pad_token_id = _fill_value("pad_token_id", pad_token_id, flat.dtype)
     source = torch.cat([flat, flat.new_full((1,), pad_token_id)])
     tokens = source[torch.where(real, starts[seq] + offset, flat.numel())]
     cu32, cu_p32 = cu.to(torch.int32), cu_p.to(torch.int32)
@@ -656,7 +671,9 @@ def _signature(*parts) -> int:
     return zlib.crc32("|".join(map(str, parts)).encode())
 
 
-_GATHER_AGREEMENT = ("local token count", "dtype, other dimensions and cu_seqlens_padded")
+_GATHER_AGREEMENT = ("local token count", Field("dtype", checksum=True),
+                     Field("other dimensions", checksum=True),
+                     Field("cu_seqlens_padded", checksum=True))
 
 
 def gather_from_context_parallel(
@@ -714,8 +731,9 @@ def gather_from_context_parallel(
                         what=f"x (dim {dim}, times cp_size={cp})")
         if exchange:
             others = x.shape[:dim] + x.shape[dim + 1:]
-            row = [x.shape[dim], _signature(x.dtype, tuple(others), cu.tolist())]
-    except ValueError as exc:
+            row = [x.shape[dim], _signature(x.dtype), _signature(tuple(others)),
+                   _signature(cu.tolist())]
+    except Exception as exc:  # noqa: BLE001 - every local failure must reach the other ranks
         if not exchange:
             raise
         error = exc
@@ -771,10 +789,12 @@ def unpack_sequences(
 
     Raises:
         ValueError: bad shapes/dtypes, ``dim`` out of range, ``max_seqlen`` not a non-negative
-            int; with ``validate``, cumulative lengths not starting at 0, decreasing, not ending
+            int, a ``padding_value`` that the values' dtype does not hold (a fraction or a value
+            out of range for integer values, a non-number); with ``validate``, cumulative lengths not starting at 0, decreasing, not ending
             at T, a sequence longer than its padded length or than ``max_seqlen``.
     """
     dim = _seq_dim(values, dim, "values")
+    padding_value = _fill_value("padding_value", padding_value, values.dtype)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
     total = values.shape[dim]

@@ -239,11 +239,14 @@ def _target_checksum(target: torch.Tensor | None) -> int:
     return int((flat * weights).sum())
 
 
-def _float_bits(x: float) -> int:
+def float_bits(x: float) -> int:
+    """The bits of ``x`` as a float64, as an int64 (a float compared in the agreement exchange;
+    :func:`bits_float` prints it back)."""
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _bits_float(bits: int) -> float:
+def bits_float(bits: int) -> float:
+    """Inverse of :func:`float_bits`."""
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
@@ -275,8 +278,8 @@ _AGREEMENT = (
     Field("target (token ids)", checksum=True),
     Field("entropy mode", show=ENTROPY_MODES.__getitem__),
     Field("ignore_index"),
-    Field("temperature", show=_bits_float),
-    Field("label_smoothing", show=_bits_float),
+    Field("temperature", show=bits_float),
+    Field("label_smoothing", show=bits_float),
     Field("batch_invariant", show=BATCH_INVARIANT_MODES.__getitem__),
 )
 
@@ -343,15 +346,15 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
         _target_checksum(target),
         ENTROPY_MODES.index(cfg.entropy),
         cfg.ignore_index,
-        _float_bits(cfg.temperature),
-        _float_bits(cfg.label_smoothing),
+        float_bits(cfg.temperature),
+        float_bits(cfg.label_smoothing),
         BATCH_INVARIANT_MODES.index(cfg.batch_invariant),
         *(_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
     ]
     sample = 0
     if _ambiguous(logits, cfg):
         first_row = logits.detach().reshape(-1, cfg.layout.width)[0]
-        sample = _float_bits(float(first_row.double().sum()))
+        sample = float_bits(float(first_row.double().sum()))
     return [*row, sample]
 
 

@@ -25,12 +25,14 @@ import torch.distributed as dist
 from . import _comm
 from ._checks import (
     LOGITS_DTYPES,
+    Field,
     StatsConfig,
     auto_chunk_size,
     check_finite,
     checked_config,
     first_order_backward,
     host_checks_enabled,
+    tensor_checksum,
 )
 from ._math import (
     MergedStats,
@@ -601,6 +603,8 @@ def _checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, se
     agree = (("sequence_parallel", lambda: int(sequence_parallel), bool),
              ("grad_weights", lambda: int(grad_weights is not None),
               lambda given: "tensor" if given else None),
+             (Field("grad_weights values", checksum=True),
+              lambda: -1 if grad_weights is None else tensor_checksum(grad_weights)),
              ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,

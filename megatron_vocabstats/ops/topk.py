@@ -25,6 +25,7 @@ or masks would give silently wrong sums.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -282,7 +283,9 @@ def real_vocab(width: int, tp_group, vocab_size) -> int | None:
         return None
     if vocab_size is None:
         return width * _comm.group_rank_size(tp_group)[1]
-    return vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        return None
+    return int(vocab_size)  # any integral number, as the core checks accept (numpy ints too)
 
 
 def agreement(k, indices=None, mask=None) -> tuple:

@@ -273,8 +273,8 @@ def test_overflowing_temperature_is_reported_as_temperature():
 
 
 def test_agreement_fields_print_human_values():
-    temp = _checks.Field("temperature", show=_checks._bits_float)
-    assert "[1.0, 2.0]" in temp.difference([_checks._float_bits(1.0), _checks._float_bits(2.0)],
+    temp = _checks.Field("temperature", show=_checks.bits_float)
+    assert "[1.0, 2.0]" in temp.difference([_checks.float_bits(1.0), _checks.float_bits(2.0)],
                                            "tp_group")
     mode = _checks.Field("entropy mode", show=_checks.ENTROPY_MODES.__getitem__)
     assert "['grad', 'off']" in mode.difference([2, 0], "g")
@@ -384,3 +384,26 @@ def test_distillation_teacher_that_is_no_distribution_is_refused_with_validate(v
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         distillation_loss(torch.randn(2, 3, 8), TopK(exact.values.to(dtype), exact.indices),
                           torch.ones(2, 3), validate=True)
+
+
+def test_numpy_vocab_size_keeps_the_topk_range_checks():
+    np = pytest.importorskip("numpy")
+    logits = torch.randn(3, 10)
+    with pytest.raises(ValueError, match=r"\bindices\b"):
+        vocab_parallel_topk_logprobs(logits, torch.tensor([[1, 15], [2, 3], [4, 5]]),
+                                     vocab_size=np.int64(10))
+    for k in (0, 50):
+        with pytest.raises(ValueError, match=r"\bk\b"):
+            vocab_parallel_topk(logits, k, vocab_size=np.int64(10))
+
+
+@pytest.mark.parametrize("dtype, value", [
+    (torch.int64, -0.5), (torch.int8, 300), (torch.int64, None), (torch.float32, "x"),
+    (torch.float16, 1e6), (torch.int64, float("nan")),
+])
+def test_unpack_padding_value_that_the_dtype_cannot_hold_is_refused(dtype, value):
+    from megatron_vocabstats import unpack_sequences
+
+    with pytest.raises(ValueError, match=r"\bpadding_value\b"):
+        unpack_sequences(torch.arange(8).to(dtype), torch.tensor([0, 3, 5]), max_seqlen=3,
+                         cu_seqlens_padded=torch.tensor([0, 4, 8]), padding_value=value)

@@ -392,6 +392,13 @@ def options_differing_across_ranks_raise_everywhere(group):
             lambda: linear_vocab_parallel_stats(h, param, target, tp_group=group, vocab_size=101,
                                                 chunk_size=4, entropy="off", **options),
             f"{field} differs across the ranks of tp_group: {values}")
+    # Given everywhere but with other values on one rank: compared by checksum.
+    h = hidden.clone().requires_grad_()
+    expect_value_error(
+        lambda: linear_vocab_parallel_stats(h, param, target, tp_group=group, vocab_size=101,
+                                            chunk_size=4, entropy="off",
+                                            grad_weights=torch.full(target.shape, 1.0 + first)),
+        "grad_weights values differs across the ranks of tp_group")
 
 
 @CASES.register

@@ -201,5 +201,66 @@ def teacher_differing_across_ranks_is_refused(group):
     distillation_loss(logits, TopK(lp, indices), masked, tp_group=group, validate=True)
 
 
+
+@CASES.register
+def loss_fn_errors_and_differing_loss_inputs_raise_everywhere(group):
+    """token_loss with validate: an error of loss_fn itself on one rank (a non-float input, an
+    option out of range) and per-token inputs that differ across ranks raise on every rank (was:
+    one rank raised after the op, the others went on into backward)."""
+    import functools
+
+    from megatron_vocabstats import policy_loss, token_loss
+    from megatron_vocabstats.losses import StatsOptions
+
+    rank, tp = _tp2(group)
+    last = rank == tp - 1
+    logits, labels = torch.randn(2, 3, 8), torch.tensor([[1, 5, 7], [0, -100, 3]])
+    mask, zeros = torch.ones(2, 3), torch.zeros(2, 3)
+
+    def loss(loss_fn=policy_loss, **inputs):
+        return token_loss(logits, labels, mask, loss_fn=loss_fn, tp_group=group,
+                          options=StatsOptions(validate=True),
+                          loss_inputs=dict(dict(old_logprobs=zeros, advantages=zeros + 1),
+                                           **inputs))
+
+    cases = [
+        (lambda: loss(old_logprobs=zeros.long() if last else zeros), "old_logprobs"),
+        (lambda: loss(old_logprobs=None if last else zeros), "old_logprobs"),
+        (lambda: loss(functools.partial(policy_loss, clip_eps=2.0 if last else 0.2)), "clip_eps"),
+    ]
+    for fn, own in cases:
+        expect_error(fn, own if last else "rejected their inputs", kind=Exception)
+    expect_error(lambda: loss(advantages=zeros + 1 + rank),
+                 "loss_inputs differs across the ranks of tp_group")
+    # Differences at tokens that do not count are not compared.
+    other = zeros + 1
+    other[1, 1] = rank
+    loss(advantages=other)
+
+
+@CASES.register
+def distillation_options_differing_across_ranks_raise_everywhere(group):
+    from megatron_vocabstats import distillation_loss, vocab_parallel_topk
+
+    rank, tp = _tp2(group)
+    torch.manual_seed(0)
+    full = torch.randn(3, 8 * tp)
+    shard = full[:, rank * 8:(rank + 1) * 8]
+    teacher = vocab_parallel_topk(full, 3)
+    mask = torch.ones(3)
+    cases = [
+        (dict(divergence=["forward_kl", "reverse_kl"][rank % 2]),
+         "divergence differs across the ranks of tp_group: ['forward_kl', 'reverse_kl'"),
+        (dict(divergence="jsd", beta=0.25 + 0.5 * (rank % 2)),
+         "beta differs across the ranks of tp_group: [0.25, 0.75"),
+        (dict(tail_bucket=rank % 2 == 1), "tail_bucket differs"),
+        (dict(renormalize=rank % 2 == 1), "renormalize differs"),
+        (dict(temperature_scale=rank % 2 == 1, temperature=2.0), "temperature_scale differs"),
+    ]
+    for options, message in cases:
+        expect_error(lambda: distillation_loss(shard, teacher, mask, tp_group=group,
+                                               validate=True, **options), message)
+
+
 if __name__ == "__main__":
     main(CASES)

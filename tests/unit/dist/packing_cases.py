@@ -283,7 +283,7 @@ def mismatched_shards_raise_on_every_rank(group):
     checks = [
         (torch.zeros(1, 4 + 2 * (rank == 0)), 1, "local token count differ"),
         (torch.zeros(1, 4, dtype=torch.float64 if rank == cp - 1 else torch.float32), 1,
-         "dtype, other dimensions"),
+         "dtype differs across the ranks of cp_group"),
         (torch.zeros(1, 4), 5 if rank == 0 else 1, "rejected their inputs"),
     ]
     for x, dim, message in checks:
