@@ -19,6 +19,9 @@ from .losses import (
 )
 from .ops import (
     TopK,
+    TopKLogits,
+    vocab_parallel_gather_logits,
+    vocab_parallel_topk_logits,
     linear_vocab_parallel_topk,
     linear_vocab_parallel_topk_logprobs,
     vocab_parallel_topk,
@@ -52,6 +55,9 @@ __all__ = [
     "distillation_loss",
     "topk_divergence",
     "TopK",
+    "TopKLogits",
+    "vocab_parallel_gather_logits",
+    "vocab_parallel_topk_logits",
     "linear_vocab_parallel_topk",
     "linear_vocab_parallel_topk_logprobs",
     "vocab_parallel_topk",

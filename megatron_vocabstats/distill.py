@@ -352,9 +352,9 @@ def distillation_loss(
             ``loss_mask``, teacher log-probs or the divergence's options (``divergence``,
             ``beta``, ``tail_bucket``, ``renormalize``, ``temperature_scale``) that differ
             across the ranks of ``tp_group``; every check of this function then raises on every
-            rank (one all-gather of a few int64 before the op's). Without it an out-of-range id makes the
-            loss NaN (never a silently wrong number); a repeated id counts as a bucket of its
-            own each time (the top-k measures then weigh that id twice, and with
+            rank (one all-gather of a few int64 before the op's). Without it an out-of-range id
+            makes the loss NaN (never a silently wrong number); a repeated id counts as a bucket
+            of its own each time (the top-k measures then weigh that id twice, and with
             ``tail_bucket`` the teacher's mass may exceed 1, so the loss has no meaning).
 
     Returns:

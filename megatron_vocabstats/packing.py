@@ -790,8 +790,9 @@ def unpack_sequences(
     Raises:
         ValueError: bad shapes/dtypes, ``dim`` out of range, ``max_seqlen`` not a non-negative
             int, a ``padding_value`` that the values' dtype does not hold (a fraction or a value
-            out of range for integer values, a non-number); with ``validate``, cumulative lengths not starting at 0, decreasing, not ending
-            at T, a sequence longer than its padded length or than ``max_seqlen``.
+            out of range for integer values, a non-number); with ``validate``, cumulative
+            lengths not starting at 0, decreasing, not ending at T, a sequence longer than its
+            padded length or than ``max_seqlen``.
     """
     dim = _seq_dim(values, dim, "values")
     padding_value = _fill_value("padding_value", padding_value, values.dtype)

@@ -2,7 +2,14 @@
 
 from .fused_linear import linear_vocab_parallel_cross_entropy, linear_vocab_parallel_stats
 from .fused_topk import linear_vocab_parallel_topk, linear_vocab_parallel_topk_logprobs
-from .topk import TopK, vocab_parallel_topk, vocab_parallel_topk_logprobs
+from .topk import (
+    TopK,
+    TopKLogits,
+    vocab_parallel_gather_logits,
+    vocab_parallel_topk,
+    vocab_parallel_topk_logits,
+    vocab_parallel_topk_logprobs,
+)
 from .vocab_parallel import (
     VocabStats,
     vocab_parallel_cross_entropy,
@@ -14,6 +21,9 @@ from .workspace import configure_workspace, reset_workspace, with_workspace_rese
 
 __all__ = [
     "TopK",
+    "TopKLogits",
+    "vocab_parallel_gather_logits",
+    "vocab_parallel_topk_logits",
     "linear_vocab_parallel_topk",
     "linear_vocab_parallel_topk_logprobs",
     "vocab_parallel_topk",

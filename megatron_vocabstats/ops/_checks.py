@@ -117,27 +117,58 @@ def host_checks_enabled(validate: bool, device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None) -> ShardLayout:
-    """The :class:`ShardLayout` of rank ``rank`` of ``tp`` equal shards of ``width`` columns.
+def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None,
+                 vocab_start: int | None = None) -> ShardLayout:
+    """The :class:`ShardLayout` of rank ``rank`` of ``tp`` shards of which this one is ``width``
+    columns wide.
 
+    Without ``vocab_start`` the shards are equal and rank r starts at ``r * width`` (Megatron).
     The padding (global columns ``>= vocab_size``) may fill whole shards, as Megatron's padding to
-    a multiple of ``make_vocab_size_divisible_by * tp`` does for small vocabularies. Raises
-    ``ValueError`` if ``width`` is 0 or ``vocab_size`` is not in ``[1, width * tp]``,
-    :class:`InputTypeError` if it is not an int.
+    a multiple of ``make_vocab_size_divisible_by * tp`` does for small vocabularies. With
+    ``vocab_start`` this shard holds ``[vocab_start, vocab_start + width)`` and ``vocab_size`` is
+    required (the shards' contiguity is checked across ranks in :func:`checked_config`). Raises
+    ``ValueError`` if ``width`` is 0, ``vocab_size`` is not in ``[1, width * tp]`` (even shards),
+    ``vocab_start`` is negative or comes without ``vocab_size``; :class:`InputTypeError` if either
+    is not an int.
     """
     if width == 0:
         raise ValueError("logits: the vocabulary dimension (last) is empty: every rank must hold "
                          "a non-empty vocabulary shard")
+    if vocab_start is not None:
+        start = check_integer("vocab_start", vocab_start)
+        if vocab_size is None:
+            raise ValueError("vocab_start needs vocab_size: with ranges given per rank the real "
+                             "vocabulary size cannot be derived from one shard's width")
+        vocab_size = check_integer("vocab_size", vocab_size)
+        if start < 0 or vocab_size < 1:
+            raise ValueError(f"vocab_start={start} and vocab_size={vocab_size} must satisfy "
+                             "vocab_start >= 0 and vocab_size >= 1")
+        real = max(0, min(width, vocab_size - start))
+        return ShardLayout(vocab_start=start, width=width, real_width=real,
+                           vocab_size=vocab_size, even=False)
     padded = width * tp
     vocab_size = padded if vocab_size is None else check_integer("vocab_size", vocab_size)
     if not 0 < vocab_size <= padded:
         raise ValueError(
             f"vocab_size={vocab_size} does not fit {tp} shard(s) of width {width}: it must lie in "
-            f"[1, {padded}] (the shards hold the padded vocabulary)"
+            f"[1, {padded}] (the shards hold the padded vocabulary; pass vocab_start for shards "
+            "of unequal widths)"
         )
     start = rank * width
     real = max(0, min(width, vocab_size - start))
     return ShardLayout(vocab_start=start, width=width, real_width=real, vocab_size=vocab_size)
+
+
+def check_contiguous(starts: list[int], widths: list[int], vocab_size: int) -> None:
+    """``ValueError`` unless the shards ``[starts[r], starts[r] + widths[r])`` tile
+    ``[0, end)`` in rank order with ``end >= vocab_size`` (ranges given with ``vocab_start``)."""
+    ends = [s + w for s, w in zip(starts, widths)]
+    if starts[0] == 0 and all(starts[r] == ends[r - 1] for r in range(1, len(starts))) \
+            and ends[-1] >= vocab_size:
+        return
+    ranges = ", ".join(f"rank {r}: [{s}, {e})" for r, (s, e) in enumerate(zip(starts, ends)))
+    raise ValueError(f"vocab_start: the shards must cover [0, vocab_size={vocab_size}) in rank "
+                     f"order without gaps or overlaps, got {ranges}")
 
 
 # The flag's spellings (--vocab-stats-batch-invariant off|batch|tp) are accepted as well.
@@ -155,8 +186,11 @@ def check_batch_invariant(value) -> bool | str:
                      f"got {value!r}")
 
 
-def _batch_invariant_mode(value, width: int, tp: int):
+def _batch_invariant_mode(value, width: int, tp: int, even: bool = True):
     value = check_batch_invariant(value)
+    if value == "tp" and tp > 1 and not even:
+        raise ValueError("batch_invariant='tp' needs equal shards (Megatron's split): with "
+                         "vocab_start the ranks' blocks of columns do not line up")
     if value == "tp" and tp > 1 and width % BLOCK:
         raise ValueError(
             f"batch_invariant='tp' needs a vocabulary shard width that is a multiple of {BLOCK} "
@@ -167,7 +201,8 @@ def _batch_invariant_mode(value, width: int, tp: int):
 
 
 def _check_local(logits, target, tp_group, *, vocab_size, chunk_size, entropy, temperature,
-                 ignore_index, label_smoothing, validate, batch_invariant=False) -> StatsConfig:
+                 ignore_index, label_smoothing, validate, batch_invariant=False,
+                 vocab_start=None) -> StatsConfig:
     if not isinstance(logits, torch.Tensor):
         raise InputTypeError(f"logits must be a tensor [..., V/tp], got {type(logits).__name__}")
     if logits.dim() < 1:
@@ -209,9 +244,12 @@ def _check_local(logits, target, tp_group, *, vocab_size, chunk_size, entropy, t
     if not _INT64[0] <= ignore_index <= _INT64[1]:
         raise ValueError(f"ignore_index must fit int64, got {ignore_index}")
     rank, tp = _comm.group_rank_size(tp_group)
+    layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
+    if tp == 1 and not layout.even:
+        check_contiguous([layout.vocab_start], [layout.width], layout.vocab_size)
     cfg = StatsConfig(
-        batch_invariant=_batch_invariant_mode(batch_invariant, logits.shape[-1], tp),
-        layout=shard_layout(logits.shape[-1], rank, tp, vocab_size),
+        batch_invariant=_batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even),
+        layout=layout,
         chunk_size=int(chunk_size),
         entropy=entropy,
         temperature=temperature,
@@ -274,6 +312,7 @@ class Field:
 
 _AGREEMENT = (
     Field("logits shard width"), Field("token count"), Field("vocab_size"),
+    Field("vocab_start", show=lambda given: "given" if given else None),
     Field("logits dtype", show=LOGITS_DTYPES.__getitem__),
     Field("target (token ids)", checksum=True),
     Field("entropy mode", show=ENTROPY_MODES.__getitem__),
@@ -338,10 +377,12 @@ def _int64(name: str, value) -> int:
 def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
     """This rank's values of :data:`_AGREEMENT`, then of ``agree``, then the replicated-logits
     sample (see :func:`checked_config`)."""
+    layout = cfg.layout
     row = [
-        cfg.layout.width,
-        logits.numel() // cfg.layout.width,
-        cfg.layout.vocab_size,
+        layout.width if layout.even else -1,  # ranges given per rank: checked for contiguity
+        logits.numel() // layout.width,
+        layout.vocab_size,
+        int(not layout.even),
         LOGITS_DTYPES.index(logits.dtype),
         _target_checksum(target),
         ENTROPY_MODES.index(cfg.entropy),
@@ -353,9 +394,9 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
     ]
     sample = 0
     if _ambiguous(logits, cfg):
-        first_row = logits.detach().reshape(-1, cfg.layout.width)[0]
+        first_row = logits.detach().reshape(-1, layout.width)[0]
         sample = float_bits(float(first_row.double().sum()))
-    return [*row, sample]
+    return [*row, sample, layout.vocab_start, layout.width]
 
 
 def _ambiguous(logits, cfg: StatsConfig) -> bool:
@@ -414,8 +455,10 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
                                group_name="tp_group",
                                hint="every tensor-parallel rank must pass the same tokens, "
                                "targets and options, and its own equal-width vocabulary shard",
-                               extra=1)
-    if _ambiguous(logits, cfg) and all(r[-1] == table[0][-1] for r in table):
+                               extra=3)
+    if not cfg.layout.even:
+        check_contiguous([r[-2] for r in table], [r[-1] for r in table], cfg.layout.vocab_size)
+    if _ambiguous(logits, cfg) and all(r[-3] == table[0][-3] for r in table):
         raise ValueError(
             f"logits: every rank of the tp={tp} group holds the same [..., {cfg.layout.width}] "
             f"logits, as wide as vocab_size={cfg.layout.vocab_size}: pass this rank's vocabulary "

@@ -58,13 +58,16 @@ class ShardLayout:
 
     ``vocab_start``: global id of local column 0; ``width``: local (padded) shard width W;
     ``real_width``: local columns with global id < ``vocab_size`` (the rest are padding);
-    ``vocab_size``: the real, unpadded global vocabulary size V.
+    ``vocab_size``: the real, unpadded global vocabulary size V; ``even``: every rank holds W
+    columns starting at ``rank * W`` (Megatron's split), else ranges given per rank (``vocab_start``
+    of the ops, e.g. torchtitan's ``ceil(V / tp)`` split with a shorter last shard).
     """
 
     vocab_start: int
     width: int
     real_width: int
     vocab_size: int
+    even: bool = True
 
 
 def padded_width(width: int, batch_invariant: bool) -> int:

@@ -630,6 +630,7 @@ def linear_vocab_parallel_stats(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     chunk_size: int | None = None,
     entropy: str = "grad",
     temperature: float = 1.0,
@@ -681,8 +682,9 @@ def linear_vocab_parallel_stats(
         tp_group: the tensor-parallel group; None means no tensor parallelism.
         sequence_parallel: ``hidden`` is the local sequence shard (Megatron's
             ``sequence_parallel``); ignored for tp = 1.
-        vocab_size, entropy, temperature, ignore_index, label_smoothing, validate: as
-            :func:`~megatron_vocabstats.vocab_parallel_stats`. The temperature scales each fp32
+        vocab_size, vocab_start, entropy, temperature, ignore_index, label_smoothing,
+            validate: as :func:`~megatron_vocabstats.vocab_parallel_stats` (with ``vocab_start``
+            the weight shard holds rows ``[vocab_start, vocab_start + W)``). The temperature scales each fp32
             chunk and the gradients; the weight is never copied.
         chunk_size: tokens per chunk; workspace one ``[chunk, W]`` buffer of the model dtype, two
             fp32 ``[chunk, W]`` (plus an fp32 ``[chunk, H]`` on CPU). None:
@@ -759,6 +761,7 @@ def linear_vocab_parallel_stats(
         accumulate_into_main_grad=accumulate_into_main_grad,
         chunk_size=chunk_size,
         vocab_size=vocab_size,
+        vocab_start=vocab_start,
         entropy=entropy,
         temperature=temperature,
         ignore_index=ignore_index,
@@ -778,6 +781,7 @@ def linear_vocab_parallel_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     chunk_size: int | None = None,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
@@ -798,7 +802,8 @@ def linear_vocab_parallel_cross_entropy(
     """
     stats = linear_vocab_parallel_stats(
         hidden, weight, target, tp_group=tp_group, sequence_parallel=sequence_parallel,
-        vocab_size=vocab_size, chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
+        vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size, entropy="off",
+        ignore_index=ignore_index,
         label_smoothing=label_smoothing, grad_weights=loss_weights,
         accumulate_into_main_grad=accumulate_into_main_grad, validate=validate,
         batch_invariant=batch_invariant,

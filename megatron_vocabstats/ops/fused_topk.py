@@ -43,12 +43,13 @@ from .topk import (
 
 
 def _linear_config(hidden, weight, tp_group, *, sequence_parallel=False,
-                   accumulate_into_main_grad=False, chunk_size, vocab_size, temperature,
-                   validate, local_error=None, agree=()) -> LinearStatsConfig:
+                   accumulate_into_main_grad=False, chunk_size, vocab_size, vocab_start=None,
+                   temperature, validate, local_error=None, agree=()) -> LinearStatsConfig:
     return _checked_linear_config(
         hidden, weight, None, None, tp_group, sequence_parallel=sequence_parallel,
         accumulate_into_main_grad=accumulate_into_main_grad, chunk_size=chunk_size,
-        local_error=local_error, agree=agree, vocab_size=vocab_size, entropy="off",
+        local_error=local_error, agree=agree, vocab_size=vocab_size, vocab_start=vocab_start,
+        entropy="off",
         temperature=temperature, ignore_index=-100, label_smoothing=0.0, validate=validate)
 
 
@@ -110,6 +111,7 @@ def linear_vocab_parallel_topk_logprobs(
     sequence_parallel: bool = False,
     mask: torch.Tensor | None = None,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     accumulate_into_main_grad: bool = False,
@@ -140,7 +142,7 @@ def linear_vocab_parallel_topk_logprobs(
         weight: this rank's ``[W, H]`` shard of the output layer, same dtype and device.
         indices: integer global ids ``[..., k]`` whose leading shape is that of ``hidden``
             (the gathered ``[s, ...]`` under ``sequence_parallel``, as Megatron's labels).
-        tp_group, mask, vocab_size, temperature, validate: as
+        tp_group, mask, vocab_size, vocab_start, temperature, validate: as
             :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (``mask`` shaped like the
             leading shape of ``indices``).
         sequence_parallel: ``hidden`` is the local sequence shard (Megatron's
@@ -175,7 +177,8 @@ def linear_vocab_parallel_topk_logprobs(
                                 host_checks_enabled(validate, hidden.device))
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
                          accumulate_into_main_grad=accumulate_into_main_grad,
-                         chunk_size=chunk_size, vocab_size=vocab_size, temperature=temperature,
+                         chunk_size=chunk_size, vocab_size=vocab_size, vocab_start=vocab_start,
+                         temperature=temperature,
                          validate=validate, local_error=problem,
                          agree=agreement(lambda: indices.shape[-1], indices, mask))
     valid = valid_rows(mask, math.prod(lead), hidden.device)
@@ -190,6 +193,7 @@ def linear_vocab_parallel_topk(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     validate: bool = True,
@@ -210,7 +214,8 @@ def linear_vocab_parallel_topk(
         vocab = real_vocab(weight.shape[0], tp_group, vocab_size)
         problem = k_problem(k, vocab) if vocab is not None else None
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
-                         chunk_size=chunk_size, vocab_size=vocab_size, temperature=temperature,
+                         chunk_size=chunk_size, vocab_size=vocab_size, vocab_start=vocab_start,
+                         temperature=temperature,
                          validate=validate, local_error=problem, agree=agreement(k))
     sc = cfg.stats
     with torch.no_grad():

@@ -68,10 +68,20 @@ class TopK(NamedTuple):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TopKConfig:
-    """Options of one top-k call: the core op's validated options and k."""
+    """Options of one top-k call: the core op's validated options, k, and whether the values are
+    log-probs (``normalize``) or the logits themselves."""
 
     stats: StatsConfig
     k: int
+    normalize: bool = True
+
+
+class TopKLogits(NamedTuple):
+    """Global top-k of each token by raw logit: ``logits`` fp32 ``[..., k]`` (the logits' values,
+    exact; sorted descending) and ``indices`` int64 ``[..., k]`` (global vocabulary ids)."""
+
+    logits: torch.Tensor
+    indices: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,10 +104,19 @@ def rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def chunk_candidates(z: torch.Tensor, layout: ShardLayout, k_local: int):
     """This shard's top ``k_local`` of a ``[n, W]`` fp32 chunk from ``load_chunk``:
     ``(values fp32 [n, k_local], global ids int64 [n, k_local])``. Padding columns (at the floor)
-    rank after every real column of equal value, having higher ids."""
+    rank after every real column of equal value, having higher ids. A shard narrower than
+    ``k_local`` (unequal shards) fills the rest with floor values at ids ``>= vocab_size +
+    vocab_start``, which rank after every column of every shard."""
     ids = torch.arange(layout.vocab_start, layout.vocab_start + layout.width, device=z.device)
-    top = rank_keys(z, ids).topk(k_local, dim=1).indices
-    return z.gather(1, top), top + layout.vocab_start
+    top = rank_keys(z, ids).topk(min(k_local, layout.width), dim=1).indices
+    values, top_ids = z.gather(1, top), top + layout.vocab_start
+    missing = k_local - top.shape[1]
+    if missing > 0:
+        fill = layout.vocab_size + layout.vocab_start + layout.width
+        values = torch.cat([values, values.new_full((z.shape[0], missing), Z_FLOOR)], dim=1)
+        extra = torch.arange(fill, fill + missing, device=z.device).expand(z.shape[0], missing)
+        top_ids = torch.cat([top_ids, extra], dim=1)
+    return values, top_ids
 
 
 def logprobs_of(values: torch.Tensor, m: torch.Tensor, log_sumexp: torch.Tensor) -> torch.Tensor:
@@ -180,7 +199,8 @@ def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> Top
     Returns flat ``[T, k]`` results.
     """
     layout = cfg.stats.layout
-    k_local = min(cfg.k, layout.width)
+    # Every rank sends as many candidates (one all-gather shape): k, or its width when all equal.
+    k_local = min(cfg.k, layout.width) if layout.even else cfg.k
     packed = torch.zeros((NUM_STATS + 2 * k_local, num_tokens), dtype=torch.int32, device=device)
     stats = packed[:NUM_STATS].view(torch.float32)
     values = packed[NUM_STATS:NUM_STATS + k_local].view(torch.float32)
@@ -198,9 +218,11 @@ def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> Top
     top_values, top_ids = merge_candidates(candidates, gathered[:, NUM_STATS + k_local:].long(),
                                            cfg.k)
     # A NaN logit anywhere in the row is its first candidate (rank_keys): the whole row is NaN.
-    logprobs = torch.where(torch.isnan(top_values[:, :1]), float("nan"),
-                           logprobs_of(top_values, m, log_sumexp))
-    return TopK(logprobs, top_ids)
+    if cfg.normalize:
+        values = logprobs_of(top_values, m, log_sumexp)
+    else:
+        values = torch.where(top_values <= Z_FLOOR, float("-inf"), top_values)
+    return TopK(torch.where(torch.isnan(top_values[:, :1]), float("nan"), values), top_ids)
 
 
 def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
@@ -322,6 +344,7 @@ def vocab_parallel_topk(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     validate: bool = True,
@@ -342,11 +365,14 @@ def vocab_parallel_topk(
 
     Args:
         logits: this rank's vocabulary shard ``[..., W]`` (bf16, fp16 or fp32, W = padded V / tp),
-            rank r holding global ids ``[r*W, (r+1)*W)``. Never modified; no gradient flows.
+            rank r holding global ids ``[r*W, (r+1)*W)`` (or from ``vocab_start``). Never
+            modified; no gradient flows.
         k: how many ids per token, ``1 <= k <= vocab_size``. Must be equal on all ranks.
         tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
         vocab_size: the real (unpadded) vocabulary size V; ids ``>= V`` are never returned.
             Default ``W * tp``.
+        vocab_start: this shard's first global id, for unequal shards (as
+            ``vocab_parallel_stats``); every rank then sends k candidates.
         temperature: logits are divided by it before the softmax (> 0).
         chunk_size: tokens upcast to fp32 at a time (default as ``vocab_parallel_stats``); results
             do not depend on it.
@@ -370,14 +396,19 @@ def vocab_parallel_topk(
             for the logits and options (NaN or +inf logits included, with ``validate``); under
             ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
+    return _topk(logits, k, tp_group, normalize=True, vocab_size=vocab_size,
+                 vocab_start=vocab_start, temperature=temperature, chunk_size=chunk_size,
+                 validate=validate)
+
+
+def _topk(logits, k, tp_group, *, normalize: bool, vocab_size, **options) -> TopK:
     width = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else 0
     vocab = real_vocab(width, tp_group, vocab_size)
     problem = k_problem(k, vocab) if vocab is not None else None
     stats_cfg = checked_config(logits, None, tp_group, local_error=problem, agree=agreement(k),
-                               vocab_size=vocab_size, chunk_size=chunk_size, entropy="off",
-                               temperature=temperature, ignore_index=-100, label_smoothing=0.0,
-                               validate=validate)
-    cfg = TopKConfig(stats=stats_cfg, k=k)
+                               vocab_size=vocab_size, entropy="off", ignore_index=-100,
+                               label_smoothing=0.0, **options)
+    cfg = TopKConfig(stats=stats_cfg, k=k, normalize=normalize)
     logits2d = logits.detach().reshape(-1, stats_cfg.layout.width)
     with torch.no_grad():
         chunks = ((rows, z, scratch) for rows, z, scratch, *_ in
@@ -385,6 +416,36 @@ def vocab_parallel_topk(
         top = topk_pass(chunks, logits2d.shape[0], logits.device, cfg, tp_group)
     shape = (*logits.shape[:-1], k)
     return TopK(top.logprobs.view(shape), top.indices.view(shape))
+
+
+def vocab_parallel_topk_logits(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    vocab_start: int | None = None,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> TopKLogits:
+    """Global top-k of the raw logits and their ids, without gathering the vocabulary.
+
+    Reference semantics (one process, full vocabulary)::
+
+        torch.topk(logits.float()[..., :V], k)   # ties: the lowest id first
+
+    The same pass as :func:`vocab_parallel_topk` (same candidates, tie rule, arguments, errors and
+    one all-gather) returning the logits instead of their log-probs: e.g. a sampler's top-k
+    filter, or raw-logit distillation. Logits at or below -1e30 come out -inf; a row holding a
+    NaN logit is all NaN (``validate``: an error). Not differentiable.
+
+    Returns:
+        :class:`TopKLogits` ``(logits fp32 [..., k], indices int64 [..., k])``, equal on every
+        rank.
+    """
+    return TopKLogits(*_topk(logits, k, tp_group, normalize=False, vocab_size=vocab_size,
+                             vocab_start=vocab_start, temperature=1.0, chunk_size=chunk_size,
+                             validate=validate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,6 +489,7 @@ def vocab_parallel_topk_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     mask: torch.Tensor | None = None,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
     validate: bool = True,
@@ -452,8 +514,8 @@ def vocab_parallel_topk_logprobs(
         mask: optional, shaped like ``logits.shape[:-1]``; rows where it is 0 get log-prob 0 and
             exactly zero gradient whatever their ids or logits hold (padded positions with k
             copies of id 0, all -inf logits). None = every row.
-        vocab_size, temperature, chunk_size, validate: as ``vocab_parallel_stats``; the gradient
-            is divided by the temperature too.
+        vocab_size, vocab_start, temperature, chunk_size, validate: as
+            ``vocab_parallel_stats``; the gradient is divided by the temperature too.
 
     Returns:
         fp32 ``[..., k]`` log-probs (nats), identical on every rank; -inf where the logit is -inf;
@@ -487,8 +549,96 @@ def vocab_parallel_topk_logprobs(
             problem = exc
     cfg = checked_config(logits, None, tp_group, local_error=problem,
                          agree=agreement(lambda: indices.shape[-1], indices, mask),
-                         vocab_size=vocab_size, chunk_size=chunk_size, entropy="off",
+                         vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size,
+                         entropy="off",
                          temperature=temperature, ignore_index=-100, label_smoothing=0.0,
                          validate=validate)
     valid = valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw logits at given ids
+
+
+class _GatherLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, indices, valid, cfg: StatsConfig, tp_group):
+        logits2d = logits.reshape(-1, cfg.layout.width)
+        local, owned, in_range = locate(indices.reshape(-1, indices.shape[-1]), valid, cfg.layout)
+        # Each id is owned by one rank and 0 elsewhere: the rank-order sum is exact.
+        mine = picked_logits(logits2d, local, owned, 1.0)
+        picked = _comm.gather_stats(mine, tp_group).sum(dim=0).t()
+        picked = torch.where(picked <= Z_FLOOR, float("-inf"), picked)
+        picked = torch.where(in_range | ~valid.unsqueeze(1), picked, float("nan"))
+        ctx.cfg = cfg
+        ctx.save_for_backward(local, owned)
+        ctx.logits_shape = logits.shape
+        ctx.logits_dtype = logits.dtype
+        ctx.set_materialize_grads(False)
+        return torch.where(valid.unsqueeze(1), picked, 0.0).view(indices.shape)
+
+    @staticmethod
+    @first_order_backward("vocab_parallel_gather_logits")
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None, None
+        local, owned = ctx.saved_tensors
+        g = torch.where(owned, grad.reshape(local.shape).float(), 0.0)
+        grad_logits = torch.zeros((local.shape[0], ctx.cfg.layout.width), dtype=torch.float32,
+                                  device=grad.device).scatter_add_(1, local, g)
+        return grad_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None, None
+
+
+def vocab_parallel_gather_logits(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    vocab_start: int | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """The logits at global ids from vocab-parallel shards: ``logits_full.gather(-1, indices)``.
+
+    Reference semantics (one process, full vocabulary)::
+
+        logits_full.float().gather(-1, indices)        # [..., k]
+
+    Each rank picks the ids it owns (in the storage dtype, then upcast: exact), and one
+    all-gather of ``[k, T]`` fp32 sums them in rank order (every id has one owner, so the sum is
+    exact). Differentiable: the gradient goes to the owned columns (duplicate ids add up), with
+    no collective in backward.
+
+    Args:
+        logits: this rank's shard ``[..., W]`` (bf16, fp16 or fp32); never modified.
+        indices: integer global ids ``[..., k]`` with the logits' leading shape.
+        tp_group, vocab_size, vocab_start, validate: as :func:`vocab_parallel_stats`.
+        mask: optional, shaped like ``logits.shape[:-1]``: rows where it is 0 give 0 and zero
+            gradient whatever their ids hold.
+
+    Returns:
+        fp32 ``[..., k]``, equal on every rank; logits at or below -1e30 come out -inf; NaN at
+        an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error).
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_topk_logprobs` (``indices``, ``mask``, ids out of
+            range with ``validate``, and what ``vocab_parallel_stats`` raises for the logits);
+            under ``validate`` and tp > 1 on every rank. RuntimeError on double backward.
+    """
+    problem = None
+    if isinstance(logits, torch.Tensor) and logits.dim():  # else the core checks name logits
+        try:
+            problem = index_problem(indices, mask, logits.shape[:-1], logits.device,
+                                    real_vocab(logits.shape[-1], tp_group, vocab_size),
+                                    host_checks_enabled(validate is True, logits.device))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the core exchange
+            problem = exc
+    cfg = checked_config(logits, None, tp_group, local_error=problem,
+                         agree=agreement(lambda: indices.shape[-1], indices, mask),
+                         vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=None,
+                         entropy="off", temperature=1.0, ignore_index=-100,
+                         label_smoothing=0.0, validate=validate)
+    valid = valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)
+    return _GatherLogits.apply(logits, indices, valid, cfg, tp_group)

@@ -119,14 +119,23 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
         gathered = gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
         part_width = BLOCK
     else:
-        stats = torch.zeros((NUM_STATS, num_tokens), dtype=torch.float32, device=device)
+        # Shards of unequal widths (vocab_start) send their real column count along, in one
+        # more token column of the same all-gather: the smoothing merge needs every shard's.
+        counted = zsum and not cfg.layout.even
+        stats = torch.zeros((NUM_STATS, num_tokens + counted), dtype=torch.float32,
+                            device=device)
         for rows, z, scratch, index, owned in chunks:
             chunk_stats(z, scratch, index, owned, stats[:, rows],
                         batch_invariant=bool(cfg.batch_invariant), **opts)
+        if counted:
+            stats[0, -1] = cfg.layout.real_width
         gathered = _comm.gather_stats(stats, tp_group)
+        if counted:
+            counts, gathered = gathered[:, 0, -1], gathered[..., :num_tokens]
         part_width = cfg.layout.width
     if zsum and gathered.shape[0] > 1:
-        counts = real_columns(gathered.shape[0], part_width, cfg.layout.vocab_size, device)
+        if cfg.layout.even:
+            counts = real_columns(gathered.shape[0], part_width, cfg.layout.vocab_size, device)
         step = merge_tokens_per_pass(cfg, gathered.shape[0]) or max(num_tokens, 1)
         for start in range(0, num_tokens, step):
             rebase_zsum_(gathered[..., start:start + step], counts, cfg.layout.vocab_size)
@@ -219,6 +228,7 @@ def vocab_parallel_stats(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     chunk_size: int | None = None,
     entropy: str = "grad",
     temperature: float = 1.0,
@@ -244,7 +254,8 @@ def vocab_parallel_stats(
     Args:
         logits: this rank's vocabulary shard ``[..., W]`` (W = padded V / tp), bf16, fp16 or fp32,
             any leading shape (Megatron ``[s, b, W]``, THD ``[T, 1, W]``, ``[B, S, W]``). Never
-            modified. Rank r holds global columns ``[r*W, (r+1)*W)``.
+            modified. Rank r holds global columns ``[r*W, (r+1)*W)`` (Megatron's split), or
+            ``[vocab_start, vocab_start + W)`` with ``vocab_start``.
         target: int64 global token ids shaped like ``logits.shape[:-1]``, or None to compute only
             entropy and logsumexp.
         tp_group: the tensor-parallel group the vocabulary is split over; None means no tensor
@@ -252,6 +263,12 @@ def vocab_parallel_stats(
         vocab_size: the real (unpadded) global vocabulary size V; columns at global id >= V are
             padding and get zero probability (they may fill whole shards, as Megatron's
             padding of a small vocabulary does). Default ``W * tp``.
+        vocab_start: the global id of this rank's first column, for shards of unequal widths
+            (torchtitan's ``ceil(V / tp)`` split with a shorter last shard: ``rank *
+            ceil(V / tp)``). Needs ``vocab_size``; the shards must tile ``[0, V)`` (and may run
+            past it into padding) in rank order, checked with ``validate`` (one more pair of
+            int64 in the check all-gather). Not with ``batch_invariant="tp"``. Default None:
+            equal shards, rank r at ``r * W``.
         chunk_size: tokens upcast to fp32 at a time; the workspace is two fp32 ``[chunk, W]``
             buffers. None picks it from the width and device (``ops._checks.auto_chunk_size``:
             about 4 MiB per buffer on CPU, 256 MiB on GPU). Results do not depend on it.
@@ -332,6 +349,7 @@ def vocab_parallel_stats(
         target,
         tp_group,
         vocab_size=vocab_size,
+        vocab_start=vocab_start,
         chunk_size=chunk_size,
         entropy=entropy,
         temperature=temperature,
@@ -349,6 +367,7 @@ def vocab_parallel_logprobs(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     chunk_size: int | None = None,
     temperature: float = 1.0,
     ignore_index: int = -100,
@@ -361,7 +380,8 @@ def vocab_parallel_logprobs(
     and communication (see :func:`vocab_parallel_stats`). Ignored positions give 0.
     """
     return vocab_parallel_stats(
-        logits, target, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
+        logits, target, tp_group=tp_group, vocab_size=vocab_size, vocab_start=vocab_start,
+        chunk_size=chunk_size,
         entropy="off", temperature=temperature, ignore_index=ignore_index, validate=validate,
         batch_invariant=batch_invariant,
     ).logprobs
@@ -372,6 +392,7 @@ def vocab_parallel_entropy(
     *,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     chunk_size: int | None = None,
     temperature: float = 1.0,
     differentiable: bool = True,
@@ -385,7 +406,8 @@ def vocab_parallel_entropy(
     Arguments, errors and communication as in :func:`vocab_parallel_stats` (no target).
     """
     return vocab_parallel_stats(
-        logits, None, tp_group=tp_group, vocab_size=vocab_size, chunk_size=chunk_size,
+        logits, None, tp_group=tp_group, vocab_size=vocab_size, vocab_start=vocab_start,
+        chunk_size=chunk_size,
         entropy="grad" if differentiable else "metric", temperature=temperature,
         validate=validate, batch_invariant=batch_invariant,
     ).entropy
@@ -399,6 +421,7 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    vocab_start: int | None = None,
     chunk_size: int | None = None,
     validate: bool = True,
     batch_invariant: bool | str = False,
@@ -423,6 +446,7 @@ def vocab_parallel_cross_entropy(
         tp_group = default_tp_group()
     stats = vocab_parallel_stats(
         vocab_parallel_logits, target, tp_group=tp_group, vocab_size=vocab_size,
+        vocab_start=vocab_start,
         chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
         label_smoothing=label_smoothing, validate=validate, batch_invariant=batch_invariant,
     )
