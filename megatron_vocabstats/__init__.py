@@ -18,6 +18,8 @@ from .losses import (
     token_loss,
 )
 from .ops import (
+    SamplingLogprobs,
+    vocab_parallel_sampling_logprobs,
     TopK,
     TopKLogits,
     vocab_parallel_gather_logits,
@@ -48,12 +50,20 @@ from .packing import (
     shift_packed_labels,
     unpack_sequences,
 )
+from .rollout import (
+    CorrectionWeights,
+    RolloutCorrection,
+    correction_weights,
+    mismatch_diagnostics,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "distillation_loss",
     "topk_divergence",
+    "SamplingLogprobs",
+    "vocab_parallel_sampling_logprobs",
     "TopK",
     "TopKLogits",
     "vocab_parallel_gather_logits",
@@ -72,6 +82,10 @@ __all__ = [
     "score_tokens",
     "sft_loss",
     "token_loss",
+    "CorrectionWeights",
+    "RolloutCorrection",
+    "correction_weights",
+    "mismatch_diagnostics",
     "PackedBatch",
     "context_parallel_indices",
     "gather_from_context_parallel",

@@ -2,6 +2,7 @@
 
 from .fused_linear import linear_vocab_parallel_cross_entropy, linear_vocab_parallel_stats
 from .fused_topk import linear_vocab_parallel_topk, linear_vocab_parallel_topk_logprobs
+from .sampling import SamplingLogprobs, vocab_parallel_sampling_logprobs
 from .topk import (
     TopK,
     TopKLogits,
@@ -20,6 +21,8 @@ from .vocab_parallel import (
 from .workspace import configure_workspace, reset_workspace, with_workspace_reset
 
 __all__ = [
+    "SamplingLogprobs",
+    "vocab_parallel_sampling_logprobs",
     "TopK",
     "TopKLogits",
     "vocab_parallel_gather_logits",

@@ -346,3 +346,25 @@ __all__ = [
     "smoothed_logprob_bound", "stats_bounds", "stats_grad_bound", "sum_bound",
     "temperature_dz", "unit_roundoff",
 ]
+
+
+def reference_sampling(logits_full, target, *, vocab_size=None, temperature=1.0, top_k=None,
+                       top_p=None, min_p=None):
+    """``(log q(target), kept [..., V])`` in float64 under vLLM v1's sampler: temperature, min-p,
+    top-k (ties at the k-th value kept), top-p (a token stays when the renormalised mass of the
+    kept tokens strictly more likely than it is below top_p), q the softmax over the kept set.
+    Dense: every pair of columns is compared (small V only)."""
+    v = vocab_size or logits_full.shape[-1]
+    z = logits_full.double()[..., :v] / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p:
+        keep &= torch.exp(z - z.max(-1, keepdim=True).values) >= min_p
+    if top_k is not None and top_k < v:
+        kth = z.masked_fill(~keep, float("-inf")).topk(top_k, -1).values[..., -1:]
+        keep &= z >= kth
+    if top_p is not None and top_p < 1:
+        p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
+        above = (p.unsqueeze(-2) * (z.unsqueeze(-2) > z.unsqueeze(-1))).sum(-1)
+        keep &= above < top_p
+    lq = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
+    return lq.gather(-1, target.unsqueeze(-1)).squeeze(-1), keep

@@ -1,0 +1,341 @@
+"""Log-probs under an inference sampler's distribution (temperature, min-p, top-k, top-p) from
+vocab-parallel logits, without gathering the vocabulary.
+
+RL trainers compare their log-probs with the rollout engine's, which samples from a truncated,
+renormalised distribution q. :func:`vocab_parallel_sampling_logprobs` gives ``log q(target)``
+with q built as vLLM's v1 sampler builds it (``vllm/v1/sample/sampler.py``: temperature, then the
+argmax-invariant logits processors, min-p among them, then ``apply_top_k_top_p``):
+
+1. ``z = logits / temperature`` over the real vocabulary;
+2. min-p keeps ``p_j >= min_p * max_i p_i``, i.e. ``exp(z_j - max z) >= min_p``;
+3. top-k keeps ``z_j >= `` the k-th largest kept value (ties at that value are all kept, as
+   vLLM's ``logits < kth_value`` mask does);
+4. top-p keeps a token when the probability of the kept tokens strictly more likely than it,
+   renormalised over the set kept by 2 and 3, is below ``top_p`` (vLLM sorts ascending and drops
+   tokens while the cumulative sum is ``<= 1 - top_p``, always keeping the most likely one: the
+   same set where values are distinct; at a tie on the boundary vLLM's sort order decides which
+   of the tied tokens go, here they are all kept or all dropped);
+5. ``q = softmax(z)`` over the kept set.
+
+Min-p and top-k are thresholds on z, so they commute; top-p comes last and renormalises over
+what they keep. SGLang applies top-k, then top-p, then min-p (on the top-p-renormalised
+probabilities), which gives another set when min-p and top-p are both active.
+
+Method: the kept set of a row is ``z >= threshold``; each threshold is found by a radix search
+over the order-preserving int32 image of the fp32 values (4 bits per step, 8 steps, exact): per
+step every rank histograms its columns of the row into 16 buckets (a count for top-k, the mass
+``exp(z - m)`` in float64 for top-p), one all-gather sums them in rank order, and every rank
+picks the same bucket. Communication for tp > 1: one all-gather of ``[2, T]`` (maxima and target
+logits), 8 of ``[T, 16]`` float64 per active top-k/top-p, one of ``[T]`` float64 (the kept mass);
+none in backward. The decisions are those of the exact set up to the float64 rounding of the
+masses (a token within ~1e-15 relative of the top-p boundary may fall either way, and the
+rounding differs across tp sizes only there).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+from ._checks import (
+    InputTypeError,
+    StatsConfig,
+    bits_float,
+    check_finite,
+    checked_config,
+    first_order_backward,
+    float_bits,
+    host_checks_enabled,
+)
+from ._math import Z_FLOOR, target_in_range
+from .vocab_parallel import _chunks, flatten_target
+
+_KEY_MIN = -(2**31)
+_PAD_KEY = _KEY_MIN - 1  # below every real column: padding is never counted
+_DIGIT_BITS = 4
+_BUCKETS = 1 << _DIGIT_BITS
+
+
+class SamplingLogprobs(NamedTuple):
+    """``logprobs``: fp32 ``log q(target)`` shaped like ``target`` (nats; -inf where the target
+    is outside the kept set, 0 at ``ignore_index``); ``outside``: bool, True where a scored
+    target is outside the kept set."""
+
+    logprobs: torch.Tensor
+    outside: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplerConfig:
+    """The core op's validated options and the sampler's filters (None = off)."""
+
+    stats: StatsConfig
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+
+
+def sampler_problem(top_k, top_p, min_p) -> Exception | None:
+    """The first bad filter argument as an exception naming it, or None."""
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            return InputTypeError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+        if top_k < 1:
+            return ValueError(f"top_k must be >= 1 (None turns it off), got {top_k!r}")
+    for name, value, ok, rule in (("top_p", top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+                                  ("min_p", min_p, lambda v: 0.0 <= v < 1.0, "in [0, 1)")):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return InputTypeError(f"{name} must be a real number {rule} or None, got {value!r}")
+        if not ok(float(value)):
+            return ValueError(f"{name} must lie {rule} (None turns it off), got {value!r}")
+    return None
+
+
+def sort_keys(z: torch.Tensor, real_width: int) -> torch.Tensor:
+    """int64 keys of an fp32 ``[n, W]`` chunk ordered like the values (-0.0 as +0.0), padding
+    columns (from ``real_width`` on) below every real one."""
+    bits = torch.where(z == 0, 0.0, z).view(torch.int32)
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    keys[:, real_width:] = _PAD_KEY
+    return keys
+
+
+def key_of(values: torch.Tensor) -> torch.Tensor:
+    """The key of each fp32 value (as :func:`sort_keys`, no padding)."""
+    return sort_keys(values.float().reshape(-1, 1).contiguous(), 1).reshape(values.shape)
+
+
+def _min_p_keep(z, m, min_p):
+    return None if not min_p else torch.exp(z - m.unsqueeze(1)) >= min_p
+
+
+def _kept(z, keys, rows, m, thresholds, min_p):
+    """The kept columns of one chunk: key at or above the row's threshold (and min-p)."""
+    keep = keys >= thresholds[rows].unsqueeze(1)
+    by_min_p = _min_p_keep(z, m[rows], min_p)
+    return keep if by_min_p is None else keep & by_min_p
+
+
+def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> torch.Tensor:
+    """Per row the largest key ``t`` with ``S(key >= t) >= target``, where ``S`` sums
+    ``weight(z, keys, rows)`` over every column of the row (all shards); ``_KEY_MIN`` (keep every
+    column) where even the whole row falls short. ``target_of(total)`` gives the targets from the
+    row totals. Radix search, 8 steps of one all-gather each."""
+    lo = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
+    above = torch.zeros(num_tokens, dtype=torch.float64, device=device)
+    short = target = None
+    for step in range(32 // _DIGIT_BITS):
+        shift = 32 - _DIGIT_BITS * (step + 1)
+        hist = torch.zeros((num_tokens, _BUCKETS), dtype=torch.float64, device=device)
+        for rows, z, keys in passes():
+            rel = keys - lo[rows].unsqueeze(1)
+            inside = (rel >= 0) & (rel < (_BUCKETS << shift))
+            counted = torch.where(inside, weight(z, keys, rows), 0.0)
+            hist[rows].scatter_add_(1, (rel >> shift).clamp_(0, _BUCKETS - 1), counted)
+        hist = _comm.gather_stats(hist, tp_group).sum(dim=0)
+        if target is None:
+            target = target_of(hist.sum(dim=1))
+            short = hist.sum(dim=1) < target
+        # tail[b] = S(key >= lo + b << shift); choose the highest bucket that still reaches it.
+        tail = torch.cat([hist.flip(1).cumsum(1).flip(1) + above.unsqueeze(1),
+                          above.unsqueeze(1)], dim=1)
+        chosen = ((tail[:, :_BUCKETS] >= target.unsqueeze(1)).sum(dim=1) - 1).clamp_(min=0)
+        above = tail.gather(1, (chosen + 1).unsqueeze(1)).squeeze(1)
+        lo = lo + (chosen << shift)
+    return torch.where(short, _KEY_MIN, lo)
+
+
+def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> torch.Tensor:
+    """``[T]`` int64: the key a column must reach to be kept by top-k and top-p (min-p apart)."""
+    everything = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
+    by_k = everything
+    if cfg.top_k is not None:
+        def count(z, keys, rows):  # the columns min-p keeps (padding is below _KEY_MIN)
+            return _kept(z, keys, rows, m, everything, cfg.min_p).double()
+
+        k = float(cfg.top_k)
+        by_k = _largest_key(passes, count, lambda total: torch.full_like(total, k),
+                            num_tokens, device, tp_group)
+    if cfg.top_p is None or cfg.top_p >= 1.0:
+        return by_k
+
+    def mass(z, keys, rows):  # renormalised over what min-p and top-k keep
+        keep = _kept(z, keys, rows, m, by_k, cfg.min_p)
+        return torch.where(keep, torch.exp(z.double() - m[rows].double().unsqueeze(1)), 0.0)
+
+    top_p = float(cfg.top_p)
+    by_p = _largest_key(passes, mass, lambda total: total * top_p, num_tokens, device, tp_group)
+    return torch.maximum(by_p, by_k)
+
+
+def _kept_mass(passes, m, thresholds, min_p, num_tokens, device, tp_group) -> torch.Tensor:
+    mass = torch.zeros(num_tokens, dtype=torch.float64, device=device)
+    for rows, z, keys in passes():
+        keep = _kept(z, keys, rows, m, thresholds, min_p)
+        mass[rows] = torch.where(keep, torch.exp(z.double() - m[rows].double().unsqueeze(1)),
+                                 0.0).sum(dim=1)
+    return _comm.gather_stats(mass, tp_group).sum(dim=0)
+
+
+def _passes(logits2d, cfg: StatsConfig):
+    def passes():
+        for rows, z, _scratch, _index, _owned in _chunks(logits2d, None, None, cfg):
+            yield rows, z, sort_keys(z, cfg.layout.real_width)
+    return passes
+
+
+class _SamplingLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, cfg: SamplerConfig, tp_group):
+        sc = cfg.stats
+        logits2d = logits.reshape(-1, sc.layout.width)
+        target1d, valid = flatten_target(target, sc.ignore_index)
+        num_tokens, device = logits2d.shape[0], logits.device
+        passes = _passes(logits2d, sc)
+        local = torch.zeros((2, num_tokens), dtype=torch.float32, device=device)
+        local[0] = float("-inf")
+        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, sc):
+            local[0, rows] = z.amax(dim=1) if z.shape[1] else float("-inf")
+            local[1, rows] = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
+        gathered = _comm.gather_stats(local, tp_group)
+        m = gathered[:, 0].amax(dim=0)
+        m = torch.where(m <= Z_FLOOR, float("-inf"), m)  # no live column: as the core op
+        m_safe = torch.where(torch.isfinite(m), m, 0.0)
+        target_logit = gathered[:, 1].sum(dim=0)
+        target_logit = torch.where(target_logit <= Z_FLOOR, float("-inf"), target_logit)
+        thresholds = _thresholds(passes, m_safe, cfg, num_tokens, device, tp_group)
+        mass = _kept_mass(passes, m_safe, thresholds, cfg.min_p, num_tokens, device, tp_group)
+        lse = (m_safe.double() + torch.log(mass)).float()
+        lse = torch.where(torch.isnan(m), m, lse)  # NaN logits stay NaN
+        if host_checks_enabled(sc.validate, device):
+            check_finite(lse, valid, logits2d=logits2d, temperature=sc.temperature)
+        in_range = target_in_range(target1d, sc.layout.vocab_size)
+        inside = key_of(target_logit) >= thresholds
+        if cfg.min_p:
+            inside &= torch.exp(target_logit - m_safe) >= cfg.min_p
+        inside &= in_range
+        logprobs = torch.where(inside, target_logit - lse, float("-inf"))
+        # Out-of-range ids and rows without a finite normaliser give NaN, never a number.
+        logprobs = torch.where(in_range & torch.isfinite(lse), logprobs, float("nan"))
+        inside &= torch.isfinite(lse)
+        logprobs = torch.where(valid, logprobs, 0.0)
+        outside = valid & in_range & ~inside
+        ctx.cfg = cfg
+        ctx.save_for_backward(logits, target, m_safe, lse, thresholds, inside)
+        ctx.mark_non_differentiable(outside)
+        ctx.set_materialize_grads(False)
+        return logprobs.view(target.shape), outside.view(target.shape)
+
+    @staticmethod
+    @first_order_backward("vocab_parallel_sampling_logprobs")
+    def backward(ctx, grad, _grad_outside):
+        if grad is None:
+            return None, None, None, None
+        logits, target, m, lse, thresholds, inside = ctx.saved_tensors
+        cfg: SamplerConfig = ctx.cfg
+        sc = cfg.stats
+        logits2d = logits.reshape(-1, sc.layout.width)
+        target1d, valid = flatten_target(target, sc.ignore_index)
+        # d/dz_j log q(y) = 1[j = y] - q_j on the kept set (held constant), then / temperature.
+        coef = torch.where(valid & inside, grad.reshape(-1).float(), 0.0) / sc.temperature
+        lse = torch.where(inside, lse, 0.0)  # finite where coef is 0, so q stays finite
+        grad_logits = torch.empty_like(logits2d)
+        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, sc):
+            keys = sort_keys(z, sc.layout.real_width)
+            keep = _kept(z, keys, rows, m, thresholds, cfg.min_p)
+            q = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0)
+            g = q.mul_(-coef[rows].unsqueeze(1))
+            g.scatter_add_(1, index.unsqueeze(1),
+                           torch.where(owned, coef[rows], 0.0).unsqueeze(1))
+            grad_logits[rows] = g
+        return grad_logits.view(logits.shape), None, None, None
+
+
+def vocab_parallel_sampling_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    vocab_start: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> SamplingLogprobs:
+    """``log q(target)`` under the inference sampler's truncated, renormalised distribution q.
+
+    Reference semantics (one process, full vocabulary, vLLM's v1 sampler; see the module
+    docstring for the order and the tie rules)::
+
+        z = logits.float()[..., :V] / temperature
+        keep = torch.exp(z - z.max(-1, keepdim=True).values) >= min_p          # min-p
+        z = z.masked_fill(~keep, -inf)
+        keep &= z >= z.topk(top_k, -1).values[..., -1:]                         # top-k
+        p = torch.softmax(z.masked_fill(~keep, -inf), -1)
+        above = (p[..., None, :] * (z[..., None, :] > z[..., :, None])).sum(-1)  # more likely
+        keep &= above < top_p                                                   # top-p
+        logprobs = torch.log_softmax(z.masked_fill(~keep, -inf), -1).gather(-1, target[..., None])
+
+    without gathering the vocabulary (radix threshold search; see the module docstring).
+
+    Args:
+        logits: this rank's vocabulary shard ``[..., W]`` (bf16, fp16 or fp32); differentiable,
+            never modified.
+        target: int64 global ids shaped like ``logits.shape[:-1]`` (the sampled tokens).
+        tp_group, vocab_size, vocab_start, ignore_index, chunk_size, validate: as
+            :func:`~megatron_vocabstats.vocab_parallel_stats`.
+        temperature: > 0 (vLLM's greedy temperature 0 has no distribution to score).
+        top_k: keep the k most likely tokens (ties at the k-th value kept); None = off. vLLM's
+            ``top_k=-1`` is None here; a k of V or more keeps everything.
+        top_p: in (0, 1]; None or 1 = off.
+        min_p: in [0, 1); None or 0 = off.
+
+    Returns:
+        :class:`SamplingLogprobs` ``(logprobs, outside)``: fp32 log q(target) (-inf where the
+        target is outside the kept set, 0 at ``ignore_index``, NaN at an id outside ``[0, V)``
+        when ``validate`` is off) and the bool mask of scored targets outside the kept set.
+        Equal on every rank. Differentiable w.r.t. the logits with the kept set held constant:
+        ``d/dz_j = (1[j = y] - q_j) / temperature``; zero gradient where the target is outside
+        the kept set or ignored.
+
+    Communication: see the module docstring (at most 18 small collectives for tp > 1, plus the
+    check all-gather with ``validate``); none in backward. Memory: the core op's two fp32
+    ``[chunk, W]`` buffers plus chunk-sized int64 keys and float64 masses.
+
+    Raises:
+        ValueError: naming the argument: ``top_k <= 0``, ``top_p`` outside (0, 1], ``min_p``
+            outside [0, 1), ``temperature`` not > 0, and everything
+            :func:`~megatron_vocabstats.vocab_parallel_stats` raises (under ``validate`` and
+            tp > 1 on every rank, also for filters that differ across the ranks).
+        TypeError: a filter of the wrong Python type (``InputTypeError``, also a ``ValueError``).
+        RuntimeError: on double backward.
+    """
+    problem = sampler_problem(top_k, top_p, min_p)
+    if target is None and problem is None:
+        problem = ValueError("target is required: the sampled token ids to score")
+    stats = checked_config(
+        logits, target, tp_group, local_error=problem,
+        agree=(("top_k", lambda: -1 if top_k is None else int(top_k)),
+               ("top_p", lambda: float_bits(-1.0 if top_p is None else float(top_p)),
+                bits_float),
+               ("min_p", lambda: float_bits(-1.0 if min_p is None else float(min_p)),
+                bits_float)),
+        vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size, entropy="off",
+        temperature=temperature, ignore_index=ignore_index, label_smoothing=0.0,
+        validate=validate)
+    cfg = SamplerConfig(stats=stats, top_k=None if top_k is None else int(top_k),
+                        top_p=None if top_p is None else float(top_p),
+                        min_p=None if min_p is None else float(min_p))
+    return SamplingLogprobs(*_SamplingLogprobs.apply(logits, target, cfg, tp_group))
+
