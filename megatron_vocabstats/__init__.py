@@ -19,6 +19,7 @@ from .losses import (
 )
 from .ops import (
     SamplingLogprobs,
+    linear_vocab_parallel_sampling_logprobs,
     vocab_parallel_sampling_logprobs,
     TopK,
     TopKLogits,
@@ -63,6 +64,7 @@ __all__ = [
     "distillation_loss",
     "topk_divergence",
     "SamplingLogprobs",
+    "linear_vocab_parallel_sampling_logprobs",
     "vocab_parallel_sampling_logprobs",
     "TopK",
     "TopKLogits",

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .megatron.compat import tp_group_of
 from .ops import VocabStats, vocab_parallel_stats
 from .ops._checks import Field, checked_on_every_rank, tensor_checksum
+from .rollout import RolloutCorrection, correction_weights, mismatch_diagnostics
 
 IGNORE_INDEX = -100
 AGGREGATIONS = ("token-mean", "sequence-mean")
@@ -246,10 +247,12 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str):
     return row_means.sum(), _count(row_tokens > 0)
 
 
-def _policy_terms(lp, old, adv, mask, entropy, ref, cfg: PolicyLossConfig):
+def _policy_terms(lp, old, adv, mask, entropy, ref, cfg: PolicyLossConfig, weights=None):
     """Per-token loss (0 where masked) and the per-token metrics (detached) of the policy loss.
 
     The inputs are already 0 at masked positions, so everything there is finite (ratio 1).
+    ``weights`` (detached rollout-correction weights, or None) multiply the clipped surrogate
+    only, not the KL and entropy terms.
     """
     log_ratio = (lp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
@@ -263,6 +266,8 @@ def _policy_terms(lp, old, adv, mask, entropy, ref, cfg: PolicyLossConfig):
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
         metrics["dual clip fraction"] = dual
+    if weights is not None:
+        loss = loss * weights
     # Schulman's k3 for KL(pi_old || pi) on samples of pi_old: r = pi / pi_old.
     lr = log_ratio.detach()
     metrics["approx kl"] = torch.expm1(lr) - lr
@@ -295,6 +300,9 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     aggregation: str = "token-mean",
+    rollout_logprobs: torch.Tensor | None = None,
+    rollout_correction: RolloutCorrection | None = None,
+    rollout_outside: torch.Tensor | None = None,
 ) -> LossOutput:
     """PPO / GRPO clipped-surrogate policy loss in Megatron's loss contract.
 
@@ -303,13 +311,26 @@ def policy_loss(
 
         pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))
         pg = min(pg, -dual_clip * A)  where A < 0     # dual clip, Ye et al. 2020 (AAAI), eq. 5
-        loss_t = pg + kl_coef * KL_t - entropy_coef * entropy_t
+        loss_t = w_t * pg + kl_coef * KL_t - entropy_coef * entropy_t
 
     ``KL_t`` estimates KL(pi || pi_ref) from ``d = ref_logprobs - logprobs``: ``"k1"`` is ``-d``,
     ``"k3"`` is ``exp(d) - d - 1`` (Schulman 2020, "Approximating KL divergence"; k3 is GRPO's
     penalty, Shao et al. 2024, "DeepSeekMath", eq. 4). Gradients flow into ``logprobs`` (through
     r and the KL term) and ``entropy``; ``old_logprobs``, ``advantages`` and ``ref_logprobs``
     are treated as constants.
+
+    Rollout correction: ``w_t = 1`` unless ``rollout_correction`` is given; then ``w_t`` is the
+    detached weight of :func:`~megatron_vocabstats.rollout.correction_weights` from
+    ``old_logprobs`` (the trainer's recomputation) and ``rollout_logprobs`` (the engine's):
+    truncated IS (``"tis"``, Yao et al. 2025), masked IS (``"mis"``, verl) or IcePop
+    (``"icepop"``, arXiv:2510.18855), per token or per sequence, see
+    :class:`~megatron_vocabstats.rollout.RolloutCorrection`. It multiplies the clipped surrogate
+    only, as verl and TRL apply it; the KL and entropy terms are not weighted. Tokens that the
+    correction drops (weight 0) still count in ``num_tokens`` (their KL and entropy terms still
+    apply); verl's rejection sampling, which also removes them from the denominator, is
+    ``loss_mask & ~flags`` with the flags of ``correction_weights``. Without
+    ``rollout_correction`` the loss, its gradient and the other report entries are bit for bit
+    those of the call without the rollout arguments (which only add report entries).
 
     Aggregation, with ``m = loss_mask != 0`` and ``n_i`` the tokens of row i:
 
@@ -338,6 +359,14 @@ def policy_loss(
         kl_estimator: ``"k1"`` or ``"k3"``.
         entropy_coef: weight of the entropy bonus (positive favours higher entropy).
         aggregation: ``"token-mean"`` or ``"sequence-mean"``.
+        rollout_logprobs: the rollout engine's log-probs of the same tokens (nats), same shape,
+            treated as a constant; given alone it only adds the mismatch diagnostics to the
+            report.
+        rollout_correction: a :class:`~megatron_vocabstats.rollout.RolloutCorrection`, or None
+            (no weighting); needs ``rollout_logprobs``, and ``[b, s]`` inputs at
+            ``level="sequence"``.
+        rollout_outside: optional bool tensor, same shape: True where the target lies outside the
+            rollout sampler's kept set (top-k / top-p); only reported, not excluded.
 
     Returns:
         :class:`LossOutput`; ``loss_sum`` fp32 (float64 for float64 ``logprobs``), ``num_tokens``
@@ -345,15 +374,26 @@ def policy_loss(
         loss"`` = ``[loss_sum, num_tokens]``; token means (count = masked tokens) of ``"clip
         fraction"`` (tokens whose clipped term was taken), ``"approx kl"`` (k3 of
         KL(pi_old || pi)), ``"logprob"``, and when they apply ``"dual clip fraction"``,
-        ``"ref kl"`` (the chosen estimator), ``"entropy"``. The keys depend only on the options.
-        Masked positions contribute exactly 0 to values and gradients, whatever they hold.
+        ``"ref kl"`` (the chosen estimator), ``"entropy"``. With ``rollout_logprobs``, the
+        entries of :func:`~megatron_vocabstats.rollout.mismatch_diagnostics` computed from
+        ``old_logprobs``: ``"rollout |dlogprob|"``, ``"rollout k3 kl"`` (KL(rollout ||
+        trainer)), ``"rollout ratio p50"``/``"p90"``/``"p99"``/``"max"`` (per-microbatch
+        quantiles as ``[value, 1]``: Megatron's reduction averages them over microbatches),
+        and with ``rollout_correction`` ``"rollout weight"`` and ``"rollout truncated
+        fraction"`` (``"tis"``) or ``"rollout masked fraction"``; with ``rollout_outside``,
+        ``"rollout outside support"`` ``[count, num_tokens]``. The keys depend only on the
+        options and on which optional inputs are given. Masked positions contribute exactly 0
+        to values and gradients, whatever they hold.
 
     Raises:
         ValueError: naming the argument: ``loss_mask`` None; shapes, dtypes or devices that
             differ; ``sequence-mean`` on a tensor that is not 2-D; options out of range; an
             unknown ``aggregation`` or ``kl_estimator``; ``kl_coef > 0`` without
             ``ref_logprobs``; ``entropy_coef != 0`` without ``entropy``, or with an ``entropy``
-            that has no gradient while ``logprobs`` has one.
+            that has no gradient while ``logprobs`` has one; ``rollout_correction`` that is not a
+            ``RolloutCorrection`` or comes without ``rollout_logprobs``; a misshapen
+            ``rollout_logprobs``/``rollout_outside`` or a non-bool ``rollout_outside``;
+            ``level="sequence"`` on inputs that are not 2-D.
     """
     cfg = PolicyLossConfig(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
@@ -361,7 +401,9 @@ def policy_loss(
     _check_float("old_logprobs", old_logprobs)
     _check_float("advantages", advantages)
     mask = _per_token_inputs(logprobs, loss_mask, old_logprobs=old_logprobs,
-                             advantages=advantages, entropy=entropy, ref_logprobs=ref_logprobs)
+                             advantages=advantages, entropy=entropy, ref_logprobs=ref_logprobs,
+                             rollout_logprobs=rollout_logprobs)
+    _check_rollout_inputs(logprobs, rollout_logprobs, rollout_correction, rollout_outside)
     if cfg.aggregation == "sequence-mean" and logprobs.dim() != 2:
         raise ValueError(f"aggregation='sequence-mean' needs [b, s] logprobs (rows are "
                          f"sequences), got shape {tuple(logprobs.shape)}")
@@ -376,18 +418,56 @@ def policy_loss(
 
     dtype = _compute_dtype(logprobs)
     as_data = functools.partial(_masked, mask=mask, dtype=dtype)
+    old = as_data(old_logprobs.detach())
+    weights = flags = None
+    if rollout_correction is not None:
+        weights, flags = correction_weights(old, as_data(rollout_logprobs.detach()), mask,
+                                            rollout_correction)
     per_token, metrics = _policy_terms(
-        as_data(logprobs), as_data(old_logprobs.detach()), as_data(advantages.detach()), mask,
+        as_data(logprobs), old, as_data(advantages.detach()), mask,
         as_data(entropy) if entropy is not None else None,
         as_data(ref_logprobs.detach()) if ref_logprobs is not None else None,
-        cfg,
+        cfg, weights,
     )
     loss_sum, num_units = _aggregate(per_token, mask, cfg.aggregation)
     num_tokens = _count(mask)
     report = {"policy loss": _pair(loss_sum, num_units)}
     for name, values in metrics.items():
         report[name] = _pair(_masked(values, mask, dtype).sum(), num_tokens)
+    if rollout_logprobs is not None:
+        report.update(mismatch_diagnostics(
+            old, rollout_logprobs, mask, weights, flags, outside=rollout_outside,
+            flag_name=("truncated" if rollout_correction is None
+                       else rollout_correction.flag_name)))
+    elif rollout_outside is not None:
+        report["rollout outside support"] = _pair((rollout_outside & mask).sum(), num_tokens)
     return LossOutput(loss_sum, num_units, report)
+
+
+def _check_rollout_inputs(logprobs, rollout_logprobs, rollout_correction, rollout_outside):
+    """The rollout arguments of :func:`policy_loss` (``rollout_logprobs``' shape is checked
+    with the other per-token inputs)."""
+    if rollout_correction is not None:
+        if not isinstance(rollout_correction, RolloutCorrection):
+            raise ValueError(f"rollout_correction must be a RolloutCorrection or None, got "
+                             f"{type(rollout_correction).__name__}")
+        if rollout_logprobs is None:
+            raise ValueError("rollout_correction needs rollout_logprobs (the rollout engine's "
+                             "log-probs of the sampled tokens)")
+        if rollout_correction.level == "sequence" and logprobs.dim() != 2:
+            raise ValueError(f"rollout_correction.level='sequence' needs [b, s] logprobs (rows "
+                             f"are sequences), got shape {tuple(logprobs.shape)}")
+    if rollout_outside is not None:
+        if not isinstance(rollout_outside, torch.Tensor) or rollout_outside.dtype != torch.bool:
+            got = (rollout_outside.dtype if isinstance(rollout_outside, torch.Tensor)
+                   else type(rollout_outside).__name__)
+            raise ValueError(f"rollout_outside must be a bool tensor, got {got}")
+        if rollout_outside.shape != logprobs.shape:
+            raise ValueError(f"rollout_outside has shape {tuple(rollout_outside.shape)} but "
+                             f"logprobs has {tuple(logprobs.shape)}")
+        if rollout_outside.device != logprobs.device:
+            raise ValueError(f"rollout_outside is on {rollout_outside.device} but logprobs on "
+                             f"{logprobs.device}")
 
 
 def score_tokens(logprobs: torch.Tensor, loss_mask: torch.Tensor, *,

@@ -1,6 +1,7 @@
 """The ops: pure math (``_math``), collectives (``_comm``) and the autograd Functions."""
 
 from .fused_linear import linear_vocab_parallel_cross_entropy, linear_vocab_parallel_stats
+from .fused_sampling import linear_vocab_parallel_sampling_logprobs
 from .fused_topk import linear_vocab_parallel_topk, linear_vocab_parallel_topk_logprobs
 from .sampling import SamplingLogprobs, vocab_parallel_sampling_logprobs
 from .topk import (
@@ -22,6 +23,7 @@ from .workspace import configure_workspace, reset_workspace, with_workspace_rese
 
 __all__ = [
     "SamplingLogprobs",
+    "linear_vocab_parallel_sampling_logprobs",
     "vocab_parallel_sampling_logprobs",
     "TopK",
     "TopKLogits",

@@ -184,11 +184,71 @@ def _kept_mass(passes, m, thresholds, min_p, num_tokens, device, tp_group) -> to
     return _comm.gather_stats(mass, tp_group).sum(dim=0)
 
 
-def _passes(logits2d, cfg: StatsConfig):
+def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device, tp_group):
+    """Forward of the sampler log-probs over ``chunks``, a callable returning a fresh iterator of
+    ``(rows, z, index, owned)`` per chunk (z: the fp32 chunk of ``load_chunk``, overwritten by
+    nothing here; index/owned: the rows' targets in this shard), called once per pass.
+
+    Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, thresholds, inside)``
+    for :func:`sampled_chunk_grad`.
+    """
+    sc = cfg.stats
+
     def passes():
-        for rows, z, _scratch, _index, _owned in _chunks(logits2d, None, None, cfg):
-            yield rows, z, sort_keys(z, cfg.layout.real_width)
-    return passes
+        for rows, z, _index, _owned in chunks():
+            yield rows, z, sort_keys(z, sc.layout.real_width)
+
+    local = torch.full((2, num_tokens), float("-inf"), dtype=torch.float32, device=device)
+    for rows, z, index, owned in chunks():
+        local[0, rows] = z.amax(dim=1)
+        local[1, rows] = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
+    gathered = _comm.gather_stats(local, tp_group)
+    m = gathered[:, 0].amax(dim=0)
+    m = torch.where(m <= Z_FLOOR, float("-inf"), m)  # no live column: as the core op
+    m_safe = torch.where(torch.isfinite(m), m, 0.0)
+    target_logit = gathered[:, 1].sum(dim=0)
+    target_logit = torch.where(target_logit <= Z_FLOOR, float("-inf"), target_logit)
+    thresholds = _thresholds(passes, m_safe, cfg, num_tokens, device, tp_group)
+    mass = _kept_mass(passes, m_safe, thresholds, cfg.min_p, num_tokens, device, tp_group)
+    lse = (m_safe.double() + torch.log(mass)).float()
+    lse = torch.where(torch.isnan(m), m, lse)  # NaN logits stay NaN
+    if host_checks_enabled(sc.validate, device):
+        check_finite(lse, valid, temperature=sc.temperature)
+    in_range = target_in_range(target1d, sc.layout.vocab_size)
+    inside = key_of(target_logit) >= thresholds
+    if cfg.min_p:
+        inside &= torch.exp(target_logit - m_safe) >= cfg.min_p
+    inside &= in_range
+    logprobs = torch.where(inside, target_logit - lse, float("-inf"))
+    # Out-of-range ids and rows without a finite normaliser give NaN, never a number.
+    logprobs = torch.where(in_range & torch.isfinite(lse), logprobs, float("nan"))
+    inside &= torch.isfinite(lse)
+    logprobs = torch.where(valid, logprobs, 0.0)
+    outside = valid & in_range & ~inside
+    return logprobs, outside, (m_safe, torch.where(inside, lse, 0.0), thresholds, inside & valid)
+
+
+def grad_coefficient(grad, saved, temperature: float) -> torch.Tensor:
+    """``[T]`` fp32 ``g / temperature`` where the target is scored and kept, else 0."""
+    return torch.where(saved[3], grad.reshape(-1).float(), 0.0) / temperature
+
+
+def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerConfig) -> None:
+    """Write the chunk's logits gradient ``coef (1[j = y] - q_j)`` (q on the kept set, held
+    constant) into ``out`` (one cast)."""
+    m, lse, thresholds, _ = saved
+    keep = _kept(z, sort_keys(z, cfg.stats.layout.real_width), rows, m, thresholds, cfg.min_p)
+    g = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0).mul_(
+        -coef[rows].unsqueeze(1))
+    g.scatter_add_(1, index.unsqueeze(1), torch.where(owned, coef[rows], 0.0).unsqueeze(1))
+    out.copy_(g)
+
+
+def _logits_chunks(logits2d, target1d, valid, sc: StatsConfig):
+    def chunks():
+        for rows, z, _scratch, index, owned in _chunks(logits2d, target1d, valid, sc):
+            yield rows, z, index, owned
+    return chunks
 
 
 class _SamplingLogprobs(torch.autograd.Function):
@@ -197,38 +257,11 @@ class _SamplingLogprobs(torch.autograd.Function):
         sc = cfg.stats
         logits2d = logits.reshape(-1, sc.layout.width)
         target1d, valid = flatten_target(target, sc.ignore_index)
-        num_tokens, device = logits2d.shape[0], logits.device
-        passes = _passes(logits2d, sc)
-        local = torch.zeros((2, num_tokens), dtype=torch.float32, device=device)
-        local[0] = float("-inf")
-        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, sc):
-            local[0, rows] = z.amax(dim=1) if z.shape[1] else float("-inf")
-            local[1, rows] = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
-        gathered = _comm.gather_stats(local, tp_group)
-        m = gathered[:, 0].amax(dim=0)
-        m = torch.where(m <= Z_FLOOR, float("-inf"), m)  # no live column: as the core op
-        m_safe = torch.where(torch.isfinite(m), m, 0.0)
-        target_logit = gathered[:, 1].sum(dim=0)
-        target_logit = torch.where(target_logit <= Z_FLOOR, float("-inf"), target_logit)
-        thresholds = _thresholds(passes, m_safe, cfg, num_tokens, device, tp_group)
-        mass = _kept_mass(passes, m_safe, thresholds, cfg.min_p, num_tokens, device, tp_group)
-        lse = (m_safe.double() + torch.log(mass)).float()
-        lse = torch.where(torch.isnan(m), m, lse)  # NaN logits stay NaN
-        if host_checks_enabled(sc.validate, device):
-            check_finite(lse, valid, logits2d=logits2d, temperature=sc.temperature)
-        in_range = target_in_range(target1d, sc.layout.vocab_size)
-        inside = key_of(target_logit) >= thresholds
-        if cfg.min_p:
-            inside &= torch.exp(target_logit - m_safe) >= cfg.min_p
-        inside &= in_range
-        logprobs = torch.where(inside, target_logit - lse, float("-inf"))
-        # Out-of-range ids and rows without a finite normaliser give NaN, never a number.
-        logprobs = torch.where(in_range & torch.isfinite(lse), logprobs, float("nan"))
-        inside &= torch.isfinite(lse)
-        logprobs = torch.where(valid, logprobs, 0.0)
-        outside = valid & in_range & ~inside
+        logprobs, outside, saved = sampled_pass(_logits_chunks(logits2d, target1d, valid, sc),
+                                                target1d, valid, cfg, logits2d.shape[0],
+                                                logits.device, tp_group)
         ctx.cfg = cfg
-        ctx.save_for_backward(logits, target, m_safe, lse, thresholds, inside)
+        ctx.save_for_backward(logits, target, *saved)
         ctx.mark_non_differentiable(outside)
         ctx.set_materialize_grads(False)
         return logprobs.view(target.shape), outside.view(target.shape)
@@ -238,24 +271,38 @@ class _SamplingLogprobs(torch.autograd.Function):
     def backward(ctx, grad, _grad_outside):
         if grad is None:
             return None, None, None, None
-        logits, target, m, lse, thresholds, inside = ctx.saved_tensors
+        logits, target, *saved = ctx.saved_tensors
         cfg: SamplerConfig = ctx.cfg
         sc = cfg.stats
         logits2d = logits.reshape(-1, sc.layout.width)
         target1d, valid = flatten_target(target, sc.ignore_index)
-        # d/dz_j log q(y) = 1[j = y] - q_j on the kept set (held constant), then / temperature.
-        coef = torch.where(valid & inside, grad.reshape(-1).float(), 0.0) / sc.temperature
-        lse = torch.where(inside, lse, 0.0)  # finite where coef is 0, so q stays finite
+        coef = grad_coefficient(grad, saved, sc.temperature)
         grad_logits = torch.empty_like(logits2d)
-        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, sc):
-            keys = sort_keys(z, sc.layout.real_width)
-            keep = _kept(z, keys, rows, m, thresholds, cfg.min_p)
-            q = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0)
-            g = q.mul_(-coef[rows].unsqueeze(1))
-            g.scatter_add_(1, index.unsqueeze(1),
-                           torch.where(owned, coef[rows], 0.0).unsqueeze(1))
-            grad_logits[rows] = g
+        for rows, z, index, owned in _logits_chunks(logits2d, target1d, valid, sc)():
+            sampled_chunk_grad(z, rows, index, owned, grad_logits[rows], coef=coef, saved=saved,
+                               cfg=cfg)
         return grad_logits.view(logits.shape), None, None, None
+
+
+def sampler_config(logits, target, tp_group, *, top_k, top_p, min_p, local_error=None,
+                   check=checked_config, **options) -> tuple[SamplerConfig, object]:
+    """Validate one call (the core checks through ``check``, the filters, their agreement
+    across ranks): ``(SamplerConfig, what check returned)``."""
+    problem = local_error or sampler_problem(top_k, top_p, min_p)
+    if target is None and problem is None:
+        problem = ValueError("target is required: the sampled token ids to score")
+    stats = check(
+        logits, target, tp_group, local_error=problem,
+        agree=(("top_k", lambda: -1 if top_k is None else int(top_k)),
+               ("top_p", lambda: float_bits(-1.0 if top_p is None else float(top_p)),
+                bits_float),
+               ("min_p", lambda: float_bits(-1.0 if min_p is None else float(min_p)),
+                bits_float)),
+        entropy="off", label_smoothing=0.0, **options)
+    return SamplerConfig(stats=getattr(stats, "stats", stats),
+                         top_k=None if top_k is None else int(top_k),
+                         top_p=None if top_p is None else float(top_p),
+                         min_p=None if min_p is None else float(min_p)), stats
 
 
 def vocab_parallel_sampling_logprobs(
@@ -321,21 +368,8 @@ def vocab_parallel_sampling_logprobs(
         TypeError: a filter of the wrong Python type (``InputTypeError``, also a ``ValueError``).
         RuntimeError: on double backward.
     """
-    problem = sampler_problem(top_k, top_p, min_p)
-    if target is None and problem is None:
-        problem = ValueError("target is required: the sampled token ids to score")
-    stats = checked_config(
-        logits, target, tp_group, local_error=problem,
-        agree=(("top_k", lambda: -1 if top_k is None else int(top_k)),
-               ("top_p", lambda: float_bits(-1.0 if top_p is None else float(top_p)),
-                bits_float),
-               ("min_p", lambda: float_bits(-1.0 if min_p is None else float(min_p)),
-                bits_float)),
-        vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size, entropy="off",
-        temperature=temperature, ignore_index=ignore_index, label_smoothing=0.0,
-        validate=validate)
-    cfg = SamplerConfig(stats=stats, top_k=None if top_k is None else int(top_k),
-                        top_p=None if top_p is None else float(top_p),
-                        min_p=None if min_p is None else float(min_p))
+    cfg, _ = sampler_config(logits, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
+                            vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size,
+                            temperature=temperature, ignore_index=ignore_index, validate=validate)
     return SamplingLogprobs(*_SamplingLogprobs.apply(logits, target, cfg, tp_group))
 

@@ -129,3 +129,25 @@ def test_bad_inputs_raise_naming_the_argument(kw, name):
     target = kw.pop("target", target)
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         vocab_parallel_sampling_logprobs(logits, target, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=5, top_p=0.9), dict(min_p=0.05, temperature=0.7)],
+                         ids=["topk_topp", "minp"])
+def test_fused_head_equals_the_op_on_the_chunk_products(kw):
+    from megatron_vocabstats import linear_vocab_parallel_sampling_logprobs
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(11, 16), torch.randn(40, 16) * 0.6
+    target = torch.randint(0, 37, (11,))
+    target[0] = (hidden[0] @ weight[:37].T).argmax()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused = linear_vocab_parallel_sampling_logprobs(h, w, target, vocab_size=37, chunk_size=4,
+                                                    **kw)
+    logits = torch.cat([hidden[i:i + 4] @ weight.T for i in range(0, 11, 4)]).requires_grad_()
+    ref = vocab_parallel_sampling_logprobs(logits, target, vocab_size=37, chunk_size=4, **kw)
+    assert torch.equal(fused.logprobs, ref.logprobs) and torch.equal(fused.outside, ref.outside)
+    fused.logprobs.masked_fill(fused.outside, 0).sum().backward()
+    ref.logprobs.masked_fill(ref.outside, 0).sum().backward()
+    g = logits.grad
+    assert torch.allclose(h.grad, g @ weight, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(w.grad, g.T @ hidden, rtol=1e-5, atol=1e-6)

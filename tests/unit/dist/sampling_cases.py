@@ -13,7 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import Cases, Skip, main  # noqa: E402
 
 from _reference import reference_sampling  # noqa: E402
-from megatron_vocabstats import vocab_parallel_sampling_logprobs  # noqa: E402
+from megatron_vocabstats import (  # noqa: E402
+    linear_vocab_parallel_sampling_logprobs,
+    vocab_parallel_sampling_logprobs,
+)
 from megatron_vocabstats.profiling import count_collectives  # noqa: E402
 from uneven_cases import ceil_split  # noqa: E402
 from vocab_parallel_cases import assert_close, rank_size  # noqa: E402
@@ -114,6 +117,33 @@ def filters_differing_across_ranks_raise_everywhere(group):
             assert message in str(exc), str(exc)
         else:
             raise AssertionError(f"no error for {kw}")
+
+
+
+@CASES.register
+def fused_head_with_and_without_sequence_parallel(group):
+    rank, tp = rank_size(group)
+    width = 64 // tp
+    hidden, weight = torch.randn(4 * tp, 2, 16), torch.randn(64, 16) * 0.6
+    target = torch.randint(0, VOCAB, (4 * tp, 2))
+    kw = dict(top_k=6, top_p=0.9, temperature=0.9)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref, _ = reference_sampling(h64 @ w64.T, target, vocab_size=VOCAB, **kw)
+    finite = torch.isfinite(ref)
+    torch.where(finite, ref, 0.0).sum().backward()
+    for sp in (False, True) if tp > 1 else (False,):
+        rows = slice(rank * 4, (rank + 1) * 4) if sp else slice(None)
+        h = hidden[rows].clone().requires_grad_()
+        w = weight[rank * width:(rank + 1) * width].clone().requires_grad_()
+        out = linear_vocab_parallel_sampling_logprobs(h, w, target, tp_group=group,
+                                                      sequence_parallel=sp, vocab_size=VOCAB,
+                                                      chunk_size=3, **kw)
+        assert torch.equal(out.outside, ~finite), (sp, out.outside, ref)
+        assert_close(out.logprobs[finite], ref[finite], rtol=1e-5, atol=1e-5, what=f"sp={sp}")
+        out.logprobs.masked_fill(out.outside, 0).sum().backward()
+        assert_close(h.grad, h64.grad[rows], rtol=1e-4, atol=1e-5, what=f"dX sp={sp}")
+        assert_close(w.grad, w64.grad[rank * width:(rank + 1) * width], rtol=1e-4, atol=1e-5,
+                     what=f"dW sp={sp}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""The sampler's log-probs (:mod:`.sampling`) straight from hidden states on the fused LM-head
+path: every pass of the threshold search recomputes each chunk's logits ``hidden @ W.T``, so no
+``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
+per pass (18 in forward with top-k and top-p, one in backward)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .fused_linear import (
+    LinearStatsConfig,
+    _checked_linear_config,
+    _ChunkBuffers,
+    _full_hidden,
+    _logit_chunks,
+    _recompute_backward,
+)
+from .sampling import (
+    SamplerConfig,
+    SamplingLogprobs,
+    grad_coefficient,
+    sampled_chunk_grad,
+    sampled_pass,
+    sampler_config,
+)
+from .vocab_parallel import flatten_target
+from ._checks import first_order_backward
+
+
+class _LinearSamplingLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, cfg: SamplerConfig, lcfg: LinearStatsConfig,
+                tp_group):
+        sc = cfg.stats
+        total = _full_hidden(hidden, lcfg, tp_group)
+        hidden2d = total.reshape(-1, total.shape[-1])
+        target1d, valid = flatten_target(target, sc.ignore_index)
+        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
+
+        def chunks():
+            for rows, _logits, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid,
+                                                                 sc, bufs):
+                yield rows, z, index, owned
+
+        try:
+            logprobs, outside, saved = sampled_pass(chunks, target1d, valid, cfg,
+                                                    hidden2d.shape[0], hidden.device, tp_group)
+        finally:
+            bufs.release()
+        ctx.cfg, ctx.lcfg, ctx.tp_group = cfg, lcfg, tp_group
+        ctx.main_grad = weight.main_grad if lcfg.accumulate_into_main_grad else None
+        ctx.save_for_backward(hidden, weight, target, *saved)
+        ctx.mark_non_differentiable(outside)
+        ctx.set_materialize_grads(False)
+        return logprobs.view(target.shape), outside.view(target.shape)
+
+    @staticmethod
+    @first_order_backward("linear_vocab_parallel_sampling_logprobs")
+    def backward(ctx, grad, _grad_outside):
+        if grad is None:
+            return None, None, None, None, None, None
+        hidden, weight, target, *saved = ctx.saved_tensors
+        cfg: SamplerConfig = ctx.cfg
+        target1d, valid = flatten_target(target, cfg.stats.ignore_index)
+        coef = grad_coefficient(grad, saved, cfg.stats.temperature)
+
+        def logits_grad_(rows, logits, z, index, owned, _scratch):
+            sampled_chunk_grad(z, rows, index, owned, logits, coef=coef, saved=saved, cfg=cfg)
+
+        grad_hidden, grad_weight = _recompute_backward(hidden, weight, target1d, valid, ctx.lcfg,
+                                                      ctx.tp_group, ctx.main_grad, logits_grad_)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_vocab_parallel_sampling_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    vocab_size: int | None = None,
+    vocab_start: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    accumulate_into_main_grad: bool = False,
+    validate: bool = True,
+) -> SamplingLogprobs:
+    """:func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs` of ``hidden @ W.T`` without
+    the logits.
+
+    Reference semantics (``W`` the full output weight, shards stacked in rank order; ``h`` the
+    full sequence, the shards of ``hidden`` concatenated along dim 0 under
+    ``sequence_parallel``)::
+
+        vocab_parallel_sampling_logprobs(h @ W.T, target, temperature=..., top_k=..., ...)
+
+    with each chunk's logits computed as in
+    :func:`~megatron_vocabstats.linear_vocab_parallel_stats` (model dtype, one rounding), so the
+    results equal the unfused op on those chunk products. ``hidden``, ``weight``,
+    ``sequence_parallel``, ``accumulate_into_main_grad`` and the errors are those of
+    ``linear_vocab_parallel_stats``; the filters, results and communication those of
+    ``vocab_parallel_sampling_logprobs`` (plus the sequence-parallel gather of ``hidden``, and
+    in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's chunk buffers,
+    chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
+    """
+    def check(_logits, target_, group, **kwargs):
+        return _checked_linear_config(hidden, weight, target_, None, group,
+                                      sequence_parallel=sequence_parallel,
+                                      accumulate_into_main_grad=accumulate_into_main_grad,
+                                      **kwargs)
+
+    cfg, lcfg = sampler_config(None, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
+                               check=check, vocab_size=vocab_size, vocab_start=vocab_start,
+                               chunk_size=chunk_size, temperature=temperature,
+                               ignore_index=ignore_index, validate=validate)
+    return SamplingLogprobs(*_LinearSamplingLogprobs.apply(hidden, weight, target, cfg, lcfg,
+                                                           tp_group))

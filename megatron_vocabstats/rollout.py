@@ -1,0 +1,372 @@
+"""Trainer / rollout-engine mismatch: importance-weight corrections and diagnostics.
+
+RL trainers sample with an inference engine (vLLM, SGLang) and train with Megatron; the two
+compute different probabilities for the same tokens (kernels, precision, MoE routing), so the
+rollout is slightly off-policy even at the first update. The engine's log-probs of the sampled
+tokens (``rollout_logprobs``) and the trainer's recomputation with the same weights
+(``old_logprobs``) give a per-token ratio
+
+    rho_t = exp(old_logprobs_t - rollout_logprobs_t) = pi_train(y_t; theta_old) / pi_infer(y_t)
+
+from which :func:`correction_weights` builds **detached** weights that multiply the per-token
+clipped surrogate of :func:`~megatron_vocabstats.losses.policy_loss`. Methods
+(:class:`RolloutCorrection`):
+
+* ``mode="tis"`` -- truncated importance sampling. Token level: ``w_t = min(rho_t, C)``
+  (Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training", https://fengyao.notion.site/off-policy-rl; verl ``rollout_is="token"`` with
+  ``rollout_is_threshold``; TRL ``vllm_importance_sampling_correction`` with
+  ``vllm_importance_sampling_mode="token_truncate"``). Sequence level: one weight per row,
+  ``w_i = min(exp(sum_t m_it (old_it - rollout_it)), C)`` (verl ``rollout_is="sequence"``).
+* ``mode="mis"`` -- masked importance sampling, verl's ``rollout_is_mode="mask"`` semantics
+  (its later "rejection sampling", ``rollout_rs``): a token (token level) or a whole row
+  (sequence level) whose ratio lies outside ``[low, high]`` gets weight 0, the others keep the
+  ratio itself as their weight (not 1; verl: "IS weights themselves are NOT threshold-clamped").
+  Defaults as verl: ``high = 2``, ``low = 1 / high``. Liu, Li et al. 2025, "When Speed Kills
+  Stability: Demystifying RL Collapse from the Training-Inference Mismatch",
+  https://richardli.xyz/rl-collapse. TRL's ``vllm_importance_sampling_mode="token_mask"`` /
+  ``"sequence_mask"`` is the upper bound alone (``high`` = its cap, ``low`` tiny, e.g. 1e-12).
+* ``mode="icepop"`` -- IcePop (Ling Team 2025, "Every Step Evolves: Scaling Reinforcement
+  Learning for Trillion-Scale Thinking Model", arXiv:2510.18855 (Ring-1T), Sec. IcePop; blog
+  https://ringtech.notion.site/icepop): per token ``M(rho_t; alpha, beta) = rho_t`` if
+  ``alpha <= rho_t <= beta`` else 0, multiplying the PPO term; paper band ``[0.5, 5]``. It is the
+  token-level ``"mis"`` with IcePop's default band, token level only (the method is defined per
+  token; for whole rows use ``mode="mis", level="sequence"``).
+
+Ratios are computed from log-ratios clamped to +-20 (verl's ``SAFETY_BOUND``), so no weight is
+inf; the band test of ``"mis"``/``"icepop"`` is on that clamped ratio.
+
+:func:`mismatch_diagnostics` turns the same inputs into report entries in Megatron's
+``[sum, count]`` convention (see :mod:`megatron_vocabstats.losses`).
+
+Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
+shape): quantiles come from one sort with the uncounted positions pushed to +inf and indices
+computed on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "ROLLOUT_LEVELS",
+    "ROLLOUT_MODES",
+    "RATIO_QUANTILES",
+    "CorrectionWeights",
+    "RolloutCorrection",
+    "correction_weights",
+    "mismatch_diagnostics",
+]
+
+ROLLOUT_MODES = ("tis", "mis", "icepop")
+ROLLOUT_LEVELS = ("token", "sequence")
+# (report suffix, quantile) of the per-token ratio reported by mismatch_diagnostics.
+RATIO_QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
+# Log-ratios are clamped to +-this before exp (same value as losses.LOG_RATIO_LIMIT, verl's
+# SAFETY_BOUND): e^20 = 5e8 already means another policy; the clamp keeps every weight finite.
+_LOG_RATIO_LIMIT = 20.0
+_DEFAULTS = {"tis": (2.0, None, None), "mis": (None, None, 2.0), "icepop": (None, 0.5, 5.0)}
+_FLAG_NAMES = ("truncated", "masked")
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not (0.0 < value < float("inf")):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutCorrection:
+    """How :func:`~megatron_vocabstats.losses.policy_loss` corrects the rollout mismatch.
+
+    Fields (validated on construction; unset bounds are filled with the mode's defaults, so
+    ``RolloutCorrection(mode="mis") == RolloutCorrection(mode="mis", low=0.5, high=2.0)``):
+
+    * ``mode``: ``"tis"`` (truncated IS), ``"mis"`` (masked IS) or ``"icepop"``; see the module
+      docstring for the formulas and their sources.
+    * ``level``: ``"token"`` (one weight per token) or ``"sequence"`` (one weight per row of
+      ``[b, s]`` inputs, from the row's summed log-ratio); ``"icepop"`` is token level only.
+    * ``threshold``: ``"tis"`` only, the truncation C > 0 (default 2.0); weights are
+      ``min(ratio, C)``.
+    * ``low``, ``high``: ``"mis"``/``"icepop"`` only, the kept band ``0 < low <= 1 <= high``,
+      ``low < high`` (both ends inclusive). Defaults: ``"mis"`` ``high = 2``, ``low = 1 / high``
+      (verl); ``"icepop"`` ``[0.5, 5]`` (Ring-1T).
+
+    Raises:
+        ValueError: naming the field: an unknown ``mode`` or ``level``, ``"icepop"`` at sequence
+            level, a bound that is not a finite positive number, ``threshold`` given to
+            ``"mis"``/``"icepop"`` or ``low``/``high`` given to ``"tis"``, ``low >= high``, or a
+            band that does not contain 1 (it would drop tokens without any mismatch).
+    """
+
+    mode: str = "tis"
+    level: str = "token"
+    threshold: float | None = None
+    low: float | None = None
+    high: float | None = None
+
+    def __post_init__(self):
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
+        if self.level not in ROLLOUT_LEVELS:
+            raise ValueError(f"level must be one of {ROLLOUT_LEVELS}, got {self.level!r}")
+        if self.mode == "icepop" and self.level != "token":
+            raise ValueError("level must be 'token' for mode='icepop' (IcePop masks single "
+                             "tokens); use mode='mis', level='sequence' to drop whole rows")
+        if self.mode == "tis":
+            for name in ("low", "high"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to mode 'mis' and 'icepop'; mode='tis' "
+                                     f"takes threshold, got {name}={getattr(self, name)!r}")
+            if self.threshold is None:
+                object.__setattr__(self, "threshold", _DEFAULTS["tis"][0])
+            _check_positive("threshold", self.threshold)
+            return
+        if self.threshold is not None:
+            raise ValueError(f"threshold applies to mode='tis'; mode={self.mode!r} takes low and "
+                             f"high, got threshold={self.threshold!r}")
+        _, default_low, default_high = _DEFAULTS[self.mode]
+        if self.high is None:
+            object.__setattr__(self, "high", default_high)
+        _check_positive("high", self.high)
+        if self.low is None:
+            object.__setattr__(self, "low", default_low if default_low is not None
+                               else 1.0 / self.high)
+        _check_positive("low", self.low)
+        if self.low >= self.high:
+            raise ValueError(f"low must be < high, got low={self.low!r}, high={self.high!r}")
+        if self.low > 1.0:
+            raise ValueError(f"low must be <= 1 (the band must keep tokens without mismatch), "
+                             f"got {self.low!r}")
+        if self.high < 1.0:
+            raise ValueError(f"high must be >= 1 (the band must keep tokens without mismatch), "
+                             f"got {self.high!r}")
+
+    @property
+    def flag_name(self) -> str:
+        """``"truncated"`` for ``"tis"``, ``"masked"`` otherwise: what the flags of
+        :func:`correction_weights` mean, and the name of their report entry."""
+        return "truncated" if self.mode == "tis" else "masked"
+
+
+class CorrectionWeights(NamedTuple):
+    """:func:`correction_weights`'s result; unpacks as ``weights, flags``.
+
+    ``weights``: detached, floating (fp32, or float64 for float64 inputs), shaped like the
+    inputs, 0 at uncounted positions. ``flags``: bool, shaped alike, False at uncounted
+    positions: tokens truncated (``"tis"``: ratio > C) or dropped (``"mis"``/``"icepop"``: ratio
+    outside the band); at sequence level every counted token of a flagged row.
+    """
+
+    weights: torch.Tensor
+    flags: torch.Tensor
+
+
+def _check_tensor(name: str, tensor, *, like: torch.Tensor | None = None,
+                  like_name: str = "old_logprobs", floating: bool = True) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if floating and not tensor.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    if like is not None:
+        if tensor.shape != like.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {like_name} has "
+                             f"{tuple(like.shape)}")
+        if tensor.device != like.device:
+            raise ValueError(f"{name} is on {tensor.device} but {like_name} on {like.device}")
+
+
+def _mask_of(mask, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    if mask is None:
+        raise ValueError("mask is required (a tensor shaped like the tokens, non-zero where a "
+                         "token counts)")
+    _check_tensor("mask", mask, like=like, like_name=like_name, floating=False)
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _log_ratio(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor):
+    """``(trainer - rollout)`` in the compute dtype, exactly 0 where not counted (NaN there
+    included), and that dtype."""
+    dtype = torch.promote_types(torch.promote_types(trainer.dtype, rollout.dtype), torch.float32)
+    diff = trainer.detach().to(dtype) - rollout.detach().to(dtype)
+    return torch.where(mask, diff, 0.0), dtype
+
+
+def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                       mask: torch.Tensor, cfg: RolloutCorrection) -> CorrectionWeights:
+    """Detached importance weights correcting the trainer / rollout-engine mismatch.
+
+    With ``d_t = clamp(old_logprobs_t - rollout_logprobs_t, -20, 20)`` at counted tokens
+    (``m = mask != 0``) and, at sequence level, ``d_i = clamp(sum_t m_it (old_it - rollout_it),
+    -20, 20)`` per row (then broadcast to the row's tokens), ``rho = exp(d)``:
+
+    * ``"tis"``: ``w = min(rho, threshold)``; flag = ``rho > threshold`` (truncated).
+    * ``"mis"``, ``"icepop"``: ``w = rho`` if ``low <= rho <= high`` else 0; flag = outside the
+      band (dropped).
+
+    Sources: see the module docstring (TIS: Yao et al. 2025 / verl / TRL; MIS: verl
+    ``rollout_is_mode="mask"``; IcePop: arXiv:2510.18855).
+
+    Args:
+        old_logprobs: ``[...]`` (``[b, s]`` at sequence level) floating, the trainer's log-probs
+            of the sampled tokens in nats (the behaviour policy recomputed by Megatron); any
+            gradient is ignored.
+        rollout_logprobs: the rollout engine's log-probs of the same tokens, same shape.
+        mask: same shape, any dtype; a token counts where non-zero. Values at uncounted
+            positions (NaN, inf) never reach the result.
+        cfg: a :class:`RolloutCorrection`.
+
+    Returns:
+        :class:`CorrectionWeights` ``(weights, flags)``: ``weights`` detached, dtype
+        ``promote(inputs, fp32)``, 0 at uncounted positions; ``flags`` bool, False there.
+
+    Raises:
+        ValueError: naming the argument: a ``cfg`` that is not a :class:`RolloutCorrection`,
+            non-tensor or non-floating log-probs, shapes or devices that differ, a missing
+            ``mask``, or ``level="sequence"`` on inputs that are not 2-D ``[b, s]``.
+    """
+    if not isinstance(cfg, RolloutCorrection):
+        raise ValueError(f"cfg must be a RolloutCorrection, got {type(cfg).__name__}")
+    _check_tensor("old_logprobs", old_logprobs)
+    _check_tensor("rollout_logprobs", rollout_logprobs, like=old_logprobs)
+    mask = _mask_of(mask, old_logprobs, "old_logprobs")
+    if cfg.level == "sequence" and old_logprobs.dim() != 2:
+        raise ValueError(f"level='sequence' needs [b, s] old_logprobs (rows are sequences), "
+                         f"got shape {tuple(old_logprobs.shape)}")
+    with torch.no_grad():
+        diff, _ = _log_ratio(old_logprobs, rollout_logprobs, mask)
+        if cfg.level == "sequence":
+            diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+        if cfg.mode == "tis":
+            flags = ratio > cfg.threshold
+            weights = ratio.clamp(max=cfg.threshold)
+        else:
+            flags = (ratio < cfg.low) | (ratio > cfg.high)
+            weights = torch.where(flags, 0.0, ratio)
+        weights = torch.where(mask, weights, 0.0)
+        flags = flags & mask
+    return CorrectionWeights(weights, flags)
+
+
+def _pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return torch.stack([total.detach().float(), count.float()])
+
+
+def _masked_quantiles(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
+                      quantiles) -> list[torch.Tensor]:
+    """``torch.quantile(values[mask], q)`` (linear interpolation) for each q, without a host
+    sync: one sort with the uncounted positions at +inf, positions ``q (n - 1)`` read by
+    integer gathers. 0 when nothing counts."""
+    flat = torch.where(mask, values, float("inf")).reshape(-1)
+    ordered = torch.sort(flat).values
+    last = (count - 1).clamp(min=0).to(values.dtype)
+    top = max(flat.numel() - 1, 0)
+    out = []
+    for q in quantiles:
+        pos = last * q
+        lo = pos.floor()
+        hi = pos.ceil()
+        v_lo = ordered.gather(0, lo.long().clamp(0, top).reshape(1))[0]
+        v_hi = ordered.gather(0, hi.long().clamp(0, top).reshape(1))[0]
+        # v_lo + frac (v_hi - v_lo), written so that v_lo == v_hi (frac 0) stays exact.
+        value = torch.lerp(v_lo, v_hi, pos - lo) if q < 1.0 else v_hi
+        out.append(torch.where(count > 0, value, 0.0))
+    return out
+
+
+def mismatch_diagnostics(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
+    *,
+    flag_name: str = "truncated",
+    outside: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-step report entries measuring the trainer / rollout-engine mismatch.
+
+    Every entry is a detached fp32 ``[sum, count]`` pair: Megatron sums them over microbatches
+    and data-parallel ranks and divides, so token entries come out as means over the step's
+    counted tokens. With ``d_t = clamp(trainer_logprobs_t - rollout_logprobs_t, -20, 20)`` at
+    counted tokens ``m`` (``n = sum m``; the clamp keeps one -inf log-prob, e.g. a target the
+    sampler could not draw, from turning the step's means into inf) and ``r_t = exp(d_t)``:
+
+    * ``"rollout |dlogprob|"``: ``[sum |d_t|, n]``, nats.
+    * ``"rollout k3 kl"``: ``[sum (r_t - 1 - log r_t), n]``: Schulman's k3 estimate of
+      KL(pi_rollout || pi_trainer) on the rollout's samples (nats, >= 0).
+    * ``"rollout ratio p50"``, ``"p90"``, ``"p99"``, ``"max"``: quantiles of ``r_t`` over this
+      microbatch's counted tokens (linear interpolation, as ``torch.quantile``), each as
+      ``[value, 1]`` (``[0, 0]`` without counted tokens). Quantiles do not average: after
+      Megatron's reduction these read as the **mean over microbatches (and ranks) of the
+      per-microbatch quantile**, not the quantile of the step.
+    * with ``weights``: ``"rollout weight"`` ``[sum w_t, n]``, the mean correction weight.
+    * with ``flags``: ``"rollout <flag_name> fraction"`` ``[sum flags, n]``, the fraction of
+      tokens truncated (``"tis"``) or dropped (``"mis"``/``"icepop"``).
+    * with ``outside``: ``"rollout outside support"`` ``[sum outside_t m_t, n]``, the fraction of
+      targets outside the sampler's kept set (top-k / top-p), from the sampling-logprobs op.
+
+    Args:
+        trainer_logprobs: ``[...]`` floating, the trainer's log-probs (nats) of the sampled
+            tokens; :func:`~megatron_vocabstats.losses.policy_loss` passes ``old_logprobs``,
+            the behaviour policy recomputed by the trainer with the rollout's weights, so the
+            entries measure the engines' disagreement, not the policy's drift over PPO epochs.
+        rollout_logprobs: the engine's log-probs, same shape.
+        mask: same shape, any dtype, non-zero where a token counts; other positions never reach
+            the values (NaN included).
+        weights, flags: :func:`correction_weights`'s result (floating / bool, same shape), or
+            None.
+        flag_name: ``"truncated"`` or ``"masked"`` (:attr:`RolloutCorrection.flag_name`).
+        outside: optional bool tensor, same shape: True where the target lies outside the
+            sampler's kept set.
+
+    Returns:
+        ``dict[str, Tensor]`` of ``[2]`` fp32 tensors, keys in the order above; the keys depend
+        only on which optional arguments are given.
+
+    Raises:
+        ValueError: naming the argument: non-tensors, non-floating log-probs or weights, a
+            non-bool ``flags``/``outside``, shapes or devices that differ, a missing ``mask``,
+            an unknown ``flag_name``.
+    """
+    _check_tensor("trainer_logprobs", trainer_logprobs)
+    like = dict(like=trainer_logprobs, like_name="trainer_logprobs")
+    _check_tensor("rollout_logprobs", rollout_logprobs, **like)
+    mask = _mask_of(mask, trainer_logprobs, "trainer_logprobs")
+    if flag_name not in _FLAG_NAMES:
+        raise ValueError(f"flag_name must be one of {_FLAG_NAMES}, got {flag_name!r}")
+    if weights is not None:
+        _check_tensor("weights", weights, **like)
+    for name, tensor in (("flags", flags), ("outside", outside)):
+        if tensor is not None:
+            _check_tensor(name, tensor, floating=False, **like)
+            if tensor.dtype != torch.bool:
+                raise ValueError(f"{name} must be a bool tensor, got {tensor.dtype}")
+
+    with torch.no_grad():
+        diff, dtype = _log_ratio(trainer_logprobs, rollout_logprobs, mask)
+        count = mask.sum(dtype=torch.int64)
+        clamped = diff.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        ratio = torch.exp(clamped)
+        report = {
+            "rollout |dlogprob|": _pair(clamped.abs().sum(), count),
+            # 0 at uncounted positions (d = 0 there).
+            "rollout k3 kl": _pair((torch.expm1(clamped) - clamped).sum(), count),
+        }
+        one = torch.ones((), dtype=torch.int64, device=count.device)
+        for (suffix, _), value in zip(RATIO_QUANTILES, _masked_quantiles(
+                ratio, mask, count, [q for _, q in RATIO_QUANTILES])):
+            report[f"rollout ratio {suffix}"] = _pair(value, torch.where(count > 0, one, 0))
+        if weights is not None:
+            report["rollout weight"] = _pair(
+                torch.where(mask, weights.detach().to(dtype), 0.0).sum(), count)
+        if flags is not None:
+            report[f"rollout {flag_name} fraction"] = _pair((flags & mask).sum(), count)
+        if outside is not None:
+            report["rollout outside support"] = _pair((outside & mask).sum(), count)
+    return report
