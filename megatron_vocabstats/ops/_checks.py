@@ -46,6 +46,8 @@ FP32_MAX = torch.finfo(torch.float32).max
 # The logits and their gradient are scaled by 1/temperature in fp32: below this it overflows.
 MIN_TEMPERATURE = 1.0 / FP32_MAX
 _INT64 = (-(2**63), 2**63 - 1)
+# Token ids are int32-ranked in the top-k keys: no vocabulary (or shard start) beyond it.
+_MAX_ID = 2**31
 
 
 class InputTypeError(TypeError, ValueError):
@@ -140,9 +142,9 @@ def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None,
             raise ValueError("vocab_start needs vocab_size: with ranges given per rank the real "
                              "vocabulary size cannot be derived from one shard's width")
         vocab_size = check_integer("vocab_size", vocab_size)
-        if start < 0 or vocab_size < 1:
+        if not (0 <= start < _MAX_ID and 1 <= vocab_size <= _MAX_ID):
             raise ValueError(f"vocab_start={start} and vocab_size={vocab_size} must satisfy "
-                             "vocab_start >= 0 and vocab_size >= 1")
+                             f"0 <= vocab_start < 2**31 and 1 <= vocab_size <= 2**31")
         real = max(0, min(width, vocab_size - start))
         return ShardLayout(vocab_start=start, width=width, real_width=real,
                            vocab_size=vocab_size, even=False)
@@ -188,7 +190,7 @@ def check_batch_invariant(value) -> bool | str:
 
 def _batch_invariant_mode(value, width: int, tp: int, even: bool = True):
     value = check_batch_invariant(value)
-    if value == "tp" and tp > 1 and not even:
+    if value == "tp" and not even:
         raise ValueError("batch_invariant='tp' needs equal shards (Megatron's split): with "
                          "vocab_start the ranks' blocks of columns do not line up")
     if value == "tp" and tp > 1 and width % BLOCK:
@@ -311,8 +313,8 @@ class Field:
 
 
 _AGREEMENT = (
-    Field("logits shard width"), Field("token count"), Field("vocab_size"),
     Field("vocab_start", show=lambda given: "given" if given else None),
+    Field("logits shard width"), Field("token count"), Field("vocab_size"),
     Field("logits dtype", show=LOGITS_DTYPES.__getitem__),
     Field("target (token ids)", checksum=True),
     Field("entropy mode", show=ENTROPY_MODES.__getitem__),
@@ -379,10 +381,10 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
     sample (see :func:`checked_config`)."""
     layout = cfg.layout
     row = [
+        int(not layout.even),
         layout.width if layout.even else -1,  # ranges given per rank: checked for contiguity
         logits.numel() // layout.width,
         layout.vocab_size,
-        int(not layout.even),
         LOGITS_DTYPES.index(logits.dtype),
         _target_checksum(target),
         ENTROPY_MODES.index(cfg.entropy),

@@ -566,10 +566,14 @@ class _GatherLogits(torch.autograd.Function):
     def forward(ctx, logits, indices, valid, cfg: StatsConfig, tp_group):
         logits2d = logits.reshape(-1, cfg.layout.width)
         local, owned, in_range = locate(indices.reshape(-1, indices.shape[-1]), valid, cfg.layout)
-        # Each id is owned by one rank and 0 elsewhere: the rank-order sum is exact.
-        mine = picked_logits(logits2d, local, owned, 1.0)
-        picked = _comm.gather_stats(mine, tp_group).sum(dim=0).t()
-        picked = torch.where(picked <= Z_FLOOR, float("-inf"), picked)
+        # Each id is owned by one rank and -0.0 elsewhere (x + -0.0 == x for every x, -0.0 and
+        # -inf included): the rank-order sum is exact.
+        mine = torch.where(owned, logits2d.gather(1, local).float(), -0.0).t().contiguous()
+        parts = _comm.gather_stats(mine, tp_group)
+        picked = parts[0]
+        for part in parts[1:]:  # (torch.sum would start from +0.0 and lose a -0.0)
+            picked = picked + part
+        picked = picked.t()
         picked = torch.where(in_range | ~valid.unsqueeze(1), picked, float("nan"))
         ctx.cfg = cfg
         ctx.save_for_backward(local, owned)
@@ -619,8 +623,9 @@ def vocab_parallel_gather_logits(
             gradient whatever their ids hold.
 
     Returns:
-        fp32 ``[..., k]``, equal on every rank; logits at or below -1e30 come out -inf; NaN at
-        an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error).
+        fp32 ``[..., k]``, equal on every rank, bit for bit the logits' values (-inf and -0.0
+        included); NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it:
+        an error).
 
     Raises:
         ValueError: as :func:`vocab_parallel_topk_logprobs` (``indices``, ``mask``, ids out of

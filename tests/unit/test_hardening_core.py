@@ -407,3 +407,22 @@ def test_unpack_padding_value_that_the_dtype_cannot_hold_is_refused(dtype, value
     with pytest.raises(ValueError, match=r"\bpadding_value\b"):
         unpack_sequences(torch.arange(8).to(dtype), torch.tensor([0, 3, 5]), max_seqlen=3,
                          cu_seqlens_padded=torch.tensor([0, 4, 8]), padding_value=value)
+
+
+def test_vocab_start_edge_cases():
+    """Found by review: batch_invariant='tp' with vocab_start crashed at tp = 1 with label
+    smoothing (now refused, as documented); a vocab_start beyond int64 escaped the checks; the
+    gathered logits lost the sign of -0.0."""
+    from megatron_vocabstats import vocab_parallel_gather_logits
+
+    x, t = torch.randn(2, 300), torch.tensor([1, 299])
+    with pytest.raises(ValueError, match="batch_invariant='tp' needs equal shards"):
+        vocab_parallel_stats(x, t, vocab_size=300, vocab_start=0, label_smoothing=0.1,
+                             batch_invariant="tp")
+    for start, size in ((2**63, 6), (0, 2**64)):
+        with pytest.raises(ValueError, match="vocab_start"):
+            vocab_parallel_stats(torch.randn(4, 3), torch.zeros(4, dtype=torch.long),
+                                 vocab_size=size, vocab_start=start)
+    logits = torch.tensor([[-0.0, float("-inf"), -2e30]])
+    picked = vocab_parallel_gather_logits(logits, torch.tensor([[0, 1, 2]]))
+    assert bool(picked[0, 0].signbit()) and torch.equal(picked, logits)
