@@ -131,7 +131,16 @@ GRPO_FLAGS = [
     ("--clip-eps", FloatIn(0.0, 1.0, open_low=True, open_high=True), 0.2,
      "PPO ratio clip, in (0, 1); the entropy bonus is --entropy-coef (with "
      "--vocab-stats-entropy grad)"),
+    ("--sample-temperature", POSITIVE_REAL, 1.0,
+     "--rollouts sampled: the sampler's temperature (> 0), replayed by the trainer"),
+    ("--sample-top-p", FloatIn(0.0, 1.0, open_low=True), 0.9,
+     "--rollouts sampled: the sampler's top-p, in (0, 1] (1 = off), replayed by the trainer"),
+    ("--max-new-tokens", POSITIVE, 24,
+     "--rollouts sampled: answer tokens sampled at most (stops earlier at EOS)"),
 ]
+# The plugin's sampler flags describe an external engine; the example's sampler has its own.
+PLUGIN_SAMPLER_FLAGS = {"rollout_temperature": 1.0, "rollout_top_k": None, "rollout_top_p": 1.0,
+                        "rollout_min_p": 0.0}
 
 DISTILL_FLAGS = [
     ("--topk", POSITIVE, 16, "teacher ids per token the student is distilled on"),
@@ -177,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m examples.gsm8k", description=DESCRIPTION)
     modes = parser.add_subparsers(dest="mode", required=True)
     sft = modes.add_parser("sft", help="supervised fine-tuning on answers + report")
-    grpo = modes.add_parser("grpo", help="GRPO-style policy steps on stand-in rollouts")
+    grpo = modes.add_parser("grpo", help="GRPO-style policy steps on stand-in or sampled "
+                            "rollouts")
     score = modes.add_parser("score", help="per-token logprobs and entropy of a JSONL file")
     distill = modes.add_parser("distill", help="top-k distillation from a larger teacher")
     for mode in (sft, grpo, score, distill):
@@ -188,7 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_argument("--test-examples", type=POSITIVE, default=32,
                          help="held-out test questions for the NLL before/after")
     _flags(sft, "evaluation and comparison", SFT_FLAGS)
-    _flags(grpo, "policy", GRPO_FLAGS)
+    g = _flags(grpo, "policy", GRPO_FLAGS)
+    g.add_argument("--rollouts", choices=("standin", "sampled"), default="standin",
+                   help="standin: corrupted reference answers; sampled: answers sampled from "
+                        "the current policy by the example's own sampler, with the sampler's "
+                        "log-probs replayed and corrected (--rollout-correction) by the trainer "
+                        "(default: %(default)s)")
+    g.add_argument("--sample-dtype", choices=("model", "bfloat16", "float16", "float32"),
+                   default="model",
+                   help="--rollouts sampled: dtype of the sampler's softmax (model = the "
+                        "logits' dtype; bfloat16 on CPU emulates a bf16 engine) "
+                        "(default: %(default)s)")
     g = score.add_argument_group("scoring")
     g.add_argument("--input", required=True, help='JSONL of {"prompt": ..., "response": ...}')
     g.add_argument("--output", required=True, help="JSONL written with per-token results")
@@ -215,6 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "moves its frequencies to the GPU); use learned_absolute on CPU")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} exists and is not a directory")
+    if args.mode == "grpo":
+        _check_rollouts(args)
     if args.mode == "distill":
         if args.cp > 1:
             raise ValueError("distill runs with --cp 1 (the teacher's top-k is per packed row)")
@@ -222,6 +244,24 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--teacher-topk-load {args.teacher_topk_load} is not a directory "
                              "(the --out of a --teacher-topk precomputed run)")
     return args
+
+
+def _check_rollouts(args) -> None:
+    """GRPO: the rollout flags that cannot combine, named."""
+    for name, default in PLUGIN_SAMPLER_FLAGS.items():
+        if getattr(args, name) != default:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} describes an external rollout engine; this example samples "
+                             "itself: use --rollouts sampled with --sample-temperature / "
+                             "--sample-top-p")
+    if args.rollouts == "standin":
+        if args.rollout_correction != "none":
+            raise ValueError(f"--rollout-correction {args.rollout_correction} needs the "
+                             "sampler's log-probs: add --rollouts sampled")
+        return
+    if args.cp > 1 or args.sequence_parallel:
+        raise ValueError("--rollouts sampled runs with --cp 1 and without --sequence-parallel "
+                         "(the sampler's forward is a plain unpacked one)")
 
 
 def _dp_size(args) -> int:
@@ -388,7 +428,12 @@ def check_inputs(args) -> tuple[dict, object, int]:
     for key, rows_key in (("train", "train_rows"), ("test", None)):
         if key not in inputs:
             continue
-        fits = _fits(inputs[key], args.seq_length, alignment, 8 if args.mode == "grpo" else 0)
+        if args.mode == "grpo" and args.rollouts == "sampled":  # prompt + sampled answer
+            fits = _fits([type(e)(e.prompt, []) for e in inputs[key]], args.seq_length,
+                         alignment, args.max_new_tokens)
+        else:
+            fits = _fits(inputs[key], args.seq_length, alignment,
+                         8 if args.mode == "grpo" else 0)
         if not any(fits):
             raise ValueError(f"--data-dir: no {key} example fits --seq-length {args.seq_length}")
         inputs[key] = [e for e, ok in zip(inputs[key], fits) if ok]

@@ -198,18 +198,38 @@ def sft_figure(result: Mapping) -> Callable:
     return write
 
 
-def curves_figure(rows: Sequence[Mapping], keys: Sequence[str], title: str) -> Callable:
-    """A PNG writer: one small panel per metric in ``keys`` against ``row["step"]``."""
+def curves_figure(rows: Sequence[Mapping], keys: Sequence[str], title: str,
+                  pairs: Mapping[str, str] | None = None) -> Callable:
+    """A PNG writer: one small panel per metric in ``keys`` against ``row["step"]``.
+
+    ``pairs`` maps a key to a second key drawn in the same panel (e.g. a mismatch before and
+    after a correction); the second key gets no panel of its own. With more than 6 panels they
+    wrap onto rows of 6.
+    """
+    pairs = dict(pairs or {})
+    panels = [k for k in keys if k not in pairs.values()]
 
     def write(f):
         _matplotlib()
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
+        columns = min(len(panels), 6)
+        lines = -(-len(panels) // columns)
+        fig, axes = plt.subplots(lines, columns, figsize=(3.2 * columns, 3.2 * lines),
+                                 squeeze=False)
+        axes = list(axes.reshape(-1))
+        for ax in axes[len(panels):]:
+            ax.set_visible(False)
         steps = [r["step"] for r in rows]
-        for ax, key in zip(axes, keys):
-            ax.plot(steps, [r[key] for r in rows], marker="o")
-            ax.set_title(key)
+        for ax, key in zip(axes, panels):
+            ax.plot(steps, [r[key] for r in rows], marker="o", label=key)
+            title_of = key
+            if key in pairs:
+                other = pairs[key]
+                ax.plot(steps, [r[other] for r in rows], marker="s", label=other)
+                ax.legend(fontsize=7)
+                title_of = f"{key.split(' ', 1)[1]} (before / after)"
+            ax.set_title(title_of)
             ax.set_xlabel("step")
         fig.suptitle(title)
         fig.tight_layout()

@@ -104,25 +104,78 @@ class FloatIn:
         return value
 
 
+class TopK(IntAtLeast):
+    """An argparse ``type`` for a top-k: an integer >= 1, or -1 (vLLM's "off"), parsed as None.
+
+    Errors as :class:`IntAtLeast`; :meth:`problem` accepts None and -1 as off.
+    """
+
+    def __init__(self):
+        super().__init__(1)
+        self.__name__ = "integer >= 1 or -1 (off)"
+
+    def problem(self, value) -> str | None:
+        if value is None or (value == -1 and not isinstance(value, bool)):
+            return None
+        problem = super().problem(value)
+        return problem and f"{problem} (or -1 = off)"
+
+    def __call__(self, text: str) -> int | None:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= 1 or -1 (off), got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return None if value == -1 else value
+
+
 # The value flags of the family and their types: the parser and config_hook check the same.
 FLAG_TYPES = {
     "logprobs_chunk_size": IntAtLeast(0),
     "lm_head_chunk_size": IntAtLeast(0),
     "entropy_coef": FloatIn(),
     "vocab_stats_label_smoothing": FloatIn(0.0, 1.0, open_high=True),
+    "rollout_temperature": FloatIn(0.0, open_low=True),
+    "rollout_top_k": TopK(),
+    "rollout_top_p": FloatIn(0.0, 1.0, open_low=True),
+    "rollout_min_p": FloatIn(0.0, 1.0, open_high=True),
+    "rollout_correction_threshold": FloatIn(0.0, open_low=True),
+    "rollout_correction_low": FloatIn(0.0, 1.0, open_low=True),
+    "rollout_correction_high": FloatIn(1.0),
 }
+# Value flags whose default None means "unset" (the mode's default); None passes their check.
+OPTIONAL_FLAGS = ("rollout_correction_threshold", "rollout_correction_low",
+                  "rollout_correction_high")
+# The rollout flags: options of functions the user's forward step calls (policy_loss, the
+# sampling log-probs), not of the patched loss, so they apply with or without the switch.
+ROLLOUT_FLAGS = {"rollout_temperature": "rollout_temperature", "rollout_top_k": "rollout_top_k",
+                 "rollout_top_p": "rollout_top_p", "rollout_min_p": "rollout_min_p",
+                 "rollout_correction": "rollout_correction_mode",
+                 "rollout_correction_level": "rollout_correction_level",
+                 "rollout_correction_threshold": "rollout_correction_threshold",
+                 "rollout_correction_low": "rollout_correction_low",
+                 "rollout_correction_high": "rollout_correction_high"}
 
 
 def check_flag_values(args) -> None:
     """Raise ``ValueError`` naming the flag for a value of the family its parser would refuse:
     a number outside :data:`FLAG_TYPES` or a choice not offered, set without the parser (a YAML
     config, a script). Flags absent from ``args`` are not checked."""
+    from ..rollout import ROLLOUT_LEVELS
+
     choices = {"vocab_stats_entropy": settings.ENTROPY_MODES,
-               "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG)}
+               "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG),
+               "rollout_correction": settings.ROLLOUT_CORRECTION_MODES,
+               "rollout_correction_level": ROLLOUT_LEVELS}
     for name in (*FLAG_TYPES, *choices):
         if not hasattr(args, name):
             continue
         value = getattr(args, name)
+        if value is None and name in OPTIONAL_FLAGS:
+            continue
         if name in FLAG_TYPES:
             problem = FLAG_TYPES[name].problem(value)
         else:
@@ -168,7 +221,63 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--precision-aware-optimizer-bf16", action="store_true",
                        help="Turn on Megatron's precision-aware optimizer with bf16 main grads "
                        "and bf16 Adam moments, after checking its prerequisites.")
+    # Rollout engine's sampler and the mismatch correction: read by the user's forward step
+    # (settings.current().sampler_options() / .rollout_correction()), with or without the switch.
+    group.add_argument("--rollout-temperature", type=FLAG_TYPES["rollout_temperature"],
+                       default=1.0, help="Temperature of the rollout engine's sampler (> 0), "
+                       "replayed by vocab_parallel_sampling_logprobs.")
+    group.add_argument("--rollout-top-k", type=FLAG_TYPES["rollout_top_k"], default=None,
+                       help="Top-k of the rollout sampler (>= 1); -1 or unset = off.")
+    group.add_argument("--rollout-top-p", type=FLAG_TYPES["rollout_top_p"], default=1.0,
+                       help="Top-p of the rollout sampler, in (0, 1]; 1 = off.")
+    group.add_argument("--rollout-min-p", type=FLAG_TYPES["rollout_min_p"], default=0.0,
+                       help="Min-p of the rollout sampler, in [0, 1); 0 = off.")
+    group.add_argument("--rollout-correction", choices=settings.ROLLOUT_CORRECTION_MODES,
+                       default="none", help="Importance-weight correction of the trainer / "
+                       "rollout-engine mismatch in policy_loss: truncated IS (tis), masked IS "
+                       "(mis) or IcePop (icepop); none = off.")
+    group.add_argument("--rollout-correction-level", choices=("token", "sequence"),
+                       default="token", help="One weight per token or per sequence (icepop: "
+                       "token only).")
+    group.add_argument("--rollout-correction-threshold",
+                       type=FLAG_TYPES["rollout_correction_threshold"], default=None,
+                       help="tis: the weight cap C > 0 (default 2).")
+    group.add_argument("--rollout-correction-low", type=FLAG_TYPES["rollout_correction_low"],
+                       default=None, help="mis / icepop: lower end of the kept ratio band, in "
+                       "(0, 1] (default: mis 1 / high, icepop 0.5).")
+    group.add_argument("--rollout-correction-high", type=FLAG_TYPES["rollout_correction_high"],
+                       default=None, help="mis / icepop: upper end of the kept ratio band, >= 1 "
+                       "(default: mis 2, icepop 5).")
     return parser
+
+
+def _rollout_settings(args) -> dict:
+    """The settings fields of the rollout flags in ``args`` (absent flags keep the current
+    settings), with the combinations checked naming the flags."""
+    current = settings.current()
+    fields = {field: getattr(args, flag) if hasattr(args, flag) else getattr(current, field)
+              for flag, field in ROLLOUT_FLAGS.items()}
+    mode = fields["rollout_correction_mode"]
+    given = [name for name in ("threshold", "low", "high")
+             if fields[f"rollout_correction_{name}"] is not None]
+    wants = {"none": (), "tis": ("threshold",), "mis": ("low", "high"),
+             "icepop": ("low", "high")}[mode]
+    for name in given:
+        if name not in wants:
+            needs = "tis" if name == "threshold" else "mis or icepop"
+            raise ValueError(f"--rollout-correction-{name} applies to --rollout-correction "
+                             f"{needs} (got --rollout-correction {mode})")
+    if mode == "icepop" and fields["rollout_correction_level"] != "token":
+        raise ValueError("--rollout-correction icepop is token level only (got "
+                         "--rollout-correction-level sequence); use --rollout-correction mis "
+                         "--rollout-correction-level sequence to drop whole sequences")
+    try:
+        settings.PluginSettings(active=False, **fields)
+    except ValueError as exc:  # what is left: a band without 1 inside, low >= high
+        low, high = fields["rollout_correction_low"], fields["rollout_correction_high"]
+        raise ValueError(f"--rollout-correction {mode} with --rollout-correction-low {low} "
+                         f"--rollout-correction-high {high}: {exc}") from None
+    return fields
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -272,29 +381,37 @@ def config_hook(args) -> settings.PluginSettings:
     """Set the plugin up from Megatron's parsed ``args``; must run before ``validate_args``.
 
     Without ``--vocab-parallel-stats`` the plugin is switched off (a warning lists our other flags
-    if any were given). With it: rejects contradictions, applies ``--precision-aware-optimizer-bf16``
+    if any were given). The ``--rollout-*`` flags are stored either way (they configure what the
+    user's forward step calls: :meth:`~.settings.PluginSettings.sampler_options` and
+    :meth:`~.settings.PluginSettings.rollout_correction`, not the patched loss). With the switch:
+    rejects contradictions, applies ``--precision-aware-optimizer-bf16``
     and the FP8 alignment (``make_vocab_size_divisible_by`` made a multiple of 128; the token
     padding multiple stored as ``args.vocab_stats_token_alignment``), and stores the settings.
 
     Raises:
         ValueError: naming the flag, for a value of the family its parser would refuse
             (:func:`check_flag_values`: a negative chunk size, a non-finite entropy
-            coefficient, label smoothing outside [0, 1), an unknown choice), whether or not the
-            plugin is on; and naming the flags to change, for our path together with
+            coefficient, label smoothing outside [0, 1), a rollout temperature <= 0, top-k < 1
+            other than -1, top-p outside (0, 1], min-p outside [0, 1), an unknown choice), whether
+            or not the plugin is on; a rollout-correction bound the mode does not take
+            (``--rollout-correction-threshold`` without tis, ``-low``/``-high`` without mis or
+            icepop), icepop at sequence level, a band with low >= high; and naming the flags to change, for our path together with
             ``--cross-entropy-loss-fusion``, an entropy bonus without ``--vocab-stats-entropy
             grad``, FP8 without bf16, missing precision-aware-optimizer prerequisites (all of
             them listed at once), or ``--vocab-stats-batch-invariant tp`` under tensor
             parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128.
     """
     check_flag_values(args)
+    rollout = _rollout_settings(args)
     if not getattr(args, "vocab_parallel_stats", False):
         defaults = vars(add_vocab_stats_args(argparse.ArgumentParser()).parse_args([]))
-        given = [k for k, v in defaults.items() if getattr(args, k, v) != v]
+        given = [k for k, v in defaults.items()
+                 if k not in ROLLOUT_FLAGS and getattr(args, k, v) != v]
         if given:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
             warnings.warn(f"{flags} ignored: megatron-vocabstats is off without "
                           "--vocab-parallel-stats", stacklevel=2)
-        return settings.update(active=False)
+        return settings.update(active=False, **rollout)
 
     if getattr(args, "cross_entropy_loss_fusion", False):
         impl = getattr(args, "cross_entropy_fusion_impl", "native")
@@ -320,6 +437,7 @@ def config_hook(args) -> settings.PluginSettings:
         validate=not args.vocab_stats_skip_checks,
         token_alignment=alignment,
         batch_invariant=batch_invariant,
+        **rollout,
     )
 
 

@@ -12,6 +12,11 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from ..ops._checks import ENTROPY_MODES, check_batch_invariant
+from ..ops.sampling import sampler_problem
+from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
+
+# The rollout-correction modes of the settings and the --rollout-correction flag: "none" = off.
+ROLLOUT_CORRECTION_MODES = ("none", *ROLLOUT_MODES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +37,20 @@ class PluginSettings:
     for :mod:`megatron_vocabstats.packing`; ``batch_invariant``: False, True or "tp", the ops'
     argument of that name [--vocab-stats-batch-invariant {off,batch,tp}].
 
+    Rollout fields (read by the user's forward step through :meth:`sampler_options` and
+    :meth:`rollout_correction`, not by the patched call sites; the config hook sets them with or
+    without --vocab-parallel-stats): the rollout engine's sampler, replayed by
+    :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`: ``rollout_temperature`` > 0
+    [--rollout-temperature], ``rollout_top_k`` >= 1 or None = off [--rollout-top-k, -1 = off],
+    ``rollout_top_p`` in (0, 1], 1 = off [--rollout-top-p], ``rollout_min_p`` in [0, 1), 0 = off
+    [--rollout-min-p]; the importance-weight correction of
+    :func:`~megatron_vocabstats.policy_loss`: ``rollout_correction_mode`` "none" | "tis" | "mis"
+    | "icepop" [--rollout-correction], ``rollout_correction_level`` "token" | "sequence"
+    [--rollout-correction-level], ``rollout_correction_threshold`` (tis cap),
+    ``rollout_correction_low`` / ``rollout_correction_high`` (mis / icepop band); None = the
+    mode's default (:class:`~megatron_vocabstats.RolloutCorrection`)
+    [--rollout-correction-threshold, --rollout-correction-low, --rollout-correction-high].
+
     Raises ``TypeError`` (a field of the wrong Python type) or ``ValueError`` (a chunk size,
     vocabulary size or alignment out of range, a non-finite coefficient, an unknown entropy or
     batch-invariant mode, a bonus without entropy="grad"), naming the field and the value.
@@ -47,6 +66,15 @@ class PluginSettings:
     validate: bool = True
     token_alignment: int = 1
     batch_invariant: bool | str = False
+    rollout_temperature: float = 1.0
+    rollout_top_k: int | None = None
+    rollout_top_p: float = 1.0
+    rollout_min_p: float = 0.0
+    rollout_correction_mode: str = "none"
+    rollout_correction_level: str = "token"
+    rollout_correction_threshold: float | None = None
+    rollout_correction_low: float | None = None
+    rollout_correction_high: float | None = None
 
     def __post_init__(self):
         for name in ("active", "validate"):
@@ -79,6 +107,53 @@ class PluginSettings:
             )
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1), got {self.label_smoothing}")
+        self._check_rollout()
+
+    def _check_rollout(self) -> None:
+        t = self.rollout_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"rollout_temperature must be a float, got {t!r}")
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"rollout_temperature must be finite and > 0, got {t!r}")
+        problem = sampler_problem(self.rollout_top_k, self.rollout_top_p, self.rollout_min_p)
+        if problem is not None:
+            raise type(problem)(f"rollout_{problem}")
+        if self.rollout_correction_mode not in ROLLOUT_CORRECTION_MODES:
+            raise ValueError(f"rollout_correction_mode must be one of {ROLLOUT_CORRECTION_MODES}"
+                             f", got {self.rollout_correction_mode!r}")
+        if self.rollout_correction_level not in ROLLOUT_LEVELS:
+            raise ValueError(f"rollout_correction_level must be one of {ROLLOUT_LEVELS}, got "
+                             f"{self.rollout_correction_level!r}")
+        if self.rollout_correction_mode == "none":
+            for name in ("threshold", "low", "high"):
+                if getattr(self, f"rollout_correction_{name}") is not None:
+                    raise ValueError(f"rollout_correction_{name} needs a rollout_correction_mode"
+                                     f" (got 'none')")
+            return
+        try:
+            self.rollout_correction()
+        except ValueError as exc:
+            raise ValueError(f"rollout_correction_mode={self.rollout_correction_mode!r}: "
+                             f"{exc}") from None
+
+    def rollout_correction(self) -> RolloutCorrection | None:
+        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings, None for mode
+        "none": ``policy_loss(..., rollout_correction=settings.current().rollout_correction())``."""
+        if self.rollout_correction_mode == "none":
+            return None
+        return RolloutCorrection(mode=self.rollout_correction_mode,
+                                 level=self.rollout_correction_level,
+                                 threshold=self.rollout_correction_threshold,
+                                 low=self.rollout_correction_low,
+                                 high=self.rollout_correction_high)
+
+    def sampler_options(self) -> dict:
+        """The sampler keywords of :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`
+        (``temperature``, ``top_k``, ``top_p``, ``min_p``; filters that are off as None):
+        ``vocab_parallel_sampling_logprobs(logits, target, ..., **settings.sampler_options())``."""
+        return {"temperature": float(self.rollout_temperature), "top_k": self.rollout_top_k,
+                "top_p": None if self.rollout_top_p in (None, 1.0) else float(self.rollout_top_p),
+                "min_p": float(self.rollout_min_p) if self.rollout_min_p else None}
 
 
 FIELDS = tuple(f.name for f in fields(PluginSettings))

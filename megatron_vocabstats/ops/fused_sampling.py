@@ -1,7 +1,7 @@
 """The sampler's log-probs (:mod:`.sampling`) straight from hidden states on the fused LM-head
 path: every pass of the threshold search recomputes each chunk's logits ``hidden @ W.T``, so no
 ``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
-per pass (18 in forward with top-k and top-p, one in backward)."""
+per pass (14 in forward with top-k and top-p, one in backward)."""
 
 from __future__ import annotations
 

@@ -22,14 +22,15 @@ what they keep. SGLang applies top-k, then top-p, then min-p (on the top-p-renor
 probabilities), which gives another set when min-p and top-p are both active.
 
 Method: the kept set of a row is ``z >= threshold``; each threshold is found by a radix search
-over the order-preserving int32 image of the fp32 values (4 bits per step, 8 steps, exact): per
-step every rank histograms its columns of the row into 16 buckets (a count for top-k, the mass
-``exp(z - m)`` in float64 for top-p), one all-gather sums them in rank order, and every rank
-picks the same bucket. Communication for tp > 1: one all-gather of ``[2, T]`` (maxima and target
-logits), 8 of ``[T, 16]`` float64 per active top-k/top-p, one of ``[T]`` float64 (the kept mass);
-none in backward. The decisions are those of the exact set up to the float64 rounding of the
-masses (a token within ~1e-15 relative of the top-p boundary may fall either way, and the
-rounding differs across tp sizes only there).
+over the order-preserving int32 image of the fp32 values (6 steps deciding 6, 6, 6, 6, 6 and 2
+bits; exact): per step every rank histograms its columns of the row into the buckets of the
+current key interval (a count for top-k, the mass ``exp(z - m)`` for top-p), one all-gather sums
+the shards in rank order, and every rank picks the same bucket. Communication for tp > 1: one
+all-gather of ``[2, T]`` (maxima and target logits), 6 of at most ``[T, 64]`` float64 per active
+top-k/top-p, one of ``[T]`` float64 (the kept mass); none in backward. Counts are exact; the
+masses are summed in fp32 within a chunk row and in float64 over chunks and shards, so a token
+whose strictly-more-likely mass lies within about 1e-6 relative of ``top_p`` may fall either way
+(vLLM's own fp32 cumulative sum has the same resolution), and only there may tp sizes differ.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ from .vocab_parallel import _chunks, flatten_target
 
 _KEY_MIN = -(2**31)
 _PAD_KEY = _KEY_MIN - 1  # below every real column: padding is never counted
-_DIGIT_BITS = 4
-_BUCKETS = 1 << _DIGIT_BITS
+# Bits of the key decided per radix step (32 in all): 6 steps of one all-gather each; the
+# [T, 64] float64 histograms stay small next to the logits.
+_DIGITS = (6, 6, 6, 6, 6, 2)
 
 
 class SamplingLogprobs(NamedTuple):
@@ -99,46 +101,59 @@ def sampler_problem(top_k, top_p, min_p) -> Exception | None:
 
 
 def sort_keys(z: torch.Tensor, real_width: int) -> torch.Tensor:
-    """int64 keys of an fp32 ``[n, W]`` chunk ordered like the values (-0.0 as +0.0), padding
-    columns (from ``real_width`` on) below every real one."""
-    bits = torch.where(z == 0, 0.0, z).view(torch.int32)
-    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    """int64 keys of an fp32 ``[n, W]`` chunk ordered like the values, padding columns (from
+    ``real_width`` on) below every real one. Turns -0.0 into +0.0 in ``z`` (in place: equal
+    values, equal keys)."""
+    bits = z.add_(0.0).view(torch.int32)
+    keys = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
     keys[:, real_width:] = _PAD_KEY
     return keys
-
-
-def key_of(values: torch.Tensor) -> torch.Tensor:
-    """The key of each fp32 value (as :func:`sort_keys`, no padding)."""
-    return sort_keys(values.float().reshape(-1, 1).contiguous(), 1).reshape(values.shape)
 
 
 def _min_p_keep(z, m, min_p):
     return None if not min_p else torch.exp(z - m.unsqueeze(1)) >= min_p
 
 
-def _kept(z, keys, rows, m, thresholds, min_p):
-    """The kept columns of one chunk: key at or above the row's threshold (and min-p)."""
-    keep = keys >= thresholds[rows].unsqueeze(1)
+def value_of(keys: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of each key (the inverse of :func:`sort_keys`; ``_KEY_MIN`` gives -inf):
+    ``key >= t`` is ``z >= value_of(t)`` for every non-NaN z, a cheaper test."""
+    bits = keys.int()
+    values = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    return torch.where(keys <= _KEY_MIN, float("-inf"), values)
+
+
+def _kept(z, rows, m, thresholds, min_p, real_width: int):
+    """The kept columns of one chunk: at or above the row's threshold value (and min-p);
+    padding columns never."""
+    keep = z >= thresholds[rows].unsqueeze(1)
+    if real_width < z.shape[1]:
+        keep[:, real_width:] = False
     by_min_p = _min_p_keep(z, m[rows], min_p)
     return keep if by_min_p is None else keep & by_min_p
 
 
 def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> torch.Tensor:
     """Per row the largest key ``t`` with ``S(key >= t) >= target``, where ``S`` sums
-    ``weight(z, keys, rows)`` over every column of the row (all shards); ``_KEY_MIN`` (keep every
-    column) where even the whole row falls short. ``target_of(total)`` gives the targets from the
-    row totals. Radix search, 8 steps of one all-gather each."""
+    ``weight(z, keys, rows)`` (fp32, >= 0) over every column of the row (all shards);
+    ``_KEY_MIN`` (keep every column) where even the whole row falls short. ``target_of(total)``
+    gives the targets from the row totals. Radix search (:data:`_DIGITS`), one all-gather per
+    step; a chunk's buckets are summed in fp32, the chunks and shards in float64."""
     lo = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
     above = torch.zeros(num_tokens, dtype=torch.float64, device=device)
     short = target = None
-    for step in range(32 // _DIGIT_BITS):
-        shift = 32 - _DIGIT_BITS * (step + 1)
-        hist = torch.zeros((num_tokens, _BUCKETS), dtype=torch.float64, device=device)
+    shift = 32
+    for bits in _DIGITS:
+        shift -= bits
+        buckets = 1 << bits
+        hist = torch.zeros((num_tokens, buckets), dtype=torch.float64, device=device)
         for rows, z, keys in passes():
-            rel = keys - lo[rows].unsqueeze(1)
-            inside = (rel >= 0) & (rel < (_BUCKETS << shift))
-            counted = torch.where(inside, weight(z, keys, rows), 0.0)
-            hist[rows].scatter_add_(1, (rel >> shift).clamp_(0, _BUCKETS - 1), counted)
+            counted = weight(z, keys, rows)
+            # (the keys are made anew for every pass: reuse them for the bucket index)
+            bucket = keys.sub_(lo[rows].unsqueeze(1)).bitwise_right_shift_(shift)
+            bucket.clamp_(-1, buckets).add_(1)  # 1..buckets inside, 0 and buckets + 1 not
+            part = torch.zeros((bucket.shape[0], buckets + 2), dtype=torch.float32,
+                               device=device)
+            hist[rows] += part.scatter_add_(1, bucket, counted)[:, 1:buckets + 1]
         hist = _comm.gather_stats(hist, tp_group).sum(dim=0)
         if target is None:
             target = target_of(hist.sum(dim=1))
@@ -146,7 +161,7 @@ def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> tor
         # tail[b] = S(key >= lo + b << shift); choose the highest bucket that still reaches it.
         tail = torch.cat([hist.flip(1).cumsum(1).flip(1) + above.unsqueeze(1),
                           above.unsqueeze(1)], dim=1)
-        chosen = ((tail[:, :_BUCKETS] >= target.unsqueeze(1)).sum(dim=1) - 1).clamp_(min=0)
+        chosen = ((tail[:, :buckets] >= target.unsqueeze(1)).sum(dim=1) - 1).clamp_(min=0)
         above = tail.gather(1, (chosen + 1).unsqueeze(1)).squeeze(1)
         lo = lo + (chosen << shift)
     return torch.where(short, _KEY_MIN, lo)
@@ -154,11 +169,14 @@ def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> tor
 
 def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> torch.Tensor:
     """``[T]`` int64: the key a column must reach to be kept by top-k and top-p (min-p apart)."""
+    real = cfg.stats.layout.real_width
     everything = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
     by_k = everything
     if cfg.top_k is not None:
-        def count(z, keys, rows):  # the columns min-p keeps (padding is below _KEY_MIN)
-            return _kept(z, keys, rows, m, everything, cfg.min_p).double()
+        no_threshold = value_of(everything)
+
+        def count(z, keys, rows):  # the columns min-p keeps
+            return _kept(z, rows, m, no_threshold, cfg.min_p, real).float()
 
         k = float(cfg.top_k)
         by_k = _largest_key(passes, count, lambda total: torch.full_like(total, k),
@@ -166,21 +184,24 @@ def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> 
     if cfg.top_p is None or cfg.top_p >= 1.0:
         return by_k
 
+    by_k_value = value_of(by_k)
+
     def mass(z, keys, rows):  # renormalised over what min-p and top-k keep
-        keep = _kept(z, keys, rows, m, by_k, cfg.min_p)
-        return torch.where(keep, torch.exp(z.double() - m[rows].double().unsqueeze(1)), 0.0)
+        keep = _kept(z, rows, m, by_k_value, cfg.min_p, real)
+        return torch.where(keep, torch.exp(z - m[rows].unsqueeze(1)), 0.0)
 
     top_p = float(cfg.top_p)
     by_p = _largest_key(passes, mass, lambda total: total * top_p, num_tokens, device, tp_group)
     return torch.maximum(by_p, by_k)
 
 
-def _kept_mass(passes, m, thresholds, min_p, num_tokens, device, tp_group) -> torch.Tensor:
+def _kept_mass(chunks, m, thresholds, min_p, real_width, num_tokens, device,
+               tp_group) -> torch.Tensor:
     mass = torch.zeros(num_tokens, dtype=torch.float64, device=device)
-    for rows, z, keys in passes():
-        keep = _kept(z, keys, rows, m, thresholds, min_p)
-        mass[rows] = torch.where(keep, torch.exp(z.double() - m[rows].double().unsqueeze(1)),
-                                 0.0).sum(dim=1)
+    for rows, z, _index, _owned in chunks():
+        keep = _kept(z, rows, m, thresholds, min_p, real_width)
+        mass[rows] = torch.where(keep, torch.exp(z - m[rows].unsqueeze(1)), 0.0).sum(
+            dim=1, dtype=torch.float64)
     return _comm.gather_stats(mass, tp_group).sum(dim=0)
 
 
@@ -209,13 +230,15 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     target_logit = gathered[:, 1].sum(dim=0)
     target_logit = torch.where(target_logit <= Z_FLOOR, float("-inf"), target_logit)
     thresholds = _thresholds(passes, m_safe, cfg, num_tokens, device, tp_group)
-    mass = _kept_mass(passes, m_safe, thresholds, cfg.min_p, num_tokens, device, tp_group)
+    thresholds = value_of(thresholds)  # kept: z >= thresholds (and min-p)
+    mass = _kept_mass(chunks, m_safe, thresholds, cfg.min_p, sc.layout.real_width, num_tokens,
+                      device, tp_group)
     lse = (m_safe.double() + torch.log(mass)).float()
     lse = torch.where(torch.isnan(m), m, lse)  # NaN logits stay NaN
     if host_checks_enabled(sc.validate, device):
         check_finite(lse, valid, temperature=sc.temperature)
     in_range = target_in_range(target1d, sc.layout.vocab_size)
-    inside = key_of(target_logit) >= thresholds
+    inside = target_logit >= thresholds
     if cfg.min_p:
         inside &= torch.exp(target_logit - m_safe) >= cfg.min_p
     inside &= in_range
@@ -237,7 +260,7 @@ def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerC
     """Write the chunk's logits gradient ``coef (1[j = y] - q_j)`` (q on the kept set, held
     constant) into ``out`` (one cast)."""
     m, lse, thresholds, _ = saved
-    keep = _kept(z, sort_keys(z, cfg.stats.layout.real_width), rows, m, thresholds, cfg.min_p)
+    keep = _kept(z, rows, m, thresholds, cfg.min_p, cfg.stats.layout.real_width)
     g = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0).mul_(
         -coef[rows].unsqueeze(1))
     g.scatter_add_(1, index.unsqueeze(1), torch.where(owned, coef[rows], 0.0).unsqueeze(1))
@@ -356,7 +379,7 @@ def vocab_parallel_sampling_logprobs(
         ``d/dz_j = (1[j = y] - q_j) / temperature``; zero gradient where the target is outside
         the kept set or ignored.
 
-    Communication: see the module docstring (at most 18 small collectives for tp > 1, plus the
+    Communication: see the module docstring (at most 14 small collectives for tp > 1, plus the
     check all-gather with ``validate``); none in backward. Memory: the core op's two fp32
     ``[chunk, W]`` buffers plus chunk-sized int64 keys and float64 masses.
 

@@ -236,3 +236,40 @@ def test_checkpoint_of_another_model(cli, capsys, tmp_path, gsm8k_dir):
     (ckpt / "meta.json").write_text(json.dumps({"hidden_size": 128}))
     fails(cli, capsys, ["sft", *TINY, "--data-dir", str(gsm8k_dir), "--load", str(ckpt),
                         "--out", str(tmp_path / "out")], "--load", "hidden_size")
+
+
+# --------------------------------------------------------------------------- sampled rollouts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_scores_its_own_truncated_distribution(dtype):
+    from examples.gsm8k.grpo import sample_next
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 64).to(dtype)
+    tokens, logq = sample_next(logits, temperature=0.5, top_p=0.9,
+                               generator=torch.Generator().manual_seed(0))
+    z = logits / 0.5
+    p = torch.softmax(z.float(), -1)[0]
+    kept = (torch.cumsum(p, 0) - p) < 0.9  # the most likely holds 0.865 of the mass
+    assert kept.tolist() == [True, True, False, False, False]
+    assert set(tokens.tolist()) <= {0, 1} and len(set(tokens.tolist())) == 2
+    want = torch.log_softmax(z[0, :2], -1).float()  # in the sampler's dtype
+    assert logq.dtype == torch.float32
+    torch.testing.assert_close(logq, want[tokens], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--rollout-correction", "tis"], ("--rollout-correction tis", "--rollouts sampled")),
+    (["--rollouts", "sampled", "--rollout-temperature", "0.5"],
+     ("--rollout-temperature", "--sample-temperature")),
+    (["--rollouts", "sampled", "--sample-top-p", "0"], ("--sample-top-p",)),
+    (["--rollouts", "sampled", "--max-new-tokens", "0"], ("--max-new-tokens",)),
+    (["--rollouts", "sampled", "--rollout-correction", "mis",
+      "--rollout-correction-threshold", "3"],
+     ("--rollout-correction-threshold applies to --rollout-correction tis",)),
+])
+def test_bad_rollout_flags_stop_grpo(cli, capsys, tmp_path, gsm8k_dir, flags, needles):
+    out = tmp_path / "out"
+    fails(cli, capsys, ["grpo", *TINY, *flags, "--data-dir", str(gsm8k_dir), "--out", str(out)],
+          *needles)
+    assert not out.exists()

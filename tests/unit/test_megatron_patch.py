@@ -366,3 +366,160 @@ def test_config_hook_refuses_values_set_without_the_parser(patch, monkeypatch, s
 def test_settings_refuse_bad_fields(changes, error, message):
     with pytest.raises(error, match=message):
         settings.PluginSettings(**changes)
+
+
+# ---- the rollout flags: the sampler replayed and the mismatch correction ----
+
+def test_rollout_flags_defaults_are_off(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats"], monkeypatch)
+    assert (args.rollout_temperature, args.rollout_top_k, args.rollout_top_p,
+            args.rollout_min_p) == (1.0, None, 1.0, 0.0)
+    assert (args.rollout_correction, args.rollout_correction_level) == ("none", "token")
+    assert args.rollout_correction_threshold is None
+    assert args.rollout_correction_low is None and args.rollout_correction_high is None
+    current = config_hook(args)
+    assert current.rollout_correction() is None
+    assert current.sampler_options() == {"temperature": 1.0, "top_k": None, "top_p": None,
+                                         "min_p": None}
+
+
+@pytest.mark.parametrize("switch", [["--vocab-parallel-stats"], []])
+def test_rollout_flags_reach_the_settings_and_builders(patch, monkeypatch, switch):
+    from megatron_vocabstats import RolloutCorrection
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse([*switch, "--rollout-temperature", "0.7", "--rollout-top-k", "50",
+                      "--rollout-top-p", "0.9", "--rollout-min-p", "0.05",
+                      "--rollout-correction", "tis", "--rollout-correction-level", "sequence",
+                      "--rollout-correction-threshold", "3"], monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rollout flags are not "ignored" without the switch
+        current = config_hook(args)
+    assert current.active == bool(switch)
+    assert (current.rollout_temperature, current.rollout_top_k, current.rollout_top_p,
+            current.rollout_min_p) == (0.7, 50, 0.9, 0.05)
+    assert current.rollout_correction() == RolloutCorrection(mode="tis", level="sequence",
+                                                             threshold=3.0)
+    assert current.sampler_options() == {"temperature": 0.7, "top_k": 50, "top_p": 0.9,
+                                         "min_p": 0.05}
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--rollout-correction", "mis"], dict(mode="mis", low=0.5, high=2.0)),
+    (["--rollout-correction", "mis", "--rollout-correction-high", "4"],
+     dict(mode="mis", low=0.25, high=4.0)),
+    (["--rollout-correction", "icepop"], dict(mode="icepop", low=0.5, high=5.0)),
+    (["--rollout-correction", "icepop", "--rollout-correction-low", "0.8",
+      "--rollout-correction-high", "1.5"], dict(mode="icepop", low=0.8, high=1.5)),
+    (["--rollout-correction", "tis"], dict(mode="tis", threshold=2.0)),
+])
+def test_rollout_correction_builder(patch, monkeypatch, argv, want):
+    from megatron_vocabstats import RolloutCorrection, policy_loss
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", *argv], monkeypatch)
+    built = config_hook(args).rollout_correction()
+    assert built == RolloutCorrection(**want)
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.1]]))
+    out = policy_loss(lp, lp, torch.ones(1, 3), torch.ones(1, 3), rollout_logprobs=lp - 0.1,
+                      rollout_correction=built)
+    assert "rollout k3 kl" in out[2]
+
+
+def test_top_k_minus_one_is_off(patch, monkeypatch):
+    _, args = _parse(["--rollout-top-k", "-1"], monkeypatch)
+    assert args.rollout_top_k is None
+
+
+def test_sampler_options_reach_the_sampling_op(patch, monkeypatch):
+    from megatron_vocabstats import vocab_parallel_sampling_logprobs
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--rollout-top-k", "2", "--rollout-temperature", "0.5"], monkeypatch)
+    options = config_hook(args).sampler_options()
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    got = vocab_parallel_sampling_logprobs(logits, torch.tensor([1]), **options)
+    want = torch.log_softmax(logits[0, :2] / 0.5, -1)[1]
+    torch.testing.assert_close(got.logprobs[0], want)
+    assert not got.outside.any()
+    assert vocab_parallel_sampling_logprobs(logits, torch.tensor([2]), **options).outside.all()
+
+
+@pytest.mark.parametrize("flag, value", [("--rollout-temperature", "0"),
+                                         ("--rollout-temperature", "nan"),
+                                         ("--rollout-top-k", "0"), ("--rollout-top-k", "-2"),
+                                         ("--rollout-top-k", "1.5"),
+                                         ("--rollout-top-p", "0"), ("--rollout-top-p", "1.1"),
+                                         ("--rollout-min-p", "1"), ("--rollout-min-p", "-0.1"),
+                                         ("--rollout-correction-threshold", "0"),
+                                         ("--rollout-correction-low", "0"),
+                                         ("--rollout-correction-low", "1.5"),
+                                         ("--rollout-correction-high", "0.9")])
+def test_bad_rollout_flag_values_stop_megatron_parser(patch, monkeypatch, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        _parse([flag, value], monkeypatch)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_unknown_rollout_correction_stops_megatron_parser(patch, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--rollout-correction", "is"], monkeypatch)
+    assert "argument --rollout-correction: invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rollout-correction-threshold", "3"],
+     "--rollout-correction-threshold applies to --rollout-correction tis"),
+    (["--rollout-correction", "mis", "--rollout-correction-threshold", "3"],
+     "--rollout-correction-threshold applies to --rollout-correction tis"),
+    (["--rollout-correction", "tis", "--rollout-correction-high", "3"],
+     "--rollout-correction-high applies to --rollout-correction mis or icepop"),
+    (["--rollout-correction", "icepop", "--rollout-correction-level", "sequence"],
+     "--rollout-correction icepop is token level only"),
+    (["--rollout-correction", "mis", "--rollout-correction-low", "1",
+      "--rollout-correction-high", "1"], "--rollout-correction mis with --rollout-correction-low"),
+])
+def test_rollout_correction_combinations_refused_naming_the_flags(patch, monkeypatch, argv,
+                                                                  message):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", *argv], monkeypatch)
+    with pytest.raises(ValueError) as err:
+        config_hook(args)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("rollout_temperature", 0.0, "--rollout-temperature must be a finite number > 0"),
+    ("rollout_top_k", 0, "--rollout-top-k must be >= 1, got 0 (or -1 = off)"),
+    ("rollout_top_p", 2.0, "--rollout-top-p must be a number in (0, 1]"),
+    ("rollout_correction", "yes", "--rollout-correction must be one of"),
+    ("rollout_correction_level", "row", "--rollout-correction-level must be one of"),
+])
+def test_config_hook_refuses_rollout_values_set_without_the_parser(patch, monkeypatch, name,
+                                                                   value, message):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats"], monkeypatch)
+    setattr(args, name, value)
+    with pytest.raises(ValueError) as err:
+        config_hook(args)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(rollout_temperature=-1.0), ValueError, "rollout_temperature must be finite and > 0"),
+    (dict(rollout_top_k=0), ValueError, "rollout_top_k must be >= 1"),
+    (dict(rollout_top_p=0.0), ValueError, "rollout_top_p must lie in"),
+    (dict(rollout_min_p=1.0), ValueError, "rollout_min_p must lie in"),
+    (dict(rollout_correction_mode="is"), ValueError, "rollout_correction_mode must be one of"),
+    (dict(rollout_correction_low=0.5), ValueError, "rollout_correction_low needs a"),
+    (dict(rollout_correction_mode="tis", rollout_correction_threshold=-1.0), ValueError,
+     "threshold must be finite and > 0"),
+])
+def test_settings_refuse_bad_rollout_fields(changes, error, message):
+    with pytest.raises(error, match=message):
+        settings.PluginSettings(**changes)

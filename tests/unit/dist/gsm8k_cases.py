@@ -172,6 +172,34 @@ def grpo_prefers_rewarded_answers_on_a_repeated_batch(group):
 
 
 @CASES.register
+def grpo_sampled_rollouts_report_the_mismatch_before_and_after_replay(group):
+    out = shared_dir()
+    code = run_cli(["grpo", *TINY, "--steps", "2", "--questions-per-step", "1",
+                    "--group-size", "2", "--train-examples", "4", "--rollouts", "sampled",
+                    "--max-new-tokens", "4", "--sample-top-p", "0.9",
+                    "--sample-dtype", "bfloat16", "--rollout-correction", "tis", "--out", out])
+    assert code == 0
+    if dist.get_rank() != 0:
+        return
+    result = read_json(os.path.join(out, "grpo.json"))
+    assert result["config"]["rollouts"] == "sampled"
+    steps = result["steps"]
+    assert len(steps) == 2
+    assert os.path.getsize(os.path.join(out, "grpo.png")) > 0
+    for s in steps:
+        for key in ("before |dlogprob|", "before k3 kl", "after |dlogprob|", "after k3 kl",
+                    "outside support", "rollout weight", "rollout truncated fraction"):
+            assert key in s and math.isfinite(s[key]), (key, s)
+        assert 1 <= s["answer tokens"] <= 4, s
+        assert s["before k3 kl"] >= 0.0 and s["after k3 kl"] >= 0.0, s
+        # Replaying the sampler's top-p mask removes the log of the kept mass (~0.1 nats for a
+        # near-uniform model); what is left is the bf16 sampler against the fp32 trainer.
+        assert s["after |dlogprob|"] < s["before |dlogprob|"], s
+        assert s["before |dlogprob|"] > 0.05, s
+        assert 0.0 <= s["outside support"] <= 1.0 and s["reward"] in (0.0, 0.5, 1.0), s
+
+
+@CASES.register
 def scoring_matches_float64_reference(group):
     out = shared_dir()
     rows = [{"prompt": "Question: What is 2+3?\nAnswer: ", "response": "2+3 = 5\n#### 5"},
