@@ -539,6 +539,16 @@ def vocab_parallel_topk_logprobs(
             ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
+    cfg, valid = picked_config(logits, indices, mask, tp_group, vocab_size=vocab_size,
+                               vocab_start=vocab_start, chunk_size=chunk_size,
+                               temperature=temperature, validate=validate)
+    return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
+
+
+def picked_config(logits, indices, mask, tp_group, *, vocab_size, validate, **options):
+    """``(StatsConfig, valid rows [T])`` of an op reading the logits at ``indices``: the index
+    and mask checks (:func:`index_problem`) raised through the core checks' exchange, with the
+    agreement on ``k``, the mask and the ids."""
     problem = None
     if isinstance(logits, torch.Tensor) and logits.dim():  # else the core checks name logits
         try:
@@ -549,12 +559,9 @@ def vocab_parallel_topk_logprobs(
             problem = exc
     cfg = checked_config(logits, None, tp_group, local_error=problem,
                          agree=agreement(lambda: indices.shape[-1], indices, mask),
-                         vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size,
-                         entropy="off",
-                         temperature=temperature, ignore_index=-100, label_smoothing=0.0,
-                         validate=validate)
-    valid = valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)
-    return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
+                         vocab_size=vocab_size, entropy="off", ignore_index=-100,
+                         label_smoothing=0.0, validate=validate, **options)
+    return cfg, valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -632,18 +639,7 @@ def vocab_parallel_gather_logits(
             range with ``validate``, and what ``vocab_parallel_stats`` raises for the logits);
             under ``validate`` and tp > 1 on every rank. RuntimeError on double backward.
     """
-    problem = None
-    if isinstance(logits, torch.Tensor) and logits.dim():  # else the core checks name logits
-        try:
-            problem = index_problem(indices, mask, logits.shape[:-1], logits.device,
-                                    real_vocab(logits.shape[-1], tp_group, vocab_size),
-                                    host_checks_enabled(validate is True, logits.device))
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by the core exchange
-            problem = exc
-    cfg = checked_config(logits, None, tp_group, local_error=problem,
-                         agree=agreement(lambda: indices.shape[-1], indices, mask),
-                         vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=None,
-                         entropy="off", temperature=1.0, ignore_index=-100,
-                         label_smoothing=0.0, validate=validate)
-    valid = valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)
+    cfg, valid = picked_config(logits, indices, mask, tp_group, vocab_size=vocab_size,
+                               vocab_start=vocab_start, chunk_size=None, temperature=1.0,
+                               validate=validate)
     return _GatherLogits.apply(logits, indices, valid, cfg, tp_group)
