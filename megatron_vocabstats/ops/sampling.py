@@ -110,10 +110,6 @@ def sort_keys(z: torch.Tensor, real_width: int) -> torch.Tensor:
     return keys
 
 
-def _min_p_keep(z, m, min_p):
-    return None if not min_p else torch.exp(z - m.unsqueeze(1)) >= min_p
-
-
 def value_of(keys: torch.Tensor) -> torch.Tensor:
     """The fp32 value of each key (the inverse of :func:`sort_keys`; ``_KEY_MIN`` gives -inf):
     ``key >= t`` is ``z >= value_of(t)`` for every non-NaN z, a cheaper test."""
@@ -122,14 +118,19 @@ def value_of(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys <= _KEY_MIN, float("-inf"), values)
 
 
-def _kept(z, rows, m, thresholds, min_p, real_width: int):
-    """The kept columns of one chunk: at or above the row's threshold value (and min-p);
-    padding columns never."""
+def _scaled(z, m, rows) -> torch.Tensor:
+    """``exp(z - m)`` of a chunk: the unnormalised probabilities (fp32)."""
+    return torch.exp(z - m[rows].unsqueeze(1))
+
+
+def _kept(z, rows, thresholds, real_width: int, min_p=None, scaled=None):
+    """The kept columns of one chunk: at or above the row's threshold value, and with
+    ``min_p`` also ``scaled >= min_p`` (``scaled``: :func:`_scaled` of the chunk); padding
+    columns never."""
     keep = z >= thresholds[rows].unsqueeze(1)
     if real_width < z.shape[1]:
         keep[:, real_width:] = False
-    by_min_p = _min_p_keep(z, m[rows], min_p)
-    return keep if by_min_p is None else keep & by_min_p
+    return keep & (scaled >= min_p) if min_p else keep
 
 
 def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> torch.Tensor:
@@ -176,7 +177,8 @@ def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> 
         no_threshold = value_of(everything)
 
         def count(z, keys, rows):  # the columns min-p keeps
-            return _kept(z, rows, m, no_threshold, cfg.min_p, real).float()
+            scaled = _scaled(z, m, rows) if cfg.min_p else None
+            return _kept(z, rows, no_threshold, real, cfg.min_p, scaled).float()
 
         k = float(cfg.top_k)
         by_k = _largest_key(passes, count, lambda total: torch.full_like(total, k),
@@ -187,8 +189,8 @@ def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> 
     by_k_value = value_of(by_k)
 
     def mass(z, keys, rows):  # renormalised over what min-p and top-k keep
-        keep = _kept(z, rows, m, by_k_value, cfg.min_p, real)
-        return torch.where(keep, torch.exp(z - m[rows].unsqueeze(1)), 0.0)
+        scaled = _scaled(z, m, rows)
+        return torch.where(_kept(z, rows, by_k_value, real, cfg.min_p, scaled), scaled, 0.0)
 
     top_p = float(cfg.top_p)
     by_p = _largest_key(passes, mass, lambda total: total * top_p, num_tokens, device, tp_group)
@@ -199,16 +201,17 @@ def _kept_mass(chunks, m, thresholds, min_p, real_width, num_tokens, device,
                tp_group) -> torch.Tensor:
     mass = torch.zeros(num_tokens, dtype=torch.float64, device=device)
     for rows, z, _index, _owned in chunks():
-        keep = _kept(z, rows, m, thresholds, min_p, real_width)
-        mass[rows] = torch.where(keep, torch.exp(z - m[rows].unsqueeze(1)), 0.0).sum(
-            dim=1, dtype=torch.float64)
+        scaled = _scaled(z, m, rows)
+        mass[rows] = torch.where(_kept(z, rows, thresholds, real_width, min_p, scaled), scaled,
+                                 0.0).sum(dim=1, dtype=torch.float64)
     return _comm.gather_stats(mass, tp_group).sum(dim=0)
 
 
 def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device, tp_group):
     """Forward of the sampler log-probs over ``chunks``, a callable returning a fresh iterator of
-    ``(rows, z, index, owned)`` per chunk (z: the fp32 chunk of ``load_chunk``, overwritten by
-    nothing here; index/owned: the rows' targets in this shard), called once per pass.
+    ``(rows, z, index, owned)`` per chunk (z: the fp32 chunk of ``load_chunk``, whose -0.0 the
+    search's keys turn into +0.0; index/owned: the rows' targets in this shard), called once
+    per pass.
 
     Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, thresholds, inside)``
     for :func:`sampled_chunk_grad`.
@@ -260,7 +263,8 @@ def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerC
     """Write the chunk's logits gradient ``coef (1[j = y] - q_j)`` (q on the kept set, held
     constant) into ``out`` (one cast)."""
     m, lse, thresholds, _ = saved
-    keep = _kept(z, rows, m, thresholds, cfg.min_p, cfg.stats.layout.real_width)
+    scaled = _scaled(z, m, rows) if cfg.min_p else None
+    keep = _kept(z, rows, thresholds, cfg.stats.layout.real_width, cfg.min_p, scaled)
     g = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0).mul_(
         -coef[rows].unsqueeze(1))
     g.scatter_add_(1, index.unsqueeze(1), torch.where(owned, coef[rows], 0.0).unsqueeze(1))
