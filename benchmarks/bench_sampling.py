@@ -22,11 +22,12 @@ distribution (temperature, then min-p, then ``apply_top_k_top_p``), the targets 
 Agreement: each provider's log-probs (from its last timed run) are compared with the gather
 reference at the same targets, computed untimed in row chunks so it also exists where the
 ``gather`` provider does not fit. The reported ``max |diff|`` is over targets kept by both, in
-the rows where vLLM's sorted order has no tie across the top-p boundary; in a row with such a
-tie vLLM's sort order decides which of the tied tokens go, ours keeps or drops them all (see
-``megatron_vocabstats/ops/sampling.py``), so those rows are counted separately (with bf16
-logits ties are common), together with the largest difference there and the targets that one
-side keeps and the other drops.
+the rows where vLLM's sorted order has no tie across the top-p boundary; the rows with such a
+tie (common with bf16 logits: the sort's order among equal values decides which tied tokens
+go, here a stable sort as torch's CUDA radix sort of a vocabulary row is, and ours keeps the
+highest ids as that order does, see ``megatron_vocabstats/ops/sampling.py``) are counted
+separately, with the largest difference there and the targets that one side keeps and the
+other drops.
 
 Run (from the repo root); what the results file holds was made by (about 9 and 4 minutes on a
 shared 2-core CPU; ours makes 14 passes over the shard in forward, the fused path one chunk GEMM
@@ -110,7 +111,7 @@ def vllm_keep(z: torch.Tensor, top_k, top_p, min_p, ties: bool = False):
         z = z.masked_fill(~keep, float("-inf"))
     if top_k is None and top_p is None:
         return (keep, torch.zeros(z.shape[0], dtype=torch.bool)) if ties else keep
-    z_sort, idx = z.sort(dim=-1, descending=False)
+    z_sort, idx = z.sort(dim=-1, descending=False, stable=True)
     if top_k is not None:
         kth = z_sort[:, z_sort.shape[1] - top_k].unsqueeze(1)
         z_sort.masked_fill_(z_sort < kth, float("-inf"))

@@ -10,11 +10,11 @@ argmax-invariant logits processors, min-p among them, then ``apply_top_k_top_p``
 2. min-p keeps ``p_j >= min_p * max_i p_i``, i.e. ``exp(z_j - max z) >= min_p``;
 3. top-k keeps ``z_j >= `` the k-th largest kept value (ties at that value are all kept, as
    vLLM's ``logits < kth_value`` mask does);
-4. top-p keeps a token when the probability of the kept tokens strictly more likely than it,
-   renormalised over the set kept by 2 and 3, is below ``top_p`` (vLLM sorts ascending and drops
-   tokens while the cumulative sum is ``<= 1 - top_p``, always keeping the most likely one: the
-   same set where values are distinct; at a tie on the boundary vLLM's sort order decides which
-   of the tied tokens go, here they are all kept or all dropped);
+4. top-p as vLLM's ``apply_top_k_top_p``: sort ascending (a stable sort, so equal values in id
+   order), drop tokens while the cumulative probability, renormalised over the set kept by 2
+   and 3, is ``<= 1 - top_p``, always keep the last one. Where values are distinct a token
+   stays when the mass strictly more likely than it is below ``top_p``; of a tie on the
+   boundary the highest ids stay, as many as the cumulative sum needs;
 5. ``q = softmax(z)`` over the kept set.
 
 Min-p and top-k are thresholds on z, so they commute; top-p comes last and renormalises over
@@ -25,9 +25,11 @@ Method: the kept set of a row is ``z >= threshold``; each threshold is found by 
 over the order-preserving int32 image of the fp32 values (6 steps deciding 6, 6, 6, 6, 6 and 2
 bits; exact): per step every rank histograms its columns of the row into the buckets of the
 current key interval (a count for top-k, the mass ``exp(z - m)`` for top-p), one all-gather sums
-the shards in rank order, and every rank picks the same bucket. Communication for tp > 1: one
-all-gather of ``[2, T]`` (maxima and target logits), 6 of at most ``[T, 64]`` float64 per active
-top-k/top-p, one of ``[T]`` float64 (the kept mass); none in backward. Counts are exact; the
+the shards in rank order, and every rank picks the same bucket. The tie on the top-p boundary
+is split from per-shard tie counts (the shards hold ascending ids in rank order, so the lowest
+ranks give up their tied columns first). Communication for tp > 1: one all-gather of ``[2, T]``
+(maxima and target logits), 6 of at most ``[T, 64]`` float64 per active top-k/top-p, one of
+``[T]`` float64 (the kept mass; ``[3, T]`` with top-p, adding the tie counts); none in backward. Counts are exact; the
 masses are summed in fp32 within a chunk row and in float64 over chunks and shards, so a token
 whose strictly-more-likely mass lies within about 1e-6 relative of ``top_p`` may fall either way
 (vLLM's own fp32 cumulative sum has the same resolution), and only there may tp sizes differ.
@@ -123,14 +125,21 @@ def _scaled(z, m, rows) -> torch.Tensor:
     return torch.exp(z - m[rows].unsqueeze(1))
 
 
-def _kept(z, rows, thresholds, real_width: int, min_p=None, scaled=None):
+def _kept(z, rows, thresholds, real_width: int, min_p=None, scaled=None, drop=None):
     """The kept columns of one chunk: at or above the row's threshold value, and with
     ``min_p`` also ``scaled >= min_p`` (``scaled``: :func:`_scaled` of the chunk); padding
-    columns never."""
-    keep = z >= thresholds[rows].unsqueeze(1)
+    columns never. ``drop`` (``[T]`` int64, optional): per row, how many of this shard's
+    columns equal to the threshold are dropped, the lowest ids first (the top-p tie split)."""
+    at_least = thresholds[rows].unsqueeze(1)
+    keep = z >= at_least
     if real_width < z.shape[1]:
         keep[:, real_width:] = False
-    return keep & (scaled >= min_p) if min_p else keep
+    if min_p:
+        keep &= scaled >= min_p
+    if drop is not None:
+        tie = keep & (z == at_least)
+        keep &= ~(tie & (tie.cumsum(dim=1) <= drop[rows].unsqueeze(1)))
+    return keep
 
 
 def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> torch.Tensor:
@@ -138,7 +147,9 @@ def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> tor
     ``weight(z, keys, rows)`` (fp32, >= 0) over every column of the row (all shards);
     ``_KEY_MIN`` (keep every column) where even the whole row falls short. ``target_of(total)``
     gives the targets from the row totals. Radix search (:data:`_DIGITS`), one all-gather per
-    step; a chunk's buckets are summed in fp32, the chunks and shards in float64."""
+    step; a chunk's buckets are summed in fp32, the chunks and shards in float64.
+
+    Returns ``(t, S(key > t), target, short)``: ``[T]`` int64, float64, float64, bool."""
     lo = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
     above = torch.zeros(num_tokens, dtype=torch.float64, device=device)
     short = target = None
@@ -165,11 +176,22 @@ def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> tor
         chosen = ((tail[:, :buckets] >= target.unsqueeze(1)).sum(dim=1) - 1).clamp_(min=0)
         above = tail.gather(1, (chosen + 1).unsqueeze(1)).squeeze(1)
         lo = lo + (chosen << shift)
-    return torch.where(short, _KEY_MIN, lo)
+    return torch.where(short, _KEY_MIN, lo), above, target, short
 
 
-def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> torch.Tensor:
-    """``[T]`` int64: the key a column must reach to be kept by top-k and top-p (min-p apart)."""
+class TopPBoundary(NamedTuple):
+    """Where top-p cuts a row (``[T]`` each): ``above`` the kept mass strictly above the
+    threshold and ``goal`` = top_p times the mass kept by min-p and top-k (float64, in units of
+    ``exp(z - max)``); ``split`` where top-p sets the threshold (False: every column kept)."""
+
+    above: torch.Tensor
+    goal: torch.Tensor
+    split: torch.Tensor
+
+
+def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group):
+    """``([T] int64, TopPBoundary | None)``: the key a column must reach to be kept by top-k
+    and top-p (min-p apart), and where top-p cuts (None without top-p)."""
     real = cfg.stats.layout.real_width
     everything = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
     by_k = everything
@@ -182,9 +204,9 @@ def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> 
 
         k = float(cfg.top_k)
         by_k = _largest_key(passes, count, lambda total: torch.full_like(total, k),
-                            num_tokens, device, tp_group)
+                            num_tokens, device, tp_group)[0]
     if cfg.top_p is None or cfg.top_p >= 1.0:
-        return by_k
+        return by_k, None
 
     by_k_value = value_of(by_k)
 
@@ -193,8 +215,10 @@ def _thresholds(passes, m, cfg: SamplerConfig, num_tokens, device, tp_group) -> 
         return torch.where(_kept(z, rows, by_k_value, real, cfg.min_p, scaled), scaled, 0.0)
 
     top_p = float(cfg.top_p)
-    by_p = _largest_key(passes, mass, lambda total: total * top_p, num_tokens, device, tp_group)
-    return torch.maximum(by_p, by_k)
+    by_p, above, goal, short = _largest_key(passes, mass, lambda total: total * top_p,
+                                            num_tokens, device, tp_group)
+    # The mass strictly above by_k's key is its whole kept set: by_p >= by_k.
+    return torch.maximum(by_p, by_k), TopPBoundary(above, goal, ~short)
 
 
 def _kept_mass(chunks, m, thresholds, min_p, real_width, num_tokens, device,
@@ -207,14 +231,53 @@ def _kept_mass(chunks, m, thresholds, min_p, real_width, num_tokens, device,
     return _comm.gather_stats(mass, tp_group).sum(dim=0)
 
 
+def _split_tie(chunks, m, thresholds, boundary: TopPBoundary, cfg: SamplerConfig, target1d,
+               num_tokens, device, tp_group):
+    """vLLM's split of the tie on the top-p boundary, and the kept mass.
+
+    vLLM sorts ascending (a stable sort: equal values in id order) and drops tokens while the
+    cumulative probability is ``<= 1 - top_p``; of the ``c`` columns equal to the threshold it
+    keeps the ``n = ceil((goal - above) / p_tie)`` highest ids (``1 <= n <= c``; ``p_tie`` the
+    mass of one of them). One all-gather of ``[3, T]`` float64 per rank (the mass strictly
+    above, the tie count, the tied columns with id <= target) replaces the kept-mass gather.
+
+    Returns ``(mass [T] float64, drop [T] int64, target_dropped [T] bool)``: the kept mass, how
+    many of this shard's tied columns are dropped (the lowest ids, lower ranks' first), and
+    where the target is a dropped tied column.
+    """
+    layout = cfg.stats.layout
+    local = torch.zeros((3, num_tokens), dtype=torch.float64, device=device)
+    for rows, z, _index, _owned in chunks():
+        scaled = _scaled(z, m, rows)
+        keep = _kept(z, rows, thresholds, layout.real_width, cfg.min_p, scaled)
+        tie = keep & (z == thresholds[rows].unsqueeze(1))
+        local[0, rows] = torch.where(keep & ~tie, scaled, 0.0).sum(dim=1, dtype=torch.float64)
+        local[1, rows] = tie.sum(dim=1, dtype=torch.float64)
+        ids = torch.arange(layout.vocab_start, layout.vocab_start + z.shape[1], device=device)
+        local[2, rows] = (tie & (ids <= target1d[rows].unsqueeze(1))).sum(dim=1,
+                                                                           dtype=torch.float64)
+    gathered = _comm.gather_stats(local, tp_group)
+    ties = gathered[:, 1]  # [tp, T], shards in rank order = ascending ids
+    total = ties.sum(dim=0)
+    p_tie = torch.exp(thresholds - m).double()
+    split = boundary.split & (p_tie > 0)
+    kept = torch.ceil((boundary.goal - boundary.above) / torch.where(split, p_tie, 1.0))
+    kept = torch.where(split, kept.clamp(min=1.0).minimum(total), total)
+    dropped = total - kept
+    rank, _ = _comm.group_rank_size(tp_group)
+    drop = (dropped - ties[:rank].sum(dim=0)).clamp(min=0.0).minimum(ties[rank]).long()
+    mass = gathered[:, 0].sum(dim=0) + kept * p_tie
+    return mass, drop, gathered[:, 2].sum(dim=0) <= dropped
+
+
 def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device, tp_group):
     """Forward of the sampler log-probs over ``chunks``, a callable returning a fresh iterator of
     ``(rows, z, index, owned)`` per chunk (z: the fp32 chunk of ``load_chunk``, whose -0.0 the
     search's keys turn into +0.0; index/owned: the rows' targets in this shard), called once
     per pass.
 
-    Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, thresholds, inside)``
-    for :func:`sampled_chunk_grad`.
+    Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, thresholds, inside,
+    drop)`` for :func:`sampled_chunk_grad` (``drop``: the top-p tie split, None without top-p).
     """
     sc = cfg.stats
 
@@ -232,16 +295,23 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     m_safe = torch.where(torch.isfinite(m), m, 0.0)
     target_logit = gathered[:, 1].sum(dim=0)
     target_logit = torch.where(target_logit <= Z_FLOOR, float("-inf"), target_logit)
-    thresholds = _thresholds(passes, m_safe, cfg, num_tokens, device, tp_group)
-    thresholds = value_of(thresholds)  # kept: z >= thresholds (and min-p)
-    mass = _kept_mass(chunks, m_safe, thresholds, cfg.min_p, sc.layout.real_width, num_tokens,
-                      device, tp_group)
+    thresholds, boundary = _thresholds(passes, m_safe, cfg, num_tokens, device, tp_group)
+    thresholds = value_of(thresholds)  # kept: z >= thresholds (and min-p, and the tie split)
+    drop = None
+    if boundary is None:
+        mass = _kept_mass(chunks, m_safe, thresholds, cfg.min_p, sc.layout.real_width,
+                          num_tokens, device, tp_group)
+    else:
+        mass, drop, tie_dropped = _split_tie(chunks, m_safe, thresholds, boundary, cfg,
+                                             target1d, num_tokens, device, tp_group)
     lse = (m_safe.double() + torch.log(mass)).float()
     lse = torch.where(torch.isnan(m), m, lse)  # NaN logits stay NaN
     if host_checks_enabled(sc.validate, device):
         check_finite(lse, valid, temperature=sc.temperature)
     in_range = target_in_range(target1d, sc.layout.vocab_size)
     inside = target_logit >= thresholds
+    if drop is not None:
+        inside &= (target_logit > thresholds) | ~tie_dropped
     if cfg.min_p:
         inside &= torch.exp(target_logit - m_safe) >= cfg.min_p
     inside &= in_range
@@ -251,7 +321,8 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     inside &= torch.isfinite(lse)
     logprobs = torch.where(valid, logprobs, 0.0)
     outside = valid & in_range & ~inside
-    return logprobs, outside, (m_safe, torch.where(inside, lse, 0.0), thresholds, inside & valid)
+    return logprobs, outside, (m_safe, torch.where(inside, lse, 0.0), thresholds, inside & valid,
+                               drop)
 
 
 def grad_coefficient(grad, saved, temperature: float) -> torch.Tensor:
@@ -262,9 +333,9 @@ def grad_coefficient(grad, saved, temperature: float) -> torch.Tensor:
 def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerConfig) -> None:
     """Write the chunk's logits gradient ``coef (1[j = y] - q_j)`` (q on the kept set, held
     constant) into ``out`` (one cast)."""
-    m, lse, thresholds, _ = saved
+    m, lse, thresholds, _, drop = saved
     scaled = _scaled(z, m, rows) if cfg.min_p else None
-    keep = _kept(z, rows, thresholds, cfg.stats.layout.real_width, cfg.min_p, scaled)
+    keep = _kept(z, rows, thresholds, cfg.stats.layout.real_width, cfg.min_p, scaled, drop)
     g = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0).mul_(
         -coef[rows].unsqueeze(1))
     g.scatter_add_(1, index.unsqueeze(1), torch.where(owned, coef[rows], 0.0).unsqueeze(1))
@@ -356,9 +427,11 @@ def vocab_parallel_sampling_logprobs(
         keep = torch.exp(z - z.max(-1, keepdim=True).values) >= min_p          # min-p
         z = z.masked_fill(~keep, -inf)
         keep &= z >= z.topk(top_k, -1).values[..., -1:]                         # top-k
-        p = torch.softmax(z.masked_fill(~keep, -inf), -1)
-        above = (p[..., None, :] * (z[..., None, :] > z[..., :, None])).sum(-1)  # more likely
-        keep &= above < top_p                                                   # top-p
+        z_k = z.masked_fill(~keep, -inf)
+        order = z_k.sort(-1, stable=True).indices                               # top-p
+        drop = torch.softmax(z_k, -1).gather(-1, order).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        keep &= ~drop.new_zeros(drop.shape).scatter(-1, order, drop)
         logprobs = torch.log_softmax(z.masked_fill(~keep, -inf), -1).gather(-1, target[..., None])
 
     without gathering the vocabulary (radix threshold search; see the module docstring).
@@ -372,7 +445,7 @@ def vocab_parallel_sampling_logprobs(
         temperature: > 0 (vLLM's greedy temperature 0 has no distribution to score).
         top_k: keep the k most likely tokens (ties at the k-th value kept); None = off. vLLM's
             ``top_k=-1`` is None here; a k of V or more keeps everything.
-        top_p: in (0, 1]; None or 1 = off.
+        top_p: in (0, 1]; None or 1 = off. A tie on the boundary keeps its highest ids.
         min_p: in [0, 1); None or 0 = off.
 
     Returns:

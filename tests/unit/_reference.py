@@ -351,9 +351,10 @@ __all__ = [
 def reference_sampling(logits_full, target, *, vocab_size=None, temperature=1.0, top_k=None,
                        top_p=None, min_p=None):
     """``(log q(target), kept [..., V])`` in float64 under vLLM v1's sampler: temperature, min-p,
-    top-k (ties at the k-th value kept), top-p (a token stays when the renormalised mass of the
-    kept tokens strictly more likely than it is below top_p), q the softmax over the kept set.
-    Dense: every pair of columns is compared (small V only)."""
+    top-k (ties at the k-th value kept), top-p as vLLM's ``apply_top_k_top_p`` does it (a stable
+    ascending sort, tokens dropped while the cumulative probability is ``<= 1 - top_p``, the
+    last one always kept: a tie on the boundary keeps its highest ids), q the softmax over the
+    kept set."""
     v = vocab_size or logits_full.shape[-1]
     z = logits_full.double()[..., :v] / temperature
     keep = torch.ones_like(z, dtype=torch.bool)
@@ -363,8 +364,11 @@ def reference_sampling(logits_full, target, *, vocab_size=None, temperature=1.0,
         kth = z.masked_fill(~keep, float("-inf")).topk(top_k, -1).values[..., -1:]
         keep &= z >= kth
     if top_p is not None and top_p < 1:
-        p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
-        above = (p.unsqueeze(-2) * (z.unsqueeze(-2) > z.unsqueeze(-1))).sum(-1)
-        keep &= above < top_p
+        masked = z.masked_fill(~keep, float("-inf"))
+        order = masked.sort(dim=-1, stable=True).indices
+        cumulative = torch.softmax(masked, -1).gather(-1, order).cumsum(-1)
+        drop = cumulative <= 1 - top_p
+        drop[..., -1] = False
+        keep &= ~torch.zeros_like(drop).scatter(-1, order, drop)
     lq = torch.log_softmax(z.masked_fill(~keep, float("-inf")), -1)
     return lq.gather(-1, target.unsqueeze(-1)).squeeze(-1), keep

@@ -44,7 +44,7 @@ def _check(logits, target, vocab, **kw):
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(out.logprobs), finite), (out.logprobs, ref)
     assert torch.equal(out.outside, ~finite), (out.outside, ref)
-    assert (out.logprobs[finite].double() - ref[finite]).abs().max() <= 1e-5
+    assert (out.logprobs[finite].double() - ref[finite]).abs().le(1e-5).all()
     w = torch.linspace(0.5, 1.5, target.numel()).view(target.shape)
     (out.logprobs.masked_fill(~finite, 0) * w).sum().backward()
     ref_leaf = logits.double().requires_grad_()
@@ -74,21 +74,24 @@ def test_outside_targets_are_minus_inf_with_zero_gradient():
     assert torch.equal(leaf.grad[2], torch.zeros_like(leaf.grad[2]))
 
 
-def test_ties_at_the_boundary_are_kept_together():
-    # bf16-like ties: five columns share the 2nd largest value; top-k = 3 keeps all of them
-    # (vLLM: logits < kth_value are masked), top-p keeps or drops a tie as a whole.
+def test_ties_at_the_boundary_follow_vllm():
+    # bf16-like ties: five columns (ids 3..7) share the 2nd largest value. top-k = 3 keeps all
+    # of them (vLLM masks logits < kth_value); top-p splits them as vLLM's stable ascending sort
+    # does: p_max = 0.349, p_tie = 0.1285, so top_p = 0.5 keeps ceil(0.151 / 0.1285) = 2 of
+    # them, the highest ids.
     logits = torch.full((1, 16), -4.0)
     logits[0, 0] = 2.0
     logits[0, 3:8] = 1.0
-    target = torch.tensor([7])
-    out = vocab_parallel_sampling_logprobs(logits, target, top_k=3)
-    ref, keep = reference_sampling(logits, target, top_k=3)
+    out = vocab_parallel_sampling_logprobs(logits, torch.tensor([7]), top_k=3)
+    ref, keep = reference_sampling(logits, torch.tensor([7]), top_k=3)
     assert int(keep.sum()) == 6
     assert torch.allclose(out.logprobs.double(), ref, atol=1e-6)
-    for top_p in (0.3, 0.5, 0.9):
-        out = vocab_parallel_sampling_logprobs(logits, target, top_p=top_p)
-        ref, _ = reference_sampling(logits, target, top_p=top_p)
-        assert torch.equal(torch.isfinite(out.logprobs), torch.isfinite(ref)), top_p
+    for top_p, kept_ties in ((0.3, []), (0.5, [6, 7]), (0.75, [4, 5, 6, 7]), (0.9, [3, 4, 5, 6, 7])):
+        _, keep = reference_sampling(logits, torch.tensor([0]), top_p=top_p)
+        assert keep[0, 3:8].nonzero().flatten().add(3).tolist() == kept_ties, top_p
+        for target in (0, 3, 5, 6, 7, 9):
+            out = _check(logits, torch.tensor([target]), 16, top_p=top_p)
+            assert bool(out.outside[0]) == (target not in [0, *kept_ties]), (top_p, target)
 
 
 def test_chunk_size_does_not_change_the_bits():

@@ -84,6 +84,35 @@ def uneven_shards(group):
 
 
 @CASES.register
+def a_tie_across_shards_splits_as_vllm(group):
+    # Ten columns spread over every shard share the second largest value; top-p keeps the
+    # highest ids of the tie (vLLM's stable ascending sort drops the lowest first), so the
+    # split falls inside some rank's shard and the ranks above keep all of theirs.
+    rank, tp = rank_size(group)
+    width = 64 // tp
+    tied = [2, 9, 15, 22, 30, 33, 41, 47, 52, 60]
+    full = torch.full((len(tied) + 2, 64), -3.0)
+    full[:, 11] = 1.5
+    full[:, tied] = 0.5
+    target = torch.tensor([*tied, 11, 12])
+    shard = full[:, rank * width:(rank + 1) * width]
+    for top_p in (0.3, 0.5, 0.62, 0.8, 0.97):
+        leaf = shard.clone().requires_grad_()
+        out = vocab_parallel_sampling_logprobs(leaf, target, tp_group=group, vocab_size=VOCAB,
+                                               chunk_size=5, top_p=top_p)
+        ref_leaf = full.double().requires_grad_()
+        ref, keep = reference_sampling(ref_leaf, target, vocab_size=VOCAB, top_p=top_p)
+        finite = torch.isfinite(ref)
+        assert torch.equal(out.outside, ~finite), (top_p, out.outside, keep[0, tied])
+        assert_close(out.logprobs[finite], ref.detach()[finite], rtol=1e-5, atol=1e-5,
+                     what=f"tied logprobs top_p={top_p}")
+        out.logprobs.masked_fill(out.outside, 0).sum().backward()
+        torch.where(finite, ref, 0.0).sum().backward()
+        assert_close(leaf.grad, ref_leaf.grad[:, rank * width:(rank + 1) * width], rtol=1e-5,
+                     atol=1e-5, what=f"tied gradient top_p={top_p}")
+
+
+@CASES.register
 def bounded_collectives_and_none_in_backward(group):
     _, tp = rank_size(group)
     if tp < 2:
