@@ -1,4 +1,14 @@
-"""The ops: pure math (``_math``), collectives (``_comm``) and the autograd Functions."""
+"""The ops: pure math (``_math``), collectives (``_comm``), checks (``_checks``), the chunk engine
+(``engine/``) and the autograd Functions.
+
+Layout: ``engine/`` holds the machinery every op shares (chunk iterators and buffers, gathered
+statistics, the backward loops, the fused LM head's GEMMs and ``main_grad`` contract) behind one
+per-chunk seam (``engine.kernel``: statistics and gradient of a chunk). The op modules
+(``vocab_parallel``, ``topk``, ``sampling`` and their fused ``fused_*`` variants) hold their
+autograd Functions and public API; op-specific math and checks sit beside them
+(``topk_kernels``, ``topk_checks``, ``sampling_search``, ``linear_checks``). No op module imports
+a private name of another, and nothing here imports ``megatron_vocabstats.megatron``.
+"""
 
 from .fused_linear import linear_vocab_parallel_cross_entropy, linear_vocab_parallel_stats
 from .fused_sampling import linear_vocab_parallel_sampling_logprobs

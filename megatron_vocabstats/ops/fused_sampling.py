@@ -1,31 +1,29 @@
 """The sampler's log-probs (:mod:`.sampling`) straight from hidden states on the fused LM-head
 path: every pass of the threshold search recomputes each chunk's logits ``hidden @ W.T``, so no
 ``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
-per pass (14 in forward with top-k and top-p, one in backward)."""
+per pass (14 in forward with top-k and top-p, one in backward).
+
+May import: :mod:`._checks`, :mod:`.engine`, :mod:`.linear_checks`, :mod:`.sampling_search` and
+the public names of :mod:`.sampling`; never ``megatron_vocabstats.megatron``.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .fused_linear import (
-    LinearStatsConfig,
-    _checked_linear_config,
-    _ChunkBuffers,
-    _full_hidden,
-    _logit_chunks,
-    _recompute_backward,
-)
-from .sampling import (
-    SamplerConfig,
-    SamplingLogprobs,
-    grad_coefficient,
-    sampled_chunk_grad,
-    sampled_pass,
-    sampler_config,
-)
-from .vocab_parallel import flatten_target
 from ._checks import first_order_backward
+from .engine import (
+    ChunkBuffers,
+    LinearStatsConfig,
+    flatten_target,
+    full_hidden,
+    linear_chunks,
+    recompute_backward,
+)
+from .linear_checks import checked_linear_config
+from .sampling import SamplingLogprobs, sampler_config
+from .sampling_search import SampledGrad, SamplerConfig, grad_coefficient, sampled_pass
 
 
 class _LinearSamplingLogprobs(torch.autograd.Function):
@@ -33,19 +31,14 @@ class _LinearSamplingLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, cfg: SamplerConfig, lcfg: LinearStatsConfig,
                 tp_group):
         sc = cfg.stats
-        total = _full_hidden(hidden, lcfg, tp_group)
+        total = full_hidden(hidden, lcfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])
         target1d, valid = flatten_target(target, sc.ignore_index)
-        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
-
-        def chunks():
-            for rows, _logits, z, index, owned in _logit_chunks(hidden2d, weight, target1d, valid,
-                                                                 sc, bufs):
-                yield rows, z, index, owned
-
+        bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
         try:
-            logprobs, outside, saved = sampled_pass(chunks, target1d, valid, cfg,
-                                                    hidden2d.shape[0], hidden.device, tp_group)
+            logprobs, outside, saved = sampled_pass(
+                lambda: linear_chunks(hidden2d, weight, target1d, valid, sc, bufs), target1d,
+                valid, cfg, hidden2d.shape[0], hidden.device, tp_group)
         finally:
             bufs.release()
         ctx.cfg, ctx.lcfg, ctx.tp_group = cfg, lcfg, tp_group
@@ -63,13 +56,10 @@ class _LinearSamplingLogprobs(torch.autograd.Function):
         hidden, weight, target, *saved = ctx.saved_tensors
         cfg: SamplerConfig = ctx.cfg
         target1d, valid = flatten_target(target, cfg.stats.ignore_index)
-        coef = grad_coefficient(grad, saved, cfg.stats.temperature)
-
-        def logits_grad_(rows, logits, z, index, owned, _scratch):
-            sampled_chunk_grad(z, rows, index, owned, logits, coef=coef, saved=saved, cfg=cfg)
-
-        grad_hidden, grad_weight = _recompute_backward(hidden, weight, target1d, valid, ctx.lcfg,
-                                                      ctx.tp_group, ctx.main_grad, logits_grad_)
+        kernel = SampledGrad(grad_coefficient(grad, saved, cfg.stats.temperature), tuple(saved),
+                             cfg)
+        grad_hidden, grad_weight = recompute_backward(hidden, weight, target1d, valid, ctx.lcfg,
+                                                      ctx.tp_group, ctx.main_grad, kernel)
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -110,10 +100,10 @@ def linear_vocab_parallel_sampling_logprobs(
     chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
     """
     def check(_logits, target_, group, **kwargs):
-        return _checked_linear_config(hidden, weight, target_, None, group,
-                                      sequence_parallel=sequence_parallel,
-                                      accumulate_into_main_grad=accumulate_into_main_grad,
-                                      **kwargs)
+        return checked_linear_config(hidden, weight, target_, None, group,
+                                     sequence_parallel=sequence_parallel,
+                                     accumulate_into_main_grad=accumulate_into_main_grad,
+                                     **kwargs)
 
     cfg, lcfg = sampler_config(None, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
                                check=check, vocab_size=vocab_size, vocab_start=vocab_start,

@@ -1,13 +1,17 @@
 """Top-k distillation ops straight from hidden states: the LM head fused with ``ops/topk.py``.
 
 Each chunk's logits ``hidden_chunk @ weight.T`` exist only in the fused LM head's ``[chunk, W]``
-buffer (``fused_linear._ChunkBuffers`` / ``_logit_chunks``); the per-chunk math and the merge are
-those of :mod:`megatron_vocabstats.ops.topk`, and backward recomputes each chunk's logits and turns
-the logits gradient into ``dX`` and ``dW`` right away (``fused_linear._input_grads_of_chunk``), so
-no ``[T, V/tp]`` tensor exists and the workspace does not grow with the sequence length.
+buffer (``engine.ChunkBuffers`` / ``engine.linear_chunks``); the per-chunk math and the merge are
+those of :mod:`megatron_vocabstats.ops.topk` (:mod:`.topk_kernels`), and backward recomputes each
+chunk's logits and turns the logits gradient into ``dX`` and ``dW`` right away
+(``engine.recompute_backward``), so no ``[T, V/tp]`` tensor exists and the workspace does not grow
+with the sequence length.
 Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to top-k
 log-probs. Sequence parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
 ``ColumnParallelLinear``'s contract through the fused head's own helpers.
+
+May import: :mod:`._checks`, :mod:`._comm`, :mod:`.engine`, :mod:`.linear_checks`,
+:mod:`.topk_kernels` and :mod:`.topk_checks`; never ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -19,33 +23,22 @@ import torch.distributed as dist
 
 from . import _comm
 from ._checks import first_order_backward, host_checks_enabled
-from .fused_linear import (
+from .engine import (
+    ChunkBuffers,
     LinearStatsConfig,
-    _checked_linear_config,
-    _ChunkBuffers,
-    _full_hidden,
-    _logit_chunks,
-    _recompute_backward,
+    full_hidden,
+    linear_chunks,
+    recompute_backward,
 )
-from .topk import (
-    TopK,
-    TopKConfig,
-    backward_terms,
-    chunk_topk_grad,
-    agreement,
-    index_problem,
-    k_problem,
-    picked_pass,
-    real_vocab,
-    topk_pass,
-    valid_rows,
-)
+from .linear_checks import checked_linear_config, lead_shape
+from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows
+from .topk_kernels import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
 
 
 def _linear_config(hidden, weight, tp_group, *, sequence_parallel=False,
                    accumulate_into_main_grad=False, chunk_size, vocab_size, vocab_start=None,
                    temperature, validate, local_error=None, agree=()) -> LinearStatsConfig:
-    return _checked_linear_config(
+    return checked_linear_config(
         hidden, weight, None, None, tp_group, sequence_parallel=sequence_parallel,
         accumulate_into_main_grad=accumulate_into_main_grad, chunk_size=chunk_size,
         local_error=local_error, agree=agree, vocab_size=vocab_size, vocab_start=vocab_start,
@@ -53,28 +46,16 @@ def _linear_config(hidden, weight, tp_group, *, sequence_parallel=False,
         temperature=temperature, ignore_index=-100, label_smoothing=0.0, validate=validate)
 
 
-def _lead_shape(hidden, sequence_parallel, tp_group) -> tuple[int, ...] | None:
-    """The leading shape of the (gathered) tokens, that of ``indices`` and ``mask``; None when
-    ``hidden`` is not a tensor of the right rank (the linear checks then name it)."""
-    _, tp = _comm.group_rank_size(tp_group)
-    sp = sequence_parallel is True and tp > 1
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1 + sp:
-        return None
-    lead = tuple(hidden.shape[:-1])
-    return (lead[0] * tp, *lead[1:]) if sp else lead
-
-
 class _LinearTopKLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, indices, valid, cfg: LinearStatsConfig, tp_group):
         sc = cfg.stats
-        total = _full_hidden(hidden, cfg, tp_group)
+        total = full_hidden(hidden, cfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])
         indices2d = indices.reshape(-1, indices.shape[-1])
-        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
+        bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
         try:
-            chunks = ((rows, logits, z, bufs.scratch) for rows, logits, z, _, _ in
-                      _logit_chunks(hidden2d, weight, None, None, sc, bufs))
+            chunks = linear_chunks(hidden2d, weight, None, None, sc, bufs)
             logprobs, lse = picked_pass(chunks, indices2d, valid, sc, tp_group)
         finally:
             bufs.release()
@@ -91,14 +72,10 @@ class _LinearTopKLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None
         hidden, weight, indices, valid, lse = ctx.saved_tensors
         cfg: LinearStatsConfig = ctx.cfg
-        local, coef, hits, lse = backward_terms(grad, indices, valid, lse, cfg.stats)
-
-        def logits_grad_(rows, logits, z, _index, _owned, scratch):
-            chunk_topk_grad(z, scratch, logits, lse=lse[rows], coef=coef[rows], hits=hits[rows],
-                            local=local[rows], valid=valid[rows], layout=cfg.stats.layout)
-
-        grad_hidden, grad_weight = _recompute_backward(hidden, weight, None, None, cfg,
-                                                      ctx.tp_group, ctx.main_grad, logits_grad_)
+        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, cfg.stats), valid,
+                          cfg.stats.layout)
+        grad_hidden, grad_weight = recompute_backward(hidden, weight, None, None, cfg,
+                                                      ctx.tp_group, ctx.main_grad, kernel)
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -169,7 +146,7 @@ def linear_vocab_parallel_topk_logprobs(
             raises for ``indices``/``mask``; under ``validate`` and tp > 1 on every rank,
             including ``k``, ``indices`` or ``mask`` that differ across the ranks.
     """
-    lead = _lead_shape(hidden, sequence_parallel, tp_group)
+    lead = lead_shape(hidden, sequence_parallel, _comm.group_rank_size(tp_group)[1])
     problem = None
     if lead is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
         problem = index_problem(indices, mask, lead, hidden.device,
@@ -219,12 +196,11 @@ def linear_vocab_parallel_topk(
                          validate=validate, local_error=problem, agree=agreement(k))
     sc = cfg.stats
     with torch.no_grad():
-        total = _full_hidden(hidden.detach(), cfg, tp_group)
+        total = full_hidden(hidden.detach(), cfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])
-        bufs = _ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
+        bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
         try:
-            chunks = ((rows, z, bufs.scratch) for rows, _, z, _, _ in
-                      _logit_chunks(hidden2d, weight.detach(), None, None, sc, bufs))
+            chunks = linear_chunks(hidden2d, weight.detach(), None, None, sc, bufs)
             top = topk_pass(chunks, hidden2d.shape[0], hidden.device,
                             TopKConfig(stats=sc, k=k), tp_group)
         finally:

@@ -4,6 +4,12 @@ One autograd Function covers every chunk: the forward upcasts one ``[chunk, W]``
 into two reused fp32 buffers, packs each shard's statistics into a ``[k, T]`` tensor and merges
 them after a single all-gather; the backward recomputes each chunk and writes its gradient into one
 preallocated tensor of the logits' dtype, with no collective.
+
+This module holds the Function and the public API; the chunk loop, the buffers and the gathered
+statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import:
+:mod:`._checks`, :mod:`._math` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
+default tp group of :func:`vocab_parallel_cross_entropy` comes from
+``engine.megatron_default_tp_group``).
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _comm
 from ._checks import (
     StatsConfig,
     check_finite,
@@ -21,24 +26,31 @@ from ._checks import (
     first_order_backward,
     host_checks_enabled,
 )
-from ._math import (
-    BLOCK,
-    NUM_STATS,
-    MergedStats,
-    block_stats,
-    chunk_grad,
-    chunk_stats,
-    finite_lse,
-    grad_coefficients,
-    load_chunk,
-    local_target_index,
-    merge_stats,
-    padded_width,
-    real_columns,
-    rebase_zsum_,
-    target_in_range,
+from ._math import finite_lse, grad_coefficients, merge_stats, target_in_range
+from .engine import (
+    StatsGrad,
+    flatten_target,
+    function_outputs,
+    gathered_stats,
+    logits_chunks,
+    logits_grad,
+    megatron_default_tp_group,
+    merge_tokens_per_pass,
 )
-from .workspace import WORKSPACE
+
+# Names that moved to the engine (ops.engine) and stay importable from here.
+__all__ = [
+    "VocabStats",
+    "flatten_target",
+    "function_outputs",
+    "gathered_stats",
+    "merge_tokens_per_pass",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logprobs",
+    "vocab_parallel_stats",
+]
+
 
 class VocabStats(NamedTuple):
     """Per-token statistics, each fp32 and shaped like ``target``.
@@ -52,115 +64,6 @@ class VocabStats(NamedTuple):
     logprobs: torch.Tensor | None
     entropy: torch.Tensor | None
     logsumexp: torch.Tensor
-
-
-def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
-    """``(logprobs, entropy, logsumexp)`` of an autograd Function's forward, viewed as ``shape``.
-
-    Marks logsumexp (and the entropy in "metric" mode) non-differentiable and lets backward see
-    None for outputs that get no gradient.
-    """
-    logprobs, entropy, lse = (None if t is None else t.view(shape)
-                              for t in (merged.logprobs, merged.entropy, merged.logsumexp))
-    # One call: a second mark_non_differentiable would replace the first.
-    ctx.mark_non_differentiable(lse, *([entropy] if entropy_mode == "metric" else []))
-    ctx.set_materialize_grads(False)
-    return logprobs, entropy, lse
-
-
-def _chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool = False):
-    """Yield ``(rows, z, scratch, index, owned)`` per chunk, reusing two fp32 ``[chunk, W]`` buffers.
-
-    ``z`` is the chunk upcast to fp32 (temperature applied, padding at -inf); ``index``/``owned``
-    locate each row's target in this shard (None without targets). The buffers come from the
-    workspace cache (:mod:`.workspace`) and go back to it when the generator finishes or is
-    closed. ``padded``: buffers of :func:`~._math.padded_width` columns (whole blocks, for
-    :func:`~._math.block_stats` in batch-invariant mode).
-    """
-    num_tokens = logits2d.shape[0]
-    width = padded_width(cfg.layout.width, bool(cfg.batch_invariant) and padded)
-    shape = (min(cfg.chunk_size, max(num_tokens, 1)), width)
-    leases = [WORKSPACE.take(shape, torch.float32, logits2d.device) for _ in range(2)]
-    zbuf, scratch = (lease.tensor for lease in leases)
-    try:
-        for start in range(0, num_tokens, cfg.chunk_size):
-            rows = slice(start, min(start + cfg.chunk_size, num_tokens))
-            index = owned = None
-            if target1d is not None:
-                index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
-            z = load_chunk(logits2d[rows], zbuf, cfg.layout, cfg.temperature)
-            yield rows, z, scratch, index, owned
-    finally:
-        WORKSPACE.give(*leases)
-
-
-def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_target: bool,
-                   device) -> torch.Tensor:
-    """Statistics of every chunk of ``chunks`` (``(rows, z, scratch, index, owned)`` with z from
-    :func:`_chunks` ``padded=True`` or alike), gathered over ``tp_group``, ready for
-    :func:`~._math.merge_stats` (with ``batch_invariant=bool(cfg.batch_invariant)``).
-
-    Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
-    ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
-    ``BLOCK`` columns per shard; a view of the gathered tensor, no copy: merge it with
-    :func:`merge_tokens_per_pass`). One all-gather (none for tp = 1). With label smoothing the
-    parts' smoothing rows are made relative to the merged maximum (``_math.rebase_zsum_``), in
-    passes of :func:`merge_tokens_per_pass` tokens.
-    """
-    zsum = has_target and cfg.label_smoothing > 0.0
-    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum)
-    if cfg.batch_invariant == "tp":
-        blocks = padded_width(cfg.layout.width, True) // BLOCK
-        # Block-major, so that the gathered [tp, nb, NUM_STATS, T] is [tp * nb, ...] as a view.
-        stats = torch.zeros((blocks, NUM_STATS, num_tokens), dtype=torch.float32, device=device)
-        for rows, z, scratch, index, owned in chunks:
-            block_stats(z, scratch, index, owned, stats.permute(1, 2, 0)[:, rows], **opts)
-        gathered = _comm.gather_stats(stats, tp_group)
-        gathered = gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
-        part_width = BLOCK
-    else:
-        # Shards of unequal widths (vocab_start) send their real column count along, in one
-        # more token column of the same all-gather: the smoothing merge needs every shard's.
-        counted = zsum and not cfg.layout.even
-        stats = torch.zeros((NUM_STATS, num_tokens + counted), dtype=torch.float32,
-                            device=device)
-        for rows, z, scratch, index, owned in chunks:
-            chunk_stats(z, scratch, index, owned, stats[:, rows],
-                        batch_invariant=bool(cfg.batch_invariant), **opts)
-        if counted:
-            stats[0, -1] = cfg.layout.real_width
-        gathered = _comm.gather_stats(stats, tp_group)
-        if counted:
-            counts, gathered = gathered[:, 0, -1], gathered[..., :num_tokens]
-        part_width = cfg.layout.width
-    if zsum and gathered.shape[0] > 1:
-        if cfg.layout.even:
-            counts = real_columns(gathered.shape[0], part_width, cfg.layout.vocab_size, device)
-        step = merge_tokens_per_pass(cfg, gathered.shape[0]) or max(num_tokens, 1)
-        for start in range(0, num_tokens, step):
-            rebase_zsum_(gathered[..., start:start + step], counts, cfg.layout.vocab_size)
-    return gathered
-
-
-def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:
-    """``tokens_per_pass`` of :func:`~._math.merge_stats` for ``num_parts`` gathered parts per
-    token (:func:`gathered_stats`): None (one pass) except for ``batch_invariant="tp"``, whose
-    ``tp * nb`` parts would make the merge's temporaries several times the gathered statistics;
-    there, as many tokens as keep its ~8 fp32 ``[parts, tokens]`` temporaries near one fp32
-    ``[chunk, W]`` buffer."""
-    if cfg.batch_invariant != "tp":
-        return None
-    return max(1, cfg.chunk_size * padded_width(cfg.layout.width, True) // (8 * num_parts))
-
-
-def flatten_target(target, ignore_index: int):
-    """``(target [T], valid [T] bool)`` of a target of any leading shape; ``(None, None)`` for None."""
-    if target is None:
-        return None, None
-    target1d = target.reshape(-1)
-    return target1d, target1d != ignore_index
-
-
 def _flatten(logits, target, cfg: StatsConfig):
     return (logits.reshape(-1, cfg.layout.width), *flatten_target(target, cfg.ignore_index))
 
@@ -174,7 +77,7 @@ class _VocabParallelStats(torch.autograd.Function):
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
-        parts = gathered_stats(_chunks(logits2d, target1d, valid, cfg, padded=True),
+        parts = gathered_stats(logits_chunks(logits2d, target1d, valid, cfg, padded=True),
                                logits2d.shape[0], cfg, tp_group, has_target=has_target,
                                device=logits.device)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
@@ -205,20 +108,9 @@ class _VocabParallelStats(torch.autograd.Function):
                                             in_range=_in_range(target1d, cfg))
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
-
-        grad_logits = torch.empty_like(logits2d)
-        for rows, z, scratch, index, owned in _chunks(logits2d, target1d, valid, cfg):
-            chunk_grad(
-                z, scratch, grad_logits[rows],
-                lse=lse[rows],
-                ent=ent[rows] if coef_h is not None else None,
-                coef_lp=coef_lp[rows] if coef_lp is not None else None,
-                coef_h=coef_h[rows] if coef_h is not None else None,
-                index=index, owned=owned,
-                valid=valid[rows] if valid is not None else None,
-                layout=cfg.layout,
-                label_smoothing=cfg.label_smoothing,
-            )
+        grad = StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h, valid,
+                         cfg.layout, cfg.label_smoothing)
+        grad_logits = logits_grad(logits2d, target1d, valid, cfg, grad)
         return grad_logits.view(logits.shape), None, None, None
 
 
@@ -280,8 +172,8 @@ def vocab_parallel_stats(
         ignore_index: an int; positions whose target equals it get logprob 0 and entropy 0 and
             exactly zero gradient; their logsumexp is still reported.
         label_smoothing: eps in [0, 1). ``logprobs`` becomes ``sum_j q_j log p_j`` with
-            ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real size,
-            never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
+            ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real
+            size, never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
         validate: run the checks that read tensor values on the host (target range, one tiny
             all-gather comparing shard width, token count, vocab_size, dtype, targets and options
             across ranks, and finite results). Skipped while a CUDA graph is being captured.
@@ -441,9 +333,7 @@ def vocab_parallel_cross_entropy(
     Raises: as :func:`vocab_parallel_stats`.
     """
     if tp_group is None:
-        from ..megatron.compat import default_tp_group
-
-        tp_group = default_tp_group()
+        tp_group = megatron_default_tp_group()
     stats = vocab_parallel_stats(
         vocab_parallel_logits, target, tp_group=tp_group, vocab_size=vocab_size,
         vocab_start=vocab_start,

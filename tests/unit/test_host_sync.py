@@ -35,7 +35,7 @@ from megatron_vocabstats import (
     vocab_parallel_stats,
 )
 from megatron_vocabstats.losses import selected_tokens, token_stats
-from megatron_vocabstats.ops import fused_linear
+from megatron_vocabstats.ops.engine import wgrad as fused_linear  # the wgrad probe's home
 from megatron_vocabstats.testing import HostSyncError, forbid_host_sync
 
 MODES = [False, True, "tp"]

@@ -1,0 +1,155 @@
+"""The chunk iterator over logits and the gathered statistics: the engine of the unfused ops.
+
+* :func:`logits_chunks`: the tokens of a ``[T, W]`` logits shard in chunks of ``chunk_size``
+  rows, each upcast into one of two reused fp32 ``[chunk, W]`` workspace buffers, as
+  :class:`~.kernel.Chunk` objects;
+* :func:`gathered_stats`: every chunk's statistics (:class:`~.kernel.ShardStats`, the core op's
+  :class:`~.kernel.ChunkStats`) gathered over the shards in one all-gather, ready for
+  ``_math.merge_stats``; :func:`merge_tokens_per_pass` sizes that merge;
+* :func:`logits_grad`: the backward loop of an op on logits, around its
+  :class:`~.kernel.ChunkGrad`;
+* small helpers every Function shares (:func:`flatten_target`, :func:`function_outputs`).
+
+May import: ``torch``, :mod:`.._math`, :mod:`.._checks` (``StatsConfig``), :mod:`.._comm`,
+:mod:`..workspace` and :mod:`.kernel`; never an op module nor ``megatron_vocabstats.megatron``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _comm
+from .._checks import StatsConfig
+from .._math import (
+    BLOCK,
+    NUM_STATS,
+    MergedStats,
+    load_chunk,
+    local_target_index,
+    padded_width,
+    real_columns,
+    rebase_zsum_,
+)
+from ..workspace import WORKSPACE
+from .kernel import Chunk, ChunkGrad, ShardStats
+
+
+def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
+    """``(logprobs, entropy, logsumexp)`` of an autograd Function's forward, viewed as ``shape``.
+
+    Marks logsumexp (and the entropy in "metric" mode) non-differentiable and lets backward see
+    None for outputs that get no gradient.
+    """
+    logprobs, entropy, lse = (None if t is None else t.view(shape)
+                              for t in (merged.logprobs, merged.entropy, merged.logsumexp))
+    # One call: a second mark_non_differentiable would replace the first.
+    ctx.mark_non_differentiable(lse, *([entropy] if entropy_mode == "metric" else []))
+    ctx.set_materialize_grads(False)
+    return logprobs, entropy, lse
+
+
+def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool = False):
+    """Yield a :class:`~.kernel.Chunk` ``(rows, z, scratch, index, owned, logits)`` per chunk,
+    reusing two fp32 ``[chunk, W]`` buffers.
+
+    ``z`` is the chunk upcast to fp32 (temperature applied, padding at -inf); ``index``/``owned``
+    locate each row's target in this shard (None without targets); ``logits`` is
+    ``logits2d[rows]``. The buffers come from the workspace cache (:mod:`..workspace`) and go back
+    to it when the generator finishes or is closed. ``padded``: buffers of
+    :func:`~.._math.padded_width` columns (whole blocks, for :func:`~.._math.block_stats` in
+    batch-invariant mode).
+    """
+    num_tokens = logits2d.shape[0]
+    width = padded_width(cfg.layout.width, bool(cfg.batch_invariant) and padded)
+    shape = (min(cfg.chunk_size, max(num_tokens, 1)), width)
+    leases = [WORKSPACE.take(shape, torch.float32, logits2d.device) for _ in range(2)]
+    zbuf, scratch = (lease.tensor for lease in leases)
+    try:
+        for start in range(0, num_tokens, cfg.chunk_size):
+            rows = slice(start, min(start + cfg.chunk_size, num_tokens))
+            index = owned = None
+            if target1d is not None:
+                index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
+            z = load_chunk(logits2d[rows], zbuf, cfg.layout, cfg.temperature)
+            yield Chunk(rows, z, scratch, index, owned, logits2d[rows])
+    finally:
+        WORKSPACE.give(*leases)
+
+
+def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_target: bool,
+                   device) -> torch.Tensor:
+    """Statistics of every chunk of ``chunks`` (:class:`~.kernel.Chunk` objects with z from
+    :func:`logits_chunks` ``padded=True`` or alike), gathered over ``tp_group``, ready for
+    :func:`~.._math.merge_stats` (with ``batch_invariant=bool(cfg.batch_invariant)``).
+
+    Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
+    ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
+    ``BLOCK`` columns per shard; a view of the gathered tensor, no copy: merge it with
+    :func:`merge_tokens_per_pass`). One all-gather (none for tp = 1). With label smoothing the
+    parts' smoothing rows are made relative to the merged maximum (``_math.rebase_zsum_``), in
+    passes of :func:`merge_tokens_per_pass` tokens.
+    """
+    zsum = has_target and cfg.label_smoothing > 0.0
+    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum)
+    if cfg.batch_invariant == "tp":
+        stats_of = ShardStats(**opts, blocks=True)
+        blocks = padded_width(cfg.layout.width, True) // BLOCK
+        # Block-major, so that the gathered [tp, nb, NUM_STATS, T] is [tp * nb, ...] as a view.
+        stats = torch.zeros((blocks, NUM_STATS, num_tokens), dtype=torch.float32, device=device)
+        for chunk in chunks:
+            stats_of(chunk, stats.permute(1, 2, 0)[:, chunk.rows])
+        gathered = _comm.gather_stats(stats, tp_group)
+        gathered = gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
+        part_width = BLOCK
+    else:
+        # Shards of unequal widths (vocab_start) send their real column count along, in one
+        # more token column of the same all-gather: the smoothing merge needs every shard's.
+        counted = zsum and not cfg.layout.even
+        stats = torch.zeros((NUM_STATS, num_tokens + counted), dtype=torch.float32,
+                            device=device)
+        stats_of = ShardStats(**opts, batch_invariant=bool(cfg.batch_invariant))
+        for chunk in chunks:
+            stats_of(chunk, stats[:, chunk.rows])
+        if counted:
+            stats[0, -1] = cfg.layout.real_width
+        gathered = _comm.gather_stats(stats, tp_group)
+        if counted:
+            counts, gathered = gathered[:, 0, -1], gathered[..., :num_tokens]
+        part_width = cfg.layout.width
+    if zsum and gathered.shape[0] > 1:
+        if cfg.layout.even:
+            counts = real_columns(gathered.shape[0], part_width, cfg.layout.vocab_size, device)
+        step = merge_tokens_per_pass(cfg, gathered.shape[0]) or max(num_tokens, 1)
+        for start in range(0, num_tokens, step):
+            rebase_zsum_(gathered[..., start:start + step], counts, cfg.layout.vocab_size)
+    return gathered
+
+
+def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:
+    """``tokens_per_pass`` of :func:`~.._math.merge_stats` for ``num_parts`` gathered parts per
+    token (:func:`gathered_stats`): None (one pass) except for ``batch_invariant="tp"``, whose
+    ``tp * nb`` parts would make the merge's temporaries several times the gathered statistics;
+    there, as many tokens as keep its ~8 fp32 ``[parts, tokens]`` temporaries near one fp32
+    ``[chunk, W]`` buffer."""
+    if cfg.batch_invariant != "tp":
+        return None
+    return max(1, cfg.chunk_size * padded_width(cfg.layout.width, True) // (8 * num_parts))
+
+
+def flatten_target(target, ignore_index: int):
+    """``(target [T], valid [T] bool)`` of a target of any leading shape; ``(None, None)`` for
+    None."""
+    if target is None:
+        return None, None
+    target1d = target.reshape(-1)
+    return target1d, target1d != ignore_index
+
+
+def logits_grad(logits2d, target1d, valid, cfg: StatsConfig, grad: ChunkGrad) -> torch.Tensor:
+    """The backward of an op on logits: ``grad`` of every chunk of ``logits2d`` ``[T, W]``
+    (recomputed by :func:`logits_chunks`) written into one preallocated ``[T, W]``
+    tensor of the logits' dtype, which is returned. No collective."""
+    grad_logits = torch.empty_like(logits2d)
+    for chunk in logits_chunks(logits2d, target1d, valid, cfg):
+        grad(chunk, grad_logits[chunk.rows])
+    return grad_logits

@@ -1,0 +1,153 @@
+"""The backward engines of the fused LM head: recompute each chunk, or take the gradients in
+forward.
+
+* :func:`recompute_backward`: ``(grad_hidden, grad_weight)`` of any fused op: each chunk's logits
+  are recomputed (:func:`.linear.linear_chunks`), turned into their gradient by the op's
+  :class:`~.kernel.ChunkGrad` (the seam), then into ``dX = g @ W`` and ``dW += g.T @ h`` right
+  away (:func:`.wgrad.input_grads_of_chunk`); the op hands its gradient over as an object, the
+  engine never calls back into the op;
+* the forward-gradient mode of ``linear_vocab_parallel_stats(grad_weights=...)``:
+  :func:`forward_with_grads` (statistics and gradients in one pass), :func:`scaled_forward_grads`
+  (its backward) and :func:`upstream_scale` (the scalar ``c`` and its check).
+
+May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm` and the rest of the engine
+(:mod:`.kernel`, :mod:`.chunks`, :mod:`.linear`, :mod:`.wgrad`); never an op module nor
+``megatron_vocabstats.megatron``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _comm
+from .._checks import host_checks_enabled
+from .._math import MergedStats, chunk_grad, finite_lse, grad_coefficients, load_chunk
+from .chunks import gathered_stats
+from .kernel import ChunkGrad
+from .linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks, reduce_hidden_grad
+from .wgrad import finish_weight_grad, input_grads_of_chunk, weight_grad_buffer
+
+
+def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
+                       cfg: LinearStatsConfig, tp_group, merge):
+    """The forward-gradient pass: statistics, and for the upstream gradient ``grad_weights`` of
+    the logprobs the per-shard ``dX`` ([T, H], model dtype) and the fp32 ``dW`` sums: 3 matmuls
+    per chunk, no recompute.
+
+    Each chunk's statistics are merged across the shards at once (one all-gather of the chunk's
+    statistics per chunk), because its gradient needs the global logsumexp.
+    Returns ``(MergedStats, dX or None, dW sums or None)``.
+    """
+    sc = cfg.stats
+    coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature)
+    names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
+    out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
+    dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
+    acc = weight_grad_buffer(weight, None) if cfg.grad_weight else None
+    for chunk in linear_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True):
+        rows, logits, index, owned = chunk.rows, chunk.logits, chunk.index, chunk.owned
+        n = rows.stop - rows.start
+        parts = gathered_stats([chunk._replace(rows=slice(0, n))], n, sc, tp_group,
+                               has_target=True, device=hidden2d.device)
+        part = merge(parts, valid[rows])
+        for name in names:
+            out[name][rows] = getattr(part, name)
+        z = load_chunk(logits, bufs.z, sc.layout, sc.temperature)
+        chunk_grad(z, bufs.scratch, logits, lse=finite_lse(part.logsumexp, valid[rows]), ent=None,
+                   coef_lp=coef_lp[rows], coef_h=None, index=index, owned=owned,
+                   valid=valid[rows], layout=sc.layout, label_smoothing=sc.label_smoothing)
+        input_grads_of_chunk(logits, hidden2d[rows], weight,
+                             dx2d[rows] if dx2d is not None else None, acc, bufs)
+    return MergedStats(**{name: out.get(name) for name in ("logsumexp", "logprobs", "entropy")}), \
+        dx2d, acc
+
+
+def scaled_forward_grads(ctx, grad_logprobs):
+    """``(grad_hidden, grad_weight)`` of the forward-gradient mode: the gradients stored by
+    :func:`forward_with_grads` scaled by :func:`upstream_scale` (once per forward)."""
+    # Checked before ctx.saved_tensors: the first backward scaled acc in place, and unpacking it
+    # again would raise torch's version-counter error instead.
+    if ctx.used:
+        raise RuntimeError("linear_vocab_parallel_stats: with grad_weights (forward-gradient "
+                           "mode) backward runs once per forward: the gradients stored in "
+                           "forward were scaled in place by the first backward. Run the forward "
+                           "again, or pass grad_weights=None to backpropagate more than once")
+    ctx.used = True
+    weight, target, grad_weights, grad_hidden, acc = ctx.saved_tensors
+    cfg: LinearStatsConfig = ctx.cfg
+    valid = target.reshape(-1) != cfg.stats.ignore_index
+    scale = upstream_scale(grad_logprobs, grad_weights, valid, cfg, ctx.tp_group)
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.mul(scale)
+    grad_weight = None
+    if acc is not None:
+        grad_weight = finish_weight_grad(acc.mul_(scale), weight, ctx.main_grad, cfg)
+    return grad_hidden, grad_weight
+
+
+# Relative tolerance of the proportionality check of the forward-gradient mode: far above the
+# rounding of c * w (a few fp32 ulps, and of the scale's reductions), far below any real mismatch.
+SCALE_RTOL = 1e-4
+
+
+def upstream_scale(grad_logprobs, grad_weights, valid, cfg: LinearStatsConfig, tp_group):
+    """The scalar c with ``grad_logprobs = c * grad_weights`` on the scored positions (0-d fp32).
+
+    Least squares ``c = <g, w> / <w, w>`` (0 when every weight is 0), no host sync. With
+    ``validate`` (outside CUDA graph capture) the residual is checked and a mismatch raises
+    ``ValueError`` on every rank (one tiny all-gather under tp > 1).
+    """
+    g = torch.where(valid, grad_logprobs.reshape(-1).float(), 0.0)
+    w = torch.where(valid, grad_weights.reshape(-1).float(), 0.0)
+    norm = (w * w).sum()
+    scale = torch.where(norm > 0, (g * w).sum() / norm.clamp(min=torch.finfo(torch.float32).tiny),
+                        0.0)
+    if host_checks_enabled(cfg.stats.validate, g.device) and g.numel():
+        bad = not bool((g - scale * w).abs().max() <= SCALE_RTOL * g.abs().max())
+        _, tp = _comm.group_rank_size(tp_group)
+        if tp > 1:
+            bad = any(row[0] for row in _comm.all_gather_ints([int(bad)], tp_group,
+                                                               device=g.device))
+        if bad:
+            raise ValueError(
+                "grad_weights: the upstream gradient of logprobs is not a scalar multiple of "
+                "grad_weights on the scored positions (on some rank); the forward-gradient mode "
+                "only serves losses sum(c * grad_weights * logprobs) with one scalar c. Pass the "
+                "loss's per-token weights as grad_weights, or grad_weights=None"
+            )
+    return scale
+
+
+def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, tp_group,
+                       main_grad, grad: ChunkGrad) -> tuple:
+    """``(grad_hidden, grad_weight)`` of a fused op by recomputing each chunk's logits.
+
+    ``grad`` (the op's :class:`~.kernel.ChunkGrad`) is called as ``grad(chunk, chunk.logits)``:
+    it turns the chunk's logits (model dtype ``[n, W]``, in ``chunk.logits``; ``chunk.z`` their
+    fp32 upcast, ``chunk.scratch`` an fp32 ``[chunk, W]`` buffer) into their gradient in place;
+    each chunk's gradient then becomes ``dX = g @ W`` and ``dW += g.T @ h`` right away.
+    ``hidden`` is this rank's (sequence-parallel) shard; ``target1d``/``valid`` the flattened
+    targets (None without); ``main_grad`` the weight's ``main_grad`` under gradient-accumulation
+    fusion, else None. ``None`` for a gradient ``cfg`` does not ask for.
+    """
+    sc = cfg.stats
+    total = full_hidden(hidden, cfg, tp_group)
+    hidden2d = total.reshape(-1, total.shape[-1])
+    dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
+    acc = weight_grad_buffer(weight, main_grad) if cfg.grad_weight else None
+    bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
+                         batch_invariant=bool(sc.batch_invariant))
+    try:
+        for chunk in linear_chunks(hidden2d, weight, target1d, valid, sc, bufs):
+            grad(chunk, chunk.logits)
+            input_grads_of_chunk(chunk.logits, hidden2d[chunk.rows], weight,
+                                 dx2d[chunk.rows] if dx2d is not None else None, acc, bufs)
+    finally:
+        bufs.release()
+    grad_hidden = None
+    if dx2d is not None:
+        grad_hidden = reduce_hidden_grad(dx2d, total.shape, cfg, tp_group)
+    grad_weight = None
+    if acc is not None:
+        grad_weight = finish_weight_grad(acc, weight, main_grad, cfg)
+    return grad_hidden, grad_weight

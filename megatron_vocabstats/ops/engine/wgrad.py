@@ -1,0 +1,113 @@
+"""Weight and input gradients of the fused LM head from one chunk's logits gradient.
+
+* :func:`input_grads_of_chunk`: ``dX = g @ W`` and ``dW += g.T @ h`` of one chunk;
+* :func:`accumulate_wgrad`: the fp32 accumulation ``acc += g.T @ h`` from model-dtype
+  operands, by the GEMM mode probed once per device type (:func:`wgrad_mode`: ``"addmm"``,
+  ``"mm"`` or ``"upcast"``);
+* :func:`weight_grad_buffer` / :func:`finish_weight_grad`: the fp32 ``[W, H]`` sums and
+  Megatron's ``main_grad`` contract (gradient-accumulation fusion).
+
+May import: ``torch``, :mod:`..workspace` and :mod:`.linear` (the buffers and the config);
+never an op module nor ``megatron_vocabstats.megatron``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..workspace import capturing
+from .linear import ChunkBuffers, LinearStatsConfig
+
+_WGRAD_MODES: dict[str, str] = {}
+
+
+def wgrad_mode(device_type: str) -> str:
+    """How this device adds ``g.T @ h`` (bf16/fp16 operands) into an fp32 accumulator.
+
+    ``"addmm"``: one GEMM with fp32 output accumulating in place (CUDA builds whose
+    ``addmm(out_dtype=float32)`` accepts an fp32 ``self``, like Megatron's
+    ``wgrad_gemm_accum_fp32``); ``"mm"``: an fp32-output GEMM into a ``[W, H]`` temporary, then an
+    add; ``"upcast"``: fp32 copies of the chunk operands and an fp32 GEMM (exact; the CPU path,
+    where torch has no mixed-dtype GEMM). Probed once per device type, on the first call outside
+    CUDA graph capture (the probe reads a value on the host); during a capture before any probe,
+    ``"upcast"`` (always correct) without probing.
+    """
+    if device_type != "cuda":
+        return "upcast"
+    if device_type not in _WGRAD_MODES:
+        if capturing():
+            return "upcast"
+        _WGRAD_MODES[device_type] = _probe_wgrad_mode(device_type)
+    return _WGRAD_MODES[device_type]
+
+
+_wgrad_mode = wgrad_mode  # its former name (tests patch this module's probe state)
+
+
+def _probe_wgrad_mode(device_type: str) -> str:
+    a = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
+    acc = torch.ones(2, 2, device=device_type)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        if bool((acc == 3.0).all()):
+            return "addmm"
+    except (RuntimeError, TypeError):
+        pass
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+        return "mm"
+    except (RuntimeError, TypeError):
+        return "upcast"
+
+
+def accumulate_wgrad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor,
+                      bufs: ChunkBuffers) -> None:
+    """``acc += grad.T @ h`` accumulated in fp32 (``acc`` fp32 ``[W, H]``; ``grad`` ``[n, W]`` and
+    ``h`` ``[n, H]`` in the model dtype). Clobbers ``bufs.z``."""
+    if grad.dtype == acc.dtype:
+        acc.addmm_(grad.t(), h)
+        return
+    mode = wgrad_mode(acc.device.type)
+    if mode == "addmm":
+        torch.addmm(acc, grad.t(), h, out_dtype=acc.dtype, out=acc)
+    elif mode == "mm":
+        acc.add_(torch.mm(grad.t(), h, out_dtype=acc.dtype))
+    else:
+        n = grad.shape[0]
+        acc.addmm_(bufs.z[:n].copy_(grad).t(), bufs.h32(n).copy_(h))
+
+
+def input_grads_of_chunk(grad, h, weight, dx_rows, acc, bufs: ChunkBuffers) -> None:
+    """From one chunk's logits gradient ``grad`` [n, W]: ``dx_rows = grad @ weight`` (if given) and
+    ``acc += grad.T @ h`` (if given)."""
+    if dx_rows is not None:
+        torch.matmul(grad, weight, out=dx_rows)
+    if acc is not None:
+        accumulate_wgrad(acc, grad, h, bufs)
+
+
+def weight_grad_buffer(weight, main_grad) -> torch.Tensor:
+    """The fp32 ``[W, H]`` accumulator: an fp32 ``main_grad`` itself, else fresh zeros."""
+    if main_grad is not None and main_grad.dtype == torch.float32:
+        return main_grad
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def finish_weight_grad(acc, weight, main_grad, cfg: LinearStatsConfig):
+    """The gradient to return for ``weight`` given its fp32 sums ``acc``.
+
+    Without ``accumulate_into_main_grad``: ``acc`` cast to the weight dtype. With it, Megatron's
+    gradient-accumulation-fusion contract (``tensor_parallel.layers``): ``acc`` is added into
+    ``main_grad`` unless it is ``main_grad``; if the weight has ``grad_added_to_main_grad``, that is
+    set to True and a dummy gradient returned (zeros if ``weight.zero_out_wgrad``, else
+    uninitialised), otherwise None.
+    """
+    if not cfg.accumulate_into_main_grad:
+        return acc.to(weight.dtype)
+    if acc is not main_grad:
+        main_grad.add_(acc)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(main_grad.shape, dtype=weight.dtype, device=weight.device)

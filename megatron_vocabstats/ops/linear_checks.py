@@ -1,0 +1,154 @@
+"""Input checks of the fused LM-head ops (``fused_linear``, ``fused_topk``, ``fused_sampling``).
+
+* :func:`lead_shape`: the (gathered) leading shape of the tokens of ``hidden``;
+* :func:`linear_problem`: the first problem with the fused op's own arguments (hidden, weight,
+  target shape, ``grad_weights``, ``sequence_parallel``, ``main_grad``), as an exception;
+* :func:`checked_linear_config`: the whole validation of one fused call, routing its problems
+  and the cross-rank agreement through the core checks' one exchange
+  (``_checks.checked_config``), giving a :class:`~.engine.LinearStatsConfig`.
+
+May import: ``torch``, :mod:`._checks`, :mod:`._comm` and :mod:`.engine` (the config and the
+chunk policy); never an op module nor ``megatron_vocabstats.megatron``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _comm
+from ._checks import LOGITS_DTYPES, Field, checked_config, tensor_checksum
+from .engine import LinearStatsConfig, auto_linear_chunk_size
+
+
+def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:
+    """The leading shape of the (gathered) tokens of ``hidden`` ``[..., H]`` (under
+    ``sequence_parallel is True`` and tp > 1, dim 0 times ``tp``): that of the target,
+    ``indices`` and ``mask``. None when ``hidden`` is not a tensor of the right rank (the linear
+    checks then name it)."""
+    sp = sequence_parallel is True and tp > 1
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1 + sp:
+        return None
+    lead = tuple(hidden.shape[:-1])
+    return (lead[0] * tp, *lead[1:]) if sp else lead
+
+
+def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence_parallel,
+                   tp: int, entropy, accumulate_into_main_grad) -> ValueError | None:
+    """The first problem with the arguments the core op's checks do not see, or None."""
+    if not isinstance(hidden, torch.Tensor):
+        return ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
+    if hidden.dim() < (2 if sequence_parallel else 1):
+        return ValueError(f"hidden must be [..., H] ([s/tp, ..., H] with sequence_parallel), got "
+                          f"shape {tuple(hidden.shape)}")
+    if hidden.shape[-1] == 0:
+        return ValueError(f"hidden: the hidden dimension is empty (shape "
+                          f"{tuple(hidden.shape)}); the logits hidden @ weight.T need H >= 1")
+    if hidden.dtype not in LOGITS_DTYPES:
+        return ValueError(f"hidden must be bf16, fp16 or fp32, got {hidden.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        what = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        return ValueError(f"weight must be the 2-D local shard [V/tp, H] of the output layer, "
+                          f"got {what}")
+    if weight.shape[0] == 0:
+        return ValueError("weight: the local vocabulary shard has no rows")
+    if weight.shape[1] != hidden.shape[-1]:
+        return ValueError(f"weight has hidden size {weight.shape[1]} (shape "
+                          f"{tuple(weight.shape)}) but hidden has {hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        return ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: "
+                          "the logits are computed in the model dtype, pass both in it")
+    if weight.device != hidden.device:
+        return ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
+    if isinstance(target, torch.Tensor) and tuple(target.shape) != lead_shape:
+        where = (f"the gathered sequence ({tp} ranks x {hidden.shape[0]} rows: every rank passes "
+                 "its equal-length shard of hidden and the full target)" if sequence_parallel
+                 else "hidden")
+        return ValueError(f"target shape {tuple(target.shape)} must equal the leading shape "
+                          f"{lead_shape} of {where}")
+    if grad_weights is not None:
+        if target is None:
+            return ValueError("grad_weights needs a target (it weights the target logprobs)")
+        if not isinstance(grad_weights, torch.Tensor) or not grad_weights.dtype.is_floating_point:
+            return ValueError("grad_weights must be a floating-point tensor shaped like target")
+        if isinstance(target, torch.Tensor) and grad_weights.shape != target.shape:
+            return ValueError(f"grad_weights shape {tuple(grad_weights.shape)} must equal target "
+                              f"shape {tuple(target.shape)}")
+        if grad_weights.device != hidden.device:
+            return ValueError(f"grad_weights is on {grad_weights.device} but hidden on "
+                              f"{hidden.device}")
+        if entropy == "grad":
+            return ValueError("entropy='grad' cannot be combined with grad_weights (the "
+                              "forward-gradient mode serves log-prob losses only): pass "
+                              "entropy='off' or 'metric'")
+    if not isinstance(sequence_parallel, bool):
+        return ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if not isinstance(accumulate_into_main_grad, bool):
+        return ValueError(f"accumulate_into_main_grad must be a bool, got "
+                          f"{accumulate_into_main_grad!r}")
+    if accumulate_into_main_grad:
+        main_grad = getattr(weight, "main_grad", None)
+        if (not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape
+                or not main_grad.dtype.is_floating_point or main_grad.device != weight.device):
+            return ValueError("accumulate_into_main_grad=True needs weight.main_grad, a float "
+                              f"tensor of the weight's shape {tuple(weight.shape)} and device "
+                              "(Megatron's DDP buffer)")
+    return None
+
+
+def first_device(*candidates) -> torch.device:
+    """The device of the first tensor among ``candidates`` (CPU if none is a tensor)."""
+    for x in candidates:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, sequence_parallel,
+                          accumulate_into_main_grad, chunk_size,
+                          local_error: ValueError | None = None, agree: tuple = (),
+                          **options) -> LinearStatsConfig:
+    """Validate one call: the fused op's own arguments, then the core op's checks
+    (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
+
+    Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
+    agree on ``sequence_parallel``, whether ``grad_weights`` is given, and
+    ``accumulate_into_main_grad`` (they change the collectives or the gradients), then on the
+    caller's ``agree`` entries: all in the core op's one tiny all-gather.
+    """
+    _, tp = _comm.group_rank_size(tp_group)
+    lead = lead_shape(hidden, sequence_parallel, tp)
+    problem = linear_problem(hidden, weight, target, grad_weights, lead_shape=lead,
+                             sequence_parallel=sequence_parallel, tp=tp,
+                             entropy=options["entropy"],
+                             accumulate_into_main_grad=accumulate_into_main_grad)
+    if problem is None and local_error is not None:
+        problem = local_error
+    if problem is None:
+        width = weight.shape[0]
+        # Shape, dtype and device of the logits, with no memory behind them.
+        # TODO(shape-checks): pass the shape to checked_config's shape-based entry instead.
+        logits = hidden.new_empty(()).expand(*lead, width)
+        if chunk_size is None:
+            chunk_size = auto_linear_chunk_size(width, hidden.device)
+    else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
+        logits = torch.empty(0, device=first_device(hidden, weight, target))
+    agree = (("sequence_parallel", lambda: int(sequence_parallel), bool),
+             ("grad_weights", lambda: int(grad_weights is not None),
+              lambda given: "tensor" if given else None),
+             (Field("grad_weights values", checksum=True),
+              lambda: -1 if grad_weights is None else tensor_checksum(grad_weights)),
+             ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
+             *agree)
+    stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
+                           agree=agree, **options)
+    grad_on = torch.is_grad_enabled()
+    grad_hidden = grad_on and hidden.requires_grad
+    grad_weight = grad_on and weight.requires_grad
+    return LinearStatsConfig(
+        stats=stats,
+        sequence_parallel=sequence_parallel and tp > 1,
+        accumulate_into_main_grad=accumulate_into_main_grad,
+        forward_grad=grad_weights is not None and (grad_hidden or grad_weight),
+        grad_hidden=grad_hidden,
+        grad_weight=grad_weight,
+    )

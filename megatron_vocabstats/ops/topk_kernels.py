@@ -1,0 +1,237 @@
+"""The top-k ops' math and passes over the chunks, shared by ``topk.py`` and ``fused_topk.py``.
+
+* candidates and their merge: :func:`rank_keys` (one int64 key per column: value descending, id
+  ascending), :func:`chunk_candidates`, :func:`merge_candidates`, :func:`logprobs_of`;
+* log-probs at given ids: :func:`locate`, :func:`picked_logits`;
+* the gradient of ``sum_k g_k log p(i_k)``: :func:`chunk_topk_grad`, its per-token terms
+  (:func:`backward_terms`) and the engine's :class:`~.engine.ChunkGrad` for it
+  (:class:`TopKGrad`);
+* the passes over the engine's chunks (:class:`~.engine.Chunk`): :func:`topk_pass` and
+  :func:`picked_pass`, one all-gather each;
+* the result and options types :class:`TopK` and :class:`TopKConfig` (re-exported by
+  ``topk.py``).
+
+May import: ``torch``, :mod:`._math`, :mod:`._checks`, :mod:`._comm` and :mod:`.engine`; never
+an op module nor ``megatron_vocabstats.megatron``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import _comm
+from ._checks import StatsConfig, check_finite, host_checks_enabled
+from ._math import NUM_STATS, Z_FLOOR, ShardLayout, chunk_grad, finite_lse, log_normaliser
+from .engine import Chunk, ShardStats
+
+_LOW32 = 2**32
+
+
+class TopK(NamedTuple):
+    """Global top-k of each token: ``logprobs`` fp32 ``[..., k]`` (nats, normalised over the full
+    vocabulary, sorted descending) and ``indices`` int64 ``[..., k]`` (global vocabulary ids)."""
+
+    logprobs: torch.Tensor
+    indices: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopKConfig:
+    """Options of one top-k call: the core op's validated options, k, and whether the values are
+    log-probs (``normalize``) or the logits themselves."""
+
+    stats: StatsConfig
+    k: int
+    normalize: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure math (no collectives)
+
+
+def rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering ``(value descending, id ascending)``: larger key = earlier in the top-k.
+
+    ``values``: fp32; ``ids``: int64 in ``[0, 2**32)``, broadcastable to ``values``. Equal values
+    (-0.0 and +0.0 included) differ only by id, so ``torch.topk`` on the keys is deterministic.
+    Any NaN (either sign) ranks above +inf.
+    """
+    bits = torch.where(values == 0, 0.0, values)
+    bits = torch.where(torch.isnan(bits), float("nan"), bits).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    return ordered * _LOW32 + (_LOW32 - 1 - ids)
+
+
+def chunk_candidates(z: torch.Tensor, layout: ShardLayout, k_local: int):
+    """This shard's top ``k_local`` of a ``[n, W]`` fp32 chunk from ``load_chunk``:
+    ``(values fp32 [n, k_local], global ids int64 [n, k_local])``. Padding columns (at the floor)
+    rank after every real column of equal value, having higher ids. A shard narrower than
+    ``k_local`` (unequal shards) fills the rest with floor values at ids ``>= vocab_size +
+    vocab_start``, which rank after every column of every shard."""
+    ids = torch.arange(layout.vocab_start, layout.vocab_start + layout.width, device=z.device)
+    top = rank_keys(z, ids).topk(min(k_local, layout.width), dim=1).indices
+    values, top_ids = z.gather(1, top), top + layout.vocab_start
+    missing = k_local - top.shape[1]
+    if missing > 0:
+        fill = layout.vocab_size + layout.vocab_start + layout.width
+        values = torch.cat([values, values.new_full((z.shape[0], missing), Z_FLOOR)], dim=1)
+        extra = torch.arange(fill, fill + missing, device=z.device).expand(z.shape[0], missing)
+        top_ids = torch.cat([top_ids, extra], dim=1)
+    return values, top_ids
+
+
+def logprobs_of(values: torch.Tensor, m: torch.Tensor, log_sumexp: torch.Tensor) -> torch.Tensor:
+    """``(z - m) - log S`` for fp32 logits ``values`` ``[T, k]`` (-inf where z is at the floor,
+    NaN where it is NaN); the same rounding as the core op's ``merge_stats``, so equal inputs give
+    equal bits."""
+    lp = (values - m.unsqueeze(1)) - log_sumexp.unsqueeze(1)
+    return torch.where(values <= Z_FLOOR, float("-inf"), lp)
+
+
+def merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int):
+    """The global top-k of every rank's candidates ``[tp, k_local, T]``: ``(values, ids)``,
+    each ``[T, k]``."""
+    tp, k_local, tokens = values.shape
+    values = values.permute(2, 0, 1).reshape(tokens, tp * k_local)
+    ids = ids.permute(2, 0, 1).reshape(tokens, tp * k_local)
+    top = rank_keys(values, ids).topk(k, dim=1).indices
+    return values.gather(1, top), ids.gather(1, top)
+
+
+def locate(indices2d: torch.Tensor, valid: torch.Tensor, layout: ShardLayout):
+    """``(local column clamped to [0, W), owned, in_range)`` of global ids ``[T, k]``.
+
+    ``in_range``: the id lies in ``[0, V)``; ``owned``: in range, on this shard, and the row valid.
+    """
+    ids = indices2d.long()
+    local = ids - layout.vocab_start
+    in_range = (ids >= 0) & (ids < layout.vocab_size)
+    owned = valid.unsqueeze(1) & in_range & (local >= 0) & (local < layout.width)
+    return local.clamp(0, layout.width - 1), owned, in_range
+
+
+def picked_logits(chunk: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    """``z`` at the owned columns of a ``[n, W]`` chunk in its storage dtype, as ``[k, n]`` fp32.
+
+    Gather first, then upcast the ``[n, k]`` result only; ``/ temperature`` and the floor exactly
+    as ``load_chunk`` does, so the values equal the fp32 chunk's bit for bit. 0 where not owned.
+    """
+    z = chunk.gather(1, local).float()
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.where(owned, z.clamp(min=Z_FLOOR), 0.0).t()
+
+
+def chunk_topk_grad(z, scratch, out, *, lse, coef, hits, local, valid, layout: ShardLayout):
+    """Write the gradient of ``sum_k g_k log p(i_k)`` for one ``[n, W]`` chunk into ``out``.
+
+    ``coef = sum_k g_k / tau`` per row and ``hits = g_k / tau`` at owned ids (0 elsewhere), both
+    already 0 at invalid rows. ``chunk_grad`` leaves ``-coef * p`` in fp32 in ``scratch``, the
+    hits are scatter-added there (duplicate ids accumulate), then one cast into ``out``.
+    """
+    n = z.shape[0]
+    grad = scratch[:n]
+    chunk_grad(z, scratch, grad, lse=lse, ent=None, coef_lp=coef, coef_h=None, index=None,
+               owned=None, valid=valid, layout=layout, label_smoothing=0.0)
+    grad.scatter_add_(1, local, hits)
+    out.copy_(grad)
+
+
+def backward_terms(grad, indices, valid, lse, cfg: StatsConfig):
+    """What every chunk of a backward needs, from the upstream ``[..., k]`` gradient:
+    ``(local [T, k], coef [T], hits [T, k], lse [T])`` for :func:`chunk_topk_grad`."""
+    local, owned, in_range = locate(indices.reshape(-1, indices.shape[-1]), valid, cfg.layout)
+    scored = valid.unsqueeze(1) & in_range
+    g = torch.where(scored, grad.reshape(local.shape).float(), 0.0) * (1.0 / cfg.temperature)
+    return local, g.sum(dim=1), torch.where(owned, g, 0.0), finite_lse(lse, valid)
+
+
+@dataclass(frozen=True, slots=True)
+class TopKGrad:
+    """The top-k log-probs' :class:`~.engine.ChunkGrad`: :func:`chunk_topk_grad` of a chunk from
+    the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``, ``coef``/``lse``
+    ``[T]``, fp32 but ``local`` int64) and the rows' ``valid`` ``[T]`` bool."""
+
+    local: torch.Tensor
+    coef: torch.Tensor
+    hits: torch.Tensor
+    lse: torch.Tensor
+    valid: torch.Tensor
+    layout: ShardLayout
+
+    def __call__(self, chunk: Chunk, out: torch.Tensor) -> None:
+        rows = chunk.rows
+        chunk_topk_grad(chunk.z, chunk.scratch, out, lse=self.lse[rows], coef=self.coef[rows],
+                        hits=self.hits[rows], local=self.local[rows], valid=self.valid[rows],
+                        layout=self.layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Passes over the chunks: shared by the ops on logits and the fused ones (ops/fused_topk.py)
+
+
+def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> TopK:
+    """Top-k over ``chunks``, an iterable of :class:`~.engine.Chunk` (without targets): z the
+    fp32 chunk of ``load_chunk`` (overwritten), scratch an fp32 buffer of at least its size.
+
+    Packs per shard ``[NUM_STATS + 2 k_local, T]`` int32: the statistics and candidate values as
+    fp32 bits, then the candidate ids; one all-gather; merged in rank order on every rank.
+    Returns flat ``[T, k]`` results.
+    """
+    layout = cfg.stats.layout
+    # Every rank sends as many candidates (one all-gather shape): k, or its width when all equal.
+    k_local = min(cfg.k, layout.width) if layout.even else cfg.k
+    packed = torch.zeros((NUM_STATS + 2 * k_local, num_tokens), dtype=torch.int32, device=device)
+    stats = packed[:NUM_STATS].view(torch.float32)
+    values = packed[NUM_STATS:NUM_STATS + k_local].view(torch.float32)
+    stats_of = ShardStats(layout, entropy=False, zsum=False)
+    for chunk in chunks:
+        rows = chunk.rows
+        vals, ids = chunk_candidates(chunk.z, layout, k_local)
+        values[:, rows] = vals.t()
+        packed[NUM_STATS + k_local:, rows] = ids.t().int()
+        stats_of(chunk, stats[:, rows])
+    gathered = _comm.gather_stats(packed, tp_group)
+    m, log_sumexp = log_normaliser(gathered[:, :NUM_STATS].view(torch.float32))
+    if host_checks_enabled(cfg.stats.validate, device):
+        check_finite(m + log_sumexp, None, temperature=cfg.stats.temperature)
+    candidates = gathered[:, NUM_STATS:NUM_STATS + k_local].view(torch.float32)
+    top_values, top_ids = merge_candidates(candidates, gathered[:, NUM_STATS + k_local:].long(),
+                                           cfg.k)
+    # A NaN logit anywhere in the row is its first candidate (rank_keys): the whole row is NaN.
+    if cfg.normalize:
+        values = logprobs_of(top_values, m, log_sumexp)
+    else:
+        values = torch.where(top_values <= Z_FLOOR, float("-inf"), top_values)
+    return TopK(torch.where(torch.isnan(top_values[:, :1]), float("nan"), values), top_ids)
+
+
+def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
+    """Log-probs at ``indices2d`` ``[T, k]`` over ``chunks`` (iterable of :class:`~.engine.Chunk`
+    without targets, read in their storage dtype ``chunk.logits`` and as ``chunk.z``, as in
+    :func:`topk_pass`); one all-gather of ``[NUM_STATS + k, T]`` fp32.
+
+    Returns ``(logprobs [T, k], lse [T])``: 0 at rows not ``valid``, NaN at ids outside
+    ``[0, V)`` (a loud result when ``validate`` is off and cannot reject them).
+    """
+    num_tokens, k = indices2d.shape
+    local, owned, in_range = locate(indices2d, valid, cfg.layout)
+    packed = torch.zeros((NUM_STATS + k, num_tokens), dtype=torch.float32, device=valid.device)
+    stats_of = ShardStats(cfg.layout, entropy=False, zsum=False)
+    for chunk in chunks:
+        rows = chunk.rows
+        packed[NUM_STATS:, rows] = picked_logits(chunk.logits, local[rows], owned[rows],
+                                                 cfg.temperature)
+        stats_of(chunk, packed[:NUM_STATS, rows])
+    gathered = _comm.gather_stats(packed, tp_group)
+    m, log_sumexp = log_normaliser(gathered[:, :NUM_STATS])
+    lse = m + log_sumexp
+    if host_checks_enabled(cfg.validate, valid.device):
+        check_finite(lse, valid, temperature=cfg.temperature)
+    lp = logprobs_of(gathered[:, NUM_STATS:].sum(dim=0).t(), m, log_sumexp)
+    lp = torch.where(in_range, lp, float("nan"))
+    return torch.where(valid.unsqueeze(1), lp, 0.0), lse
