@@ -1,1 +1,11 @@
-"""Everything that knows Megatron's names. The ops never import from here at module level."""
+"""Everything that knows Megatron's names: feature detection (:mod:`.compat`), the flag family
+and its config hook (:mod:`.arguments`, :mod:`.flag_types`), the run-time settings
+(:mod:`.settings`), the replaced call sites (:mod:`.model`), the reversible patcher
+(:mod:`._patching`) and the CPU shims of the tests (:mod:`.cpu`).
+
+May import: :mod:`megatron_vocabstats.ops`, ``.losses``, ``.packing``, ``.rollout``, ``.mcore``
+and, lazily, the third-party Megatron. Nothing below it (ops, losses, distill, packing, rollout)
+imports this subpackage: the Megatron-core lookups they need live in
+:mod:`megatron_vocabstats.mcore` (``ops.vocab_parallel``'s lazy import of
+``compat.default_tp_group`` is the one left, to be pointed at ``mcore``).
+"""

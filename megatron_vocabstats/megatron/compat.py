@@ -2,7 +2,12 @@
 
 Every lookup is lazy: importing this module never imports Megatron, transformer-engine or apex.
 Names are detected with ``hasattr`` / ``inspect.signature``; the version string only appears in
-messages.
+messages. ``tp_group_of``, ``default_tp_group`` and ``packed_seq_params_class`` live in
+:mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops) and are
+re-exported here.
+
+May import: :mod:`megatron_vocabstats.mcore`, the standard library, torch and, lazily, the
+third-party Megatron, transformer-engine and apex.
 """
 
 from __future__ import annotations
@@ -10,9 +15,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import sys
 
-import torch.distributed as dist
+# Re-exported: the lookups the lower layer needs live in megatron_vocabstats.mcore.
+from ..mcore import default_tp_group, packed_seq_params_class, tp_group_of  # noqa: F401
 
 SUPPORTED = "megatron-core 0.14 to 0.19"
 
@@ -73,45 +78,6 @@ def gpt_model_class():
 def has_output_processor(model_cls) -> bool:
     """True where ``forward`` takes ``output_processor`` (megatron-core 0.18+)."""
     return "output_processor" in inspect.signature(model_cls.forward).parameters
-
-
-def packed_seq_params_class():
-    """Megatron's ``PackedSeqParams`` dataclass, or None where megatron-core is not importable."""
-    try:
-        from megatron.core.packed_seq_params import PackedSeqParams
-    except ImportError:
-        return None
-    return PackedSeqParams
-
-
-def tp_group_of(module) -> dist.ProcessGroup | None:
-    """The tensor-parallel group a Megatron module uses, the way its release stores it.
-
-    0.16+: ``module.tp_group``; 0.15+: ``module.pg_collection.tp``; 0.14:
-    ``module.model_comm_pgs.tp``; else Megatron's global group (``parallel_state``), else None.
-    """
-    group = getattr(module, "tp_group", None)
-    if group is not None:
-        return group
-    for holder in ("pg_collection", "model_comm_pgs"):
-        group = getattr(getattr(module, holder, None), "tp", None)
-        if group is not None:
-            return group
-    return default_tp_group()
-
-
-def default_tp_group() -> dist.ProcessGroup | None:
-    """Megatron's tensor-parallel group if ``parallel_state`` is initialised, else None.
-
-    Only Megatron-facing code reads this global (the drop-in
-    :func:`megatron_vocabstats.vocab_parallel_cross_entropy` keeps Megatron's ``tp_group=None``
-    convention); the ops themselves never do.
-    """
-    # Megatron's parallel state can only be initialised if Megatron was imported: don't import it.
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
 
 
 def training_module(name: str):

@@ -49,13 +49,7 @@ def make_compute_language_model_loss(original):
         stats = vocab_parallel_stats(
             logits,
             labels.transpose(0, 1).contiguous(),
-            tp_group=tp_group_of(self),
-            vocab_size=cfg.vocab_size,
-            chunk_size=cfg.logprobs_chunk_size,
-            entropy=cfg.entropy,
-            label_smoothing=cfg.label_smoothing,
-            validate=cfg.validate,
-            batch_invariant=cfg.batch_invariant,
+            **cfg.stats_options().op_kwargs(tp_group=tp_group_of(self)),
         )
         _stash(self, stats)
         return per_token_loss(stats, cfg).transpose(0, 1).contiguous()
@@ -92,16 +86,12 @@ def fused_language_model_loss(module, output_layer, output_weight, hidden_states
         hidden_states,
         weight,
         labels.transpose(0, 1).contiguous(),
-        tp_group=tp_group_of(output_layer),
-        sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
-        vocab_size=cfg.vocab_size,
-        chunk_size=cfg.lm_head_chunk_size,
-        entropy=cfg.entropy,
-        label_smoothing=cfg.label_smoothing,
-        accumulate_into_main_grad=bool(getattr(output_layer, "gradient_accumulation_fusion",
-                                               False)) and hasattr(weight, "main_grad"),
-        validate=cfg.validate,
-        batch_invariant=cfg.batch_invariant,
+        **cfg.stats_options(fused=True).op_kwargs(
+            tp_group=tp_group_of(output_layer),
+            sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
+            accumulate_into_main_grad=bool(getattr(output_layer, "gradient_accumulation_fusion",
+                                                   False)) and hasattr(weight, "main_grad"),
+        ),
     )
     _stash(module, stats)
     return per_token_loss(stats, cfg).transpose(0, 1).contiguous()

@@ -2,8 +2,13 @@
 
 One explicit object, :data:`SETTINGS`, written by ``megatron_vocabstats.patch.apply`` and by the
 config hook (from the ``--vocab-parallel-stats`` flag family), read by the replacements in
-:mod:`megatron_vocabstats.megatron.model`. While ``active`` is False the patched call sites run
-Megatron's original code, so the plugin is either fully on or fully off.
+:mod:`megatron_vocabstats.megatron.model` (the statistics' options through
+:meth:`PluginSettings.stats_options`, a :class:`~megatron_vocabstats.StatsOptions`). While
+``active`` is False the patched call sites run Megatron's original code, so the plugin is either
+fully on or fully off.
+
+May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.losses` (``StatsOptions``),
+:mod:`megatron_vocabstats.rollout`.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from ..losses.stats import StatsOptions
 from ..ops._checks import ENTROPY_MODES, check_batch_invariant
 from ..ops.sampling import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
@@ -135,6 +141,18 @@ class PluginSettings:
         except ValueError as exc:
             raise ValueError(f"rollout_correction_mode={self.rollout_correction_mode!r}: "
                              f"{exc}") from None
+
+    def stats_options(self, *, fused: bool = False) -> StatsOptions:
+        """The :class:`~megatron_vocabstats.StatsOptions` of the patched loss path: the chunking
+        of the unfused op (``logprobs_chunk_size``) or, with ``fused``, of the fused LM head
+        (``lm_head_chunk_size``), and the settings' vocabulary size, entropy mode, label
+        smoothing, checks and batch invariance (temperature 1): the call sites pass
+        ``**settings.current().stats_options().op_kwargs(tp_group=...)`` to the op."""
+        return StatsOptions(vocab_size=self.vocab_size,
+                            chunk_size=self.lm_head_chunk_size if fused
+                            else self.logprobs_chunk_size,
+                            entropy=self.entropy, label_smoothing=self.label_smoothing,
+                            validate=self.validate, batch_invariant=self.batch_invariant)
 
     def rollout_correction(self) -> RolloutCorrection | None:
         """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings, None for mode

@@ -1,46 +1,20 @@
-"""Top-k distillation losses: divergences over the teacher's top-k, in Megatron's loss contract.
+"""The Megatron loss function of top-k distillation: :func:`distillation_loss` (the student's
+log-probs at the teacher's ids from logits or a fused LM head, then :func:`topk_divergence`).
 
-Two layers, as in :mod:`megatron_vocabstats.losses`:
-
-* :func:`topk_divergence`: a pure per-token function of the teacher's top-k log-probs and the
-  student's log-probs at the same ids (forward KL, reverse KL, JSD(beta); optional tail bucket,
-  optional renormalisation over the top-k).
-* :func:`distillation_loss`: the student's log-probs at the teacher's ids from vocab-parallel logits
-  (:func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`) or a fused LM head, then
-  :func:`topk_divergence`, returned as ``(loss_sum, num_tokens, report)``.
-
-Semantics (``docs/numerics.md``, "Top-k distillation"): both sides are normalised over the full
-vocabulary unless ``renormalize=True``. Each divergence is a sum over buckets (the k ids, plus
-the tail ``log(1 - sum_k p)`` when ``tail_bucket``) of the Bregman form of KL,
-
-    D(p || q) = sum_i p_i (r_i - 1 + e^{-r_i}) = sum_i [p_i log(p_i / q_i) - p_i + q_i],
-    r_i = log p_i - log q_i,
-
-each term >= 0 and exactly 0 where ``p_i == q_i``. With the tail bucket (or ``renormalize``) both
-sides sum to 1 and this is the ordinary KL; over the bare top-k it is the generalised
-(I-)divergence of the two unnormalised top-k measures, which is still >= 0 and 0 only when the
-student matches the teacher on every top-k id. So KL >= 0 holds numerically, and KL(p, p) is 0
-bit for bit in every dtype.
-
-The tail mass ``1 - sum_k p`` is floored at the resolution of 1 in the computation dtype (fp32:
-2**-23): below it the rounded top-k log-probs do not determine it (the sum is only known to a few
-ulps), and a tail that rounds to 0 would make reverse KL (teacher side) or forward KL (student
-side) infinite. Both sides are floored alike, so KL(p, p) stays exactly 0.
-
-No host synchronisation (no ``.item()``, no value-dependent shapes); collectives only in the op.
+May import: :mod:`.divergence`, :mod:`megatron_vocabstats.losses.inputs`,
+:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops._checks``, ``ops._math``) and torch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .losses import LossOutput, _check_float, _count, _pair, _token_mask
-from .ops._checks import (
+from ..losses.inputs import LossOutput, _check_float, _count, _pair, _token_mask
+from ..ops._checks import (
     Field,
     bits_float,
     checked_on_every_rank,
@@ -48,179 +22,9 @@ from .ops._checks import (
     host_checks_enabled,
     tensor_checksum,
 )
-from .ops._math import LOGP_MIN
-from .ops.topk import TopK, vocab_parallel_topk_logprobs
-
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-_LN2 = math.log(2.0)
-_INF = float("inf")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DistillConfig:
-    """Options of :func:`topk_divergence`, validated on construction (meaning: see there)."""
-
-    divergence: str = "forward_kl"
-    beta: float = 0.5
-    tail_bucket: bool = False
-    renormalize: bool = False
-
-    def __post_init__(self):
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
-                or not 0.0 < self.beta < 1.0:
-            raise ValueError(
-                f"beta must be a number in (0, 1), got {self.beta!r}: at 0 and 1 the mixture is "
-                "one of the two sides and JSD(beta) is identically 0 (TRL and Liger map beta=0 "
-                "and 1 to forward and reverse KL by convention: pass divergence='forward_kl' or "
-                "'reverse_kl' for those)")
-        for name in ("tail_bucket", "renormalize"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.tail_bucket and self.renormalize:
-            raise ValueError("tail_bucket and renormalize exclude each other: renormalising over "
-                             "the top-k leaves no mass outside it")
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure per-bucket math
-
-
-def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 - e^x)`` for log-masses ``x``, stably (Maechler 2012, "Accurately computing
-    log(1 - exp(-|a|))"): ``log(-expm1(x))`` above ``-ln 2``, ``log1p(-exp(x))`` below; -inf for
-    ``x >= 0`` (no mass left, rounding included). Gradients stay finite."""
-    live = x < 0
-    xs = torch.where(live, x, -1.0)
-    out = torch.where(xs > -_LN2, torch.log(-torch.expm1(xs)), torch.log1p(-torch.exp(xs)))
-    return torch.where(live, out, -_INF)
-
-
-def bregman_kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
-    """Per-bucket ``p (r - 1 + e^{-r})`` with ``r = lp - lq`` (log-masses): >= 0, exactly 0 where
-    ``lp == lq``; ``q`` where ``p = 0``, +inf where ``q = 0 < p``, NaN where an input is NaN.
-
-    ``p (r + expm1(-r))`` for ``r > -1`` (no cancellation near 0), ``p r - p + q`` below (there
-    ``q >= e p``); a clamp at 0 absorbs the last rounding, so the sum over buckets is >= 0.
-    """
-    finite = ~(torch.isneginf(lp) | torch.isneginf(lq))  # NaN stays NaN
-    lp_s, lq_s = torch.where(finite, lp, 0.0), torch.where(finite, lq, 0.0)
-    r = lp_s - lq_s
-    p, q = torch.exp(lp_s), torch.exp(lq_s)
-    r_near = r.clamp(min=-1.0)
-    term = torch.where(r > -1.0, p * (r_near + torch.expm1(-r_near)), p * r - p + q).clamp(min=0.0)
-    edge = torch.where(lp == -_INF, torch.exp(lq), _INF)
-    return torch.where(finite, term, edge)
-
-
-def _mixture(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
-    """``log(beta p + (1 - beta) q)``; exactly ``lp`` where ``lp == lq``, -inf where both are."""
-    both = (lp == -_INF) & (lq == -_INF)
-    a, b = torch.where(both, 0.0, lp), torch.where(both, 0.0, lq)
-    mixed = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
-    return torch.where(both, -_INF, torch.where(lp == lq, lp, mixed))
-
-
-def _buckets(logprobs: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
-    """The ``[..., k]`` log-masses as the divergence sees them: renormalised over the top-k, or
-    with the tail ``log(1 - sum_k p)`` (floored at ``log eps`` of the dtype, see the module
-    docstring) appended as bucket k + 1, or as they are.
-
-    A row with no mass on its top-k (all -inf) stays all -inf under ``renormalize`` (0/0 has no
-    value; the divergence is then +inf or 0, never NaN, and its gradient finite).
-    """
-    if cfg.renormalize:
-        dead = torch.isneginf(logprobs).all(dim=-1, keepdim=True)
-        live = torch.where(dead, 0.0, logprobs)
-        return torch.where(dead, logprobs, live - torch.logsumexp(live, dim=-1, keepdim=True))
-    if cfg.tail_bucket:
-        floor = math.log(torch.finfo(logprobs.dtype).eps)
-        tail = log1mexp(torch.logsumexp(logprobs, dim=-1, keepdim=True)).clamp(min=floor)
-        return torch.cat([logprobs, tail], dim=-1)
-    return logprobs
-
-
-def topk_divergence(
-    student_logprobs: torch.Tensor,
-    teacher_logprobs: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    divergence: str = "forward_kl",
-    beta: float = 0.5,
-    tail_bucket: bool = False,
-    renormalize: bool = False,
-) -> torch.Tensor:
-    """Per-token divergence between teacher and student over the teacher's top-k ids.
-
-    With ``p`` the teacher's and ``q`` the student's probabilities at the same k ids (plus the
-    tail bucket ``1 - sum_k`` with ``tail_bucket``; divided by their top-k sums with
-    ``renormalize``) and the Bregman form ``D(a || b) = sum_i [a_i log(a_i / b_i) - a_i + b_i]``
-    (the module docstring):
-
-    * ``"forward_kl"``: ``D(p || q)`` (mode-covering; Hinton et al. 2015 distillation);
-    * ``"reverse_kl"``: ``D(q || p)`` (mode-seeking; Gu et al. 2024, MiniLLM);
-    * ``"jsd"``: ``beta D(p || m) + (1 - beta) D(q || m)`` with ``m = beta p + (1 - beta) q``:
-      beta weights the teacher, in the mixture and in the sum (the generalised JSD of Agarwal
-      et al. 2024, "On-Policy Distillation of Language Models" (GKD), as TRL's
-      ``generalized_jsd_loss``); beta = 0.5 is the ordinary Jensen-Shannon divergence.
-
-    Args:
-        student_logprobs: floating ``[..., k]`` log q at the teacher's ids (nats; normalised over
-            the full vocabulary, e.g. :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`);
-            differentiable.
-        teacher_logprobs: floating ``[..., k]`` log p of the teacher's top-k (same ids, same
-            order); treated as a constant. -inf allowed (zero teacher mass).
-        loss_mask: ``[...]`` (the leading shape), non-zero where a token counts. Required.
-        divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-        beta: in (0, 1), used by ``"jsd"`` only. JSD(beta) tends to 0 at both ends (accurate
-            up to them: tested at 1e-4 and 1 - 1e-4); 0 and 1 raise (see ``DistillConfig``).
-        tail_bucket: add the mass outside the top-k as one more bucket, ``log(1 - sum_k p)``
-            computed with ``log1mexp`` (``log(-expm1)`` / ``log1p(-exp)``).
-        renormalize: normalise both sides over the top-k instead of the full vocabulary.
-
-    Returns:
-        fp32 (float64 for float64 inputs) ``[...]``, >= 0, exactly 0 at masked positions with
-        exactly zero gradient whatever the inputs hold there (NaN, -inf, duplicate ids), and
-        exactly 0 where student and teacher log-probs are equal. +inf where the teacher has mass
-        on a bucket the student gives none (forward KL), or the reverse.
-
-    Raises:
-        ValueError: ``loss_mask`` None or misshapen, non-floating or misshapen log-probs, an
-            unknown ``divergence``, ``beta`` outside (0, 1), ``tail_bucket`` with ``renormalize``.
-    """
-    cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
-                        renormalize=renormalize)
-    _check_float("student_logprobs", student_logprobs)
-    _check_float("teacher_logprobs", teacher_logprobs)
-    if student_logprobs.dim() < 1 or teacher_logprobs.shape != student_logprobs.shape:
-        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} and student_logprobs "
-                         f"{tuple(student_logprobs.shape)} must both be [..., k], the same shape")
-    if student_logprobs.shape[-1] == 0:
-        raise ValueError(f"student_logprobs and teacher_logprobs have k = 0 (shape "
-                         f"{tuple(student_logprobs.shape)}): the divergence needs k >= 1")
-    if teacher_logprobs.device != student_logprobs.device:
-        raise ValueError(f"teacher_logprobs is on {teacher_logprobs.device} but student_logprobs "
-                         f"on {student_logprobs.device}")
-    mask = _token_mask(loss_mask, student_logprobs[..., 0], "student_logprobs[..., 0]")
-    dtype = torch.promote_types(student_logprobs.dtype, torch.float32)
-    keep = mask.unsqueeze(-1)
-    # Masked rows become all-zero log-probs: every later op is finite there.
-    lq = _buckets(torch.where(keep, student_logprobs.to(dtype), 0.0), cfg)
-    lp = _buckets(torch.where(keep, teacher_logprobs.detach().to(dtype), 0.0), cfg)
-    if cfg.divergence == "forward_kl":
-        per_bucket = bregman_kl(lp, lq)
-    elif cfg.divergence == "reverse_kl":
-        per_bucket = bregman_kl(lq, lp)
-    else:
-        lm = _mixture(lp, lq, cfg.beta)
-        per_bucket = cfg.beta * bregman_kl(lp, lm) + (1.0 - cfg.beta) * bregman_kl(lq, lm)
-    return torch.where(mask, per_bucket.sum(dim=-1), 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Megatron loss function
-
+from ..ops._math import LOGP_MIN
+from ..ops.topk import TopK, vocab_parallel_topk_logprobs
+from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 
 StudentFn = Callable[..., torch.Tensor]
 

@@ -1,0 +1,142 @@
+"""A ``forward_step_func`` for Megatron's schedules: :func:`make_forward_step`, the microbatch
+type :class:`StepBatch` and :func:`model_tp_group` (the tensor-parallel group of a wrapped model).
+
+May import: :mod:`.stats`, :mod:`megatron_vocabstats.mcore` (the Megatron-core lookups of the
+lower layer; never the ``megatron_vocabstats.megatron`` subpackage), and torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..mcore import tp_group_of
+from .stats import PerTokenLoss, StatsOptions, token_loss
+
+# tp_group value of make_forward_step meaning "read the tensor-parallel group from the model".
+FROM_MODEL = "model"
+
+
+class StepBatch(NamedTuple):
+    """One microbatch as :func:`make_forward_step`'s ``batch_fn`` returns it.
+
+    ``model_inputs``: keyword arguments of the model call (Megatron ``GPTModel``: ``input_ids``,
+    ``position_ids``, ``attention_mask``, optionally ``packed_seq_params`` ...; never
+    ``labels``, so that the model returns logits). ``labels``: int64 ``[b, s]`` targets.
+    ``loss_mask``: ``[b, s]``, non-zero where a token counts. ``loss_inputs``: extra keyword
+    arguments of the per-token loss (``old_logprobs``, ``advantages``, ``ref_logprobs``).
+    """
+
+    model_inputs: Mapping[str, Any]
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    loss_inputs: Mapping[str, Any] | None = None
+
+
+def _module_chain(model) -> Iterator[Any]:
+    """``model``, ``model.module``, ``model.module.module``, ... (DDP, Float16Module, FSDP)."""
+    seen = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        yield model
+        model = getattr(model, "module", None)
+
+
+def model_tp_group(model) -> dist.ProcessGroup | None:
+    """The tensor-parallel group of a (possibly wrapped) Megatron model.
+
+    Unwraps the ``.module`` chain (DDP, ``Float16Module``, FSDP) to the innermost model and reads
+    its group as its release stores it (:func:`megatron_vocabstats.mcore.tp_group_of`:
+    ``tp_group``, ``pg_collection.tp``, ``model_comm_pgs.tp``, else Megatron's initialised
+    tensor-parallel group, else None = no tensor parallelism). Never imports Megatron.
+    """
+    *_, inner = _module_chain(model)
+    return tp_group_of(inner)
+
+
+def _takes_fp32_output(model) -> bool:
+    """Whether a wrapper in the chain (Megatron's ``Float16Module``) has an ``fp32_output`` flag."""
+    for module in _module_chain(model):
+        forward = getattr(module, "forward", None)
+        if forward is None:
+            continue
+        try:
+            params = inspect.signature(forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if "fp32_output" in params:
+            return True
+    return False
+
+
+def make_forward_step(
+    batch_fn: Callable[[Any], StepBatch],
+    loss_fn: PerTokenLoss,
+    *,
+    tp_group: dist.ProcessGroup | None | str = FROM_MODEL,
+    stats: StatsOptions | None = None,
+):
+    """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()``.
+
+    The returned ``forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
+    return_schedule_plan=False)`` takes ``batch = batch_fn(data_iterator)``, calls
+    ``model(**batch.model_inputs)`` (with ``fp32_output=False`` when a ``Float16Module`` wrapper
+    offers it, so bf16 logits are not copied to fp32; an explicit value in ``model_inputs`` wins),
+    or ``model.build_schedule_plan(**batch.model_inputs)`` when the schedule asks for a schedule
+    plan, and returns ``(output, functools.partial(token_loss, labels=..., loss_mask=...,
+    loss_fn=loss_fn, loss_inputs=..., tp_group=..., options=stats))``. On the last pipeline
+    stage the output is the logits ``[b, s, V/tp]`` (``GPTModel`` with ``labels=None``, both in
+    megatron-core 0.16 and 0.19) or whatever a fused output processor returns (``VocabStats`` or a
+    statistics callable, see :func:`token_stats`). ``checkpoint_activations_microbatch`` is
+    accepted and not used (Megatron-Core models do not take it).
+
+    Args:
+        batch_fn: ``data_iterator -> StepBatch`` (see :class:`StepBatch`).
+        loss_fn: a per-token loss (:func:`nll_loss`, ``functools.partial(policy_loss, ...)``,
+            :func:`score_tokens`, ...), see :func:`token_loss`.
+        tp_group: the vocabulary's tensor-parallel group; None = none; ``"model"`` (default)
+            reads it from the model at each step (:func:`model_tp_group`).
+        stats: :class:`StatsOptions` (e.g. ``entropy="grad"`` for an entropy bonus).
+
+    Raises:
+        ValueError: at build time, a non-callable ``batch_fn``/``loss_fn`` or a string
+            ``tp_group`` other than ``"model"``; at each step, a ``batch_fn`` result that is not
+            a :class:`StepBatch` or whose ``model_inputs`` set ``labels``.
+    """
+    if not callable(batch_fn):
+        raise ValueError(f"batch_fn must be callable, got {type(batch_fn).__name__}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(tp_group, str) and tp_group != FROM_MODEL:
+        raise ValueError(f"tp_group must be a process group, None or {FROM_MODEL!r}, "
+                         f"got {tp_group!r}")
+    stats = stats or StatsOptions()
+
+    def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
+                     return_schedule_plan=False):
+        batch = batch_fn(data_iterator)
+        if not isinstance(batch, StepBatch):
+            raise ValueError(f"batch_fn must return a StepBatch, got {type(batch).__name__}")
+        inputs = dict(batch.model_inputs)
+        if "labels" in inputs:
+            raise ValueError("batch_fn: model_inputs must not contain labels (the model would "
+                             "return its own loss instead of logits); return them as "
+                             "StepBatch.labels")
+        group = model_tp_group(model) if isinstance(tp_group, str) else tp_group
+        if return_schedule_plan:
+            output = model.build_schedule_plan(**inputs)
+        else:
+            if "fp32_output" not in inputs and _takes_fp32_output(model):
+                inputs["fp32_output"] = False
+            output = model(**inputs)
+        loss = functools.partial(token_loss, labels=batch.labels, loss_mask=batch.loss_mask,
+                                 loss_fn=loss_fn, loss_inputs=batch.loss_inputs,
+                                 tp_group=group, options=stats)
+        return output, loss
+
+    return forward_step

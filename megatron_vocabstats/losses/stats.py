@@ -1,0 +1,326 @@
+"""Where the per-token statistics come from, and the losses composed with them.
+
+Lives here: :class:`StatsOptions` (the one user-facing options object of the statistics, fields
+1:1 the ops' keywords, :meth:`StatsOptions.op_kwargs`), :func:`selected_tokens`,
+:func:`token_stats` (logits, ``VocabStats`` or a statistics callable -> ``VocabStats``),
+:func:`token_loss` (a per-token loss applied to them, with the cross-rank checks of
+``validate``), and its two instances :func:`sft_loss` and :func:`logprobs_step`.
+
+May import: :mod:`megatron_vocabstats.ops` (public names and ``ops._checks``),
+:mod:`megatron_vocabstats.conventions`, :mod:`.inputs`, :mod:`.token` (and torch).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..conventions import IGNORE_INDEX
+from ..ops import VocabStats, vocab_parallel_stats
+from ..ops._checks import Field, checked_on_every_rank, tensor_checksum
+from .inputs import _EVERY_RANK_HINT, LossOutput, _token_mask
+from .token import nll_loss, score_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatsOptions:
+    """How per-token statistics are computed from a model output (see :func:`token_stats`).
+
+    The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name
+    and are validated there. ``validate`` defaults to False here (unlike the op): its checks read
+    tensor values on the host once per call, which a training step should not pay; turn it on
+    while debugging a data pipeline. ``batch_invariant`` (False, True or ``"tp"``) is passed to a
+    statistics callable only when set, so callables that predate it keep working.
+
+    It is the one options object of the statistics: :func:`token_stats`, :func:`sft_loss` and
+    :func:`logprobs_step` use it, and the Megatron settings build it
+    (:meth:`~megatron_vocabstats.megatron.settings.PluginSettings.stats_options`); the ops
+    receive it as keywords through :meth:`op_kwargs`.
+    """
+
+    vocab_size: int | None = None
+    chunk_size: int | None = None
+    temperature: float = 1.0
+    entropy: str = "off"
+    label_smoothing: float = 0.0
+    validate: bool = False
+    batch_invariant: bool | str = False
+
+    def op_kwargs(self, **extra) -> dict[str, Any]:
+        """These options as keyword arguments of the ops, plus ``extra`` (``tp_group``,
+        ``ignore_index``, ``sequence_parallel``, ...).
+
+        Every field under its own name (the keywords of
+        :func:`~megatron_vocabstats.vocab_parallel_stats` and
+        :func:`~megatron_vocabstats.linear_vocab_parallel_stats`), except ``batch_invariant``,
+        left out while it is False (the ops' default), so that statistics callables that predate
+        it keep working: ``vocab_parallel_stats(logits, target, **options.op_kwargs(tp_group=g))``.
+        Raises ``TypeError`` if ``extra`` names a field.
+        """
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
+        if kwargs["batch_invariant"] is False:
+            del kwargs["batch_invariant"]
+        clash = sorted(extra.keys() & {f.name for f in fields(self)})
+        if clash:
+            raise TypeError(f"op_kwargs: {clash} are fields of StatsOptions, not extra keywords")
+        return {**extra, **kwargs}
+
+
+StatsFn = Callable[..., VocabStats]
+
+
+def selected_tokens(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the tokens that count: ``(loss_mask != 0) & (labels != -100)``.
+
+    ``labels``: int ``[...]`` token ids (``-100`` = ignored, Hugging Face style); ``loss_mask``
+    shaped alike, required. Raises ``ValueError`` for a missing or misshapen mask or
+    non-integer labels.
+    """
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"labels must be an int64 tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer token ids (int64), got {labels.dtype}")
+    return _token_mask(loss_mask, labels, like_name="labels") & (labels != IGNORE_INDEX)
+
+
+def token_stats(
+    output: torch.Tensor | VocabStats | StatsFn,
+    labels: torch.Tensor,
+    selected: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    options: StatsOptions | None = None,
+) -> VocabStats:
+    """Per-token statistics of ``labels`` from a model output, whatever its form.
+
+    Args:
+        output: one of
+            * this rank's logits shard ``[..., V/tp]`` (Megatron's ``GPTModel`` called with
+              ``labels=None`` returns ``[b, s, V/tp]``): computed by
+              :func:`~megatron_vocabstats.vocab_parallel_stats`;
+            * a :class:`~megatron_vocabstats.VocabStats` already computed (a fused LM head):
+              returned as is, after a shape check;
+            * a callable ``fn(target, *, tp_group, vocab_size, chunk_size, entropy, temperature,
+              ignore_index, label_smoothing, validate[, batch_invariant]) -> VocabStats``, i.e.
+              ``vocab_parallel_stats``'s keywords (for example a partial of
+              :func:`~megatron_vocabstats.ops.fused_linear.linear_vocab_parallel_stats` over its
+              hidden states and weight). It receives ``target`` shaped like ``labels`` and must
+              return statistics shaped like ``labels``: over Megatron's ``[s, b, H]`` hidden
+              states, transpose the target to ``[s, b]`` and the results back to ``[b, s]``.
+        labels: int64 ``[...]`` target ids, the leading shape of the logits.
+        selected: bool, shaped like ``labels``: the tokens that count (:func:`selected_tokens`);
+            the others are passed to the op as ``ignore_index=-100`` (logprob and entropy 0,
+            gradient exactly 0, any label value allowed there).
+        tp_group: the tensor-parallel group of the vocabulary shards; None = no parallelism.
+        options: :class:`StatsOptions`; default ``StatsOptions()``.
+
+    Returns:
+        :class:`~megatron_vocabstats.VocabStats` with ``logprobs`` (fp32, shaped like ``labels``)
+        and ``entropy`` (None when ``options.entropy == "off"``).
+
+    Raises:
+        ValueError: an ``output`` of another type, statistics whose shape is not ``labels``'s,
+            a missing ``entropy`` that ``options`` asks for, and everything
+            :func:`~megatron_vocabstats.vocab_parallel_stats` raises.
+    """
+    options = options or StatsOptions()
+    if isinstance(output, VocabStats):
+        stats = output
+    elif isinstance(output, torch.Tensor) or callable(output):
+        target = torch.where(selected, labels, IGNORE_INDEX)
+        kwargs = options.op_kwargs(tp_group=tp_group, ignore_index=IGNORE_INDEX)
+        if isinstance(output, torch.Tensor):
+            stats = vocab_parallel_stats(output, target, **kwargs)
+        else:
+            stats = output(target, **kwargs)
+        if not isinstance(stats, VocabStats):
+            raise ValueError(f"output: the statistics callable returned "
+                             f"{type(stats).__name__}, not VocabStats")
+    else:
+        raise ValueError(f"output must be logits, VocabStats or a callable returning VocabStats, "
+                         f"got {type(output).__name__}")
+    if stats.logprobs is None or stats.logprobs.shape != labels.shape:
+        got = None if stats.logprobs is None else tuple(stats.logprobs.shape)
+        raise ValueError(f"output: statistics need logprobs shaped like labels "
+                         f"{tuple(labels.shape)}, got {got}")
+    if options.entropy != "off" and stats.entropy is None:
+        raise ValueError(f"output: options.entropy={options.entropy!r} but the statistics "
+                         "carry no entropy")
+    return stats
+
+
+PerTokenLoss = Callable[..., Any]
+
+
+def token_loss(
+    output: torch.Tensor | VocabStats | StatsFn,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    loss_fn: PerTokenLoss,
+    loss_inputs: Mapping[str, Any] | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    options: StatsOptions | None = None,
+    non_loss_data: bool = False,
+):
+    """``loss_fn`` applied to the per-token statistics of a model output.
+
+    Equals ``loss_fn(stats.logprobs, loss_mask=sel, entropy=stats.entropy, **loss_inputs)``
+    with ``sel = selected_tokens(labels, loss_mask)`` and
+    ``stats = token_stats(output, labels, sel, tp_group=tp_group, options=options)``.
+    ``functools.partial(token_loss, labels=..., loss_mask=..., loss_fn=...)`` is a Megatron
+    loss function (what :func:`make_forward_step` returns).
+
+    Args:
+        output, labels, tp_group, options: as in :func:`token_stats`.
+        loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
+        loss_fn: a per-token loss: :func:`nll_loss`, :func:`policy_loss` (a ``functools.partial``
+            fixing its options), :func:`score_tokens`, or any callable with that signature.
+        loss_inputs: further keyword arguments of ``loss_fn`` (``old_logprobs``,
+            ``advantages``, ``ref_logprobs``), shaped like ``labels``.
+        non_loss_data: passed on to ``loss_fn`` only when True (Megatron's
+            ``collect_non_loss_data``).
+
+    Returns:
+        what ``loss_fn`` returns (:class:`LossOutput` for the losses here).
+
+    Raises:
+        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, and what
+            :func:`selected_tokens`, :func:`token_stats` and ``loss_fn`` raise. With
+            ``options.validate`` under tensor parallelism these raise on every rank, and so do
+            tensors of ``loss_inputs`` that differ across the ranks at counted tokens: two more
+            all-gathers of a few int64, one before the op's collectives (``labels``,
+            ``loss_mask``) and one around ``loss_fn``, so that a rank's bad input never leaves
+            the others blocked. Without ``validate`` there is no exchange (no host sync), and
+            such an error raises on its own rank only.
+    """
+    loss_inputs = dict(loss_inputs or {})
+    clash = sorted({"loss_mask", "entropy", "non_loss_data"} & loss_inputs.keys())
+    if clash:
+        raise ValueError(f"loss_inputs must not set {clash}: token_loss passes them")
+    options = options or StatsOptions()
+
+    device = labels.device if isinstance(labels, torch.Tensor) else None
+    every_rank = dict(validate=options.validate, device=device, hint=_EVERY_RANK_HINT)
+    # Before the op's collectives, and again around loss_fn (its own checks and the per-token
+    # inputs, which must agree across the ranks): with validate no rank raises alone.
+    selected = checked_on_every_rank(lambda: selected_tokens(labels, loss_mask), tp_group,
+                                     **every_rank)
+    stats = token_stats(output, labels, selected, tp_group=tp_group, options=options)
+    if non_loss_data:
+        loss_inputs["non_loss_data"] = True
+    return checked_on_every_rank(
+        lambda: loss_fn(stats.logprobs, loss_mask=selected, entropy=stats.entropy, **loss_inputs),
+        tp_group, agree=((Field("loss_inputs", checksum=True),
+                          lambda _: _inputs_checksum(loss_inputs, selected)),), **every_rank)
+
+
+def _inputs_checksum(inputs: Mapping[str, Any], selected: torch.Tensor) -> int:
+    """One checksum of the names and the values (at selected tokens) of the tensors of
+    ``inputs`` (reads the host)."""
+    total = 0
+    for name in sorted(inputs):
+        if isinstance(inputs[name], torch.Tensor):
+            part = zlib.crc32(name.encode()) + tensor_checksum(inputs[name], selected)
+            total = (total * 1_000_003 + part) % (2**61 - 1)
+    return total
+
+
+def sft_loss(
+    logits: torch.Tensor | VocabStats | StatsFn,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
+    temperature: float = 1.0,
+    entropy: str = "off",
+    validate: bool = False,
+    batch_invariant: bool | str = False,
+) -> LossOutput:
+    """Masked token cross-entropy from vocab-parallel logits, in Megatron's loss contract.
+
+    Reference semantics (one process, full vocabulary ``V``, ``m = (loss_mask != 0) & (labels !=
+    -100)``)::
+
+        nll = F.cross_entropy(logits.float().flatten(0, -2) / temperature, labels.flatten(),
+                              reduction="none", label_smoothing=label_smoothing)
+        loss_sum = (nll * m.flatten()).sum();  num_tokens = m.sum()
+
+    computed by :func:`~megatron_vocabstats.vocab_parallel_stats` without gathering the
+    vocabulary (label smoothing over the ``vocab_size`` real columns, ``docs/numerics.md``).
+    It is :func:`token_loss` with :func:`nll_loss`.
+
+    Args:
+        logits: this rank's shard ``[..., V/tp]`` (bf16/fp16/fp32; Megatron ``[b, s, V/tp]``), or
+            precomputed statistics / a statistics callable (see :func:`token_stats`).
+        labels: int64 target ids shaped like ``logits.shape[:-1]``; -100 = ignored.
+        loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
+        tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
+        vocab_size, chunk_size, label_smoothing, temperature, entropy, validate,
+            batch_invariant: as in :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (``validate`` off by default, see :class:`StatsOptions`); with ``entropy`` other than
+            ``"off"`` the entropy is reported.
+
+    Returns:
+        :class:`LossOutput`; report ``"lm loss"`` (and ``"entropy"``), as in :func:`nll_loss`.
+
+    Raises:
+        ValueError: as :func:`token_stats` and :func:`nll_loss`.
+    """
+    options = StatsOptions(vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature,
+                           entropy=entropy, label_smoothing=label_smoothing, validate=validate,
+                           batch_invariant=batch_invariant)
+    return token_loss(logits, labels, loss_mask, loss_fn=nll_loss, tp_group=tp_group,
+                      options=options)
+
+
+def logprobs_step(
+    logits: torch.Tensor | VocabStats | StatsFn,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    entropy: bool = True,
+    validate: bool = False,
+    non_loss_data: bool = False,
+    batch_invariant: bool | str = False,
+):
+    """Forward-only per-token log-probs and entropy of ``labels`` for scoring rollouts.
+
+    It is :func:`token_loss` with :func:`score_tokens` (entropy in ``"metric"`` mode: never
+    differentiable). Call it under ``torch.no_grad()``; with :func:`make_forward_step`, pass
+    ``score_tokens`` and ``StatsOptions(entropy="metric")``.
+
+    Args:
+        logits, labels, loss_mask, tp_group, vocab_size, chunk_size, temperature, validate,
+            batch_invariant: as in :func:`sft_loss` (``temperature`` should be the sampling
+            temperature; ``batch_invariant=True`` makes each row's scores independent of the
+            rest of the batch, bit for bit).
+        entropy: also return the per-token entropy.
+        non_loss_data: return only the dict of per-token tensors (Megatron's
+            ``collect_non_loss_data=True`` path).
+
+    Returns:
+        as :func:`score_tokens`: ``LossOutput(0.0, num_tokens, {"logprobs": [..], "entropy":
+        [..]})``, or the dict alone with ``non_loss_data``; fp32, shaped like ``labels``, 0 where
+        not scored.
+
+    Raises:
+        ValueError: as :func:`token_stats` and :func:`score_tokens`.
+    """
+    options = StatsOptions(vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature,
+                           entropy="metric" if entropy else "off", validate=validate,
+                           batch_invariant=batch_invariant)
+    return token_loss(logits, labels, loss_mask, loss_fn=score_tokens, tp_group=tp_group,
+                      options=options, non_loss_data=non_loss_data)

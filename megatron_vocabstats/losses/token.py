@@ -1,0 +1,86 @@
+"""Per-token losses of one tensor of log-probs: :func:`nll_loss` (SFT) and :func:`score_tokens`
+(forward-only scoring). Pure functions of per-token tensors: no process groups, no host sync.
+
+May import: :mod:`.inputs` (and torch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import (
+    LossOutput,
+    _compute_dtype,
+    _count,
+    _masked,
+    _pair,
+    _per_token_inputs,
+)
+
+
+def nll_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+             entropy: torch.Tensor | None = None) -> LossOutput:
+    """Masked token cross-entropy (SFT) from per-token log-probs, in Megatron's loss contract.
+
+    Reference semantics (plain PyTorch, ``m = loss_mask != 0``)::
+
+        loss_sum = -(logprobs * m).sum();  num_tokens = m.sum()
+
+    so Megatron's division gives the token-mean cross-entropy in nats. Label smoothing, if any,
+    is already in ``logprobs`` (``vocab_parallel_stats(label_smoothing=eps)`` returns
+    ``sum_j q_j log p_j``).
+
+    Args:
+        logprobs: ``[...]`` floating, log p(target) per token (nats), any shape.
+        loss_mask: shaped like ``logprobs``, any dtype; a token counts where it is non-zero
+            (fractional weights are not applied: 0.5 counts as 1). Required.
+        entropy: optional per-token entropy shaped like ``logprobs``, only reported.
+
+    Returns:
+        :class:`LossOutput`; report ``{"lm loss": [sum nll, n]}`` and, with ``entropy``,
+        ``"entropy": [sum H, n]``. Masked positions contribute exactly 0 to values and
+        gradients, whatever they hold (NaN included).
+
+    Raises:
+        ValueError: ``loss_mask`` None, a non-floating ``logprobs``/``entropy``, shapes or
+            devices that differ, or a scalar ``logprobs``.
+    """
+    mask = _per_token_inputs(logprobs, loss_mask, entropy=entropy)
+    dtype = _compute_dtype(logprobs)
+    num_tokens = _count(mask)
+    loss_sum = -_masked(logprobs, mask, dtype).sum()
+    report = {"lm loss": _pair(loss_sum, num_tokens)}
+    if entropy is not None:
+        report["entropy"] = _pair(_masked(entropy, mask, dtype).sum(), num_tokens)
+    return LossOutput(loss_sum, num_tokens, report)
+
+
+def score_tokens(logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+                 entropy: torch.Tensor | None = None, non_loss_data: bool = False):
+    """Forward-only scoring: per-token log-probs (and entropy) in a loss-contract shell.
+
+    Args:
+        logprobs: ``[...]`` floating log p(token) in nats; ``loss_mask`` shaped alike (non-zero =
+            scored, required); ``entropy`` optional, shaped alike.
+        non_loss_data: what Megatron passes when ``collect_non_loss_data=True``.
+
+    Returns:
+        With ``non_loss_data``: the dict ``{"logprobs": ..., "entropy": ...}`` (entropy only when
+        given) of detached tensors shaped like ``logprobs``, 0 at unscored positions. Otherwise
+        :class:`LossOutput` ``(0.0, num_tokens, that dict)``: with ``forward_only=True`` the
+        schedule returns one such dict per microbatch, so
+        ``torch.cat([d["logprobs"] for d in result])`` reassembles the batch. These report values
+        are per-token tensors, not ``[sum, count]`` pairs: use this for scoring loops, not with
+        Megatron's ``train_step`` or ``evaluate``. Run it under ``torch.no_grad()``.
+
+    Raises:
+        ValueError: as :func:`nll_loss`.
+    """
+    mask = _per_token_inputs(logprobs, loss_mask, entropy=entropy)
+    dtype = _compute_dtype(logprobs)
+    scores = {"logprobs": _masked(logprobs.detach(), mask, dtype)}
+    if entropy is not None:
+        scores["entropy"] = _masked(entropy.detach(), mask, dtype)
+    if non_loss_data:
+        return scores
+    return LossOutput(logprobs.new_zeros((), dtype=dtype), _count(mask), scores)

@@ -1,0 +1,56 @@
+"""Lazy lookups of third-party ``megatron.core`` names that the lower layer needs.
+
+Lives here: :func:`tp_group_of` / :func:`default_tp_group` (the tensor-parallel group of a
+Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`) and
+:func:`packed_seq_params_class` (read by :mod:`megatron_vocabstats.packing`). They sit below
+``megatron_vocabstats.megatron`` so that the losses and packing (and the ops) can use them
+without importing that subpackage; :mod:`megatron_vocabstats.megatron.compat` re-exports them.
+
+May import: torch and, lazily, the third-party ``megatron.core``; never another module of the
+package. Importing it never imports Megatron.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+
+def packed_seq_params_class():
+    """Megatron's ``PackedSeqParams`` dataclass, or None where megatron-core is not importable."""
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+    except ImportError:
+        return None
+    return PackedSeqParams
+
+
+def tp_group_of(module) -> dist.ProcessGroup | None:
+    """The tensor-parallel group a Megatron module uses, the way its release stores it.
+
+    0.16+: ``module.tp_group``; 0.15+: ``module.pg_collection.tp``; 0.14:
+    ``module.model_comm_pgs.tp``; else Megatron's global group (``parallel_state``), else None.
+    """
+    group = getattr(module, "tp_group", None)
+    if group is not None:
+        return group
+    for holder in ("pg_collection", "model_comm_pgs"):
+        group = getattr(getattr(module, holder, None), "tp", None)
+        if group is not None:
+            return group
+    return default_tp_group()
+
+
+def default_tp_group() -> dist.ProcessGroup | None:
+    """Megatron's tensor-parallel group if ``parallel_state`` is initialised, else None.
+
+    Only Megatron-facing code reads this global (the drop-in
+    :func:`megatron_vocabstats.vocab_parallel_cross_entropy` keeps Megatron's ``tp_group=None``
+    convention); the ops themselves never do.
+    """
+    # Megatron's parallel state can only be initialised if Megatron was imported: don't import it.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()

@@ -1,0 +1,141 @@
+"""The value types of the ``--vocab-parallel-stats`` flag family (argparse ``type`` objects that
+also check values set without the parser) and the tables of the family: :data:`FLAG_TYPES`,
+:data:`OPTIONAL_FLAGS`, :data:`ROLLOUT_FLAGS`.
+
+May import: the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class IntAtLeast:
+    """An argparse ``type``: an integer >= ``minimum``.
+
+    ``IntAtLeast(1)("0")`` raises ``argparse.ArgumentTypeError`` (argparse then exits with status
+    2 and a message naming the flag); :meth:`problem` applies the same test to a value that did
+    not come through the parser (a YAML config, a script) and returns the complaint or None.
+    """
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+        self.__name__ = f"integer >= {minimum}"  # argparse's name for the type in messages
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer >= {self.minimum}, got {value!r}"
+        if value < self.minimum:
+            return f"must be >= {self.minimum}, got {value}"
+        return None
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {self.minimum}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+class FloatIn:
+    """An argparse ``type``: a finite float in the interval from ``low`` to ``high`` (each bound
+    closed unless ``open_low`` / ``open_high``; infinite bounds mean no bound).
+
+    NaN and infinities are always refused. Errors as :class:`IntAtLeast`.
+    """
+
+    def __init__(self, low: float = -math.inf, high: float = math.inf, *,
+                 open_low: bool = False, open_high: bool = False):
+        self.low, self.high, self.open_low, self.open_high = low, high, open_low, open_high
+        self.__name__ = self.describe()
+
+    def describe(self) -> str:
+        bounded = (math.isfinite(self.low), math.isfinite(self.high))
+        if all(bounded):
+            return (f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
+                    f"{')' if self.open_high else ']'}")
+        if bounded[0]:
+            return f"a finite number {'>' if self.open_low else '>='} {self.low:g}"
+        if bounded[1]:
+            return f"a finite number {'<' if self.open_high else '<='} {self.high:g}"
+        return "a finite number"
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be {self.describe()}, got {value!r}"
+        too_low = value <= self.low if self.open_low else value < self.low
+        too_high = value >= self.high if self.open_high else value > self.high
+        if not math.isfinite(value) or too_low or too_high:
+            return f"must be {self.describe()}, got {value!r}"
+        return None
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+
+class TopK(IntAtLeast):
+    """An argparse ``type`` for a top-k: an integer >= 1, or -1 (vLLM's "off"), parsed as None.
+
+    Errors as :class:`IntAtLeast`; :meth:`problem` accepts None and -1 as off.
+    """
+
+    def __init__(self):
+        super().__init__(1)
+        self.__name__ = "integer >= 1 or -1 (off)"
+
+    def problem(self, value) -> str | None:
+        if value is None or (value == -1 and not isinstance(value, bool)):
+            return None
+        problem = super().problem(value)
+        return problem and f"{problem} (or -1 = off)"
+
+    def __call__(self, text: str) -> int | None:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= 1 or -1 (off), got {text!r}") from None
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return None if value == -1 else value
+
+
+# The value flags of the family and their types: the parser and config_hook check the same.
+FLAG_TYPES = {
+    "logprobs_chunk_size": IntAtLeast(0),
+    "lm_head_chunk_size": IntAtLeast(0),
+    "entropy_coef": FloatIn(),
+    "vocab_stats_label_smoothing": FloatIn(0.0, 1.0, open_high=True),
+    "rollout_temperature": FloatIn(0.0, open_low=True),
+    "rollout_top_k": TopK(),
+    "rollout_top_p": FloatIn(0.0, 1.0, open_low=True),
+    "rollout_min_p": FloatIn(0.0, 1.0, open_high=True),
+    "rollout_correction_threshold": FloatIn(0.0, open_low=True),
+    "rollout_correction_low": FloatIn(0.0, 1.0, open_low=True),
+    "rollout_correction_high": FloatIn(1.0),
+}
+# Value flags whose default None means "unset" (the mode's default); None passes their check.
+OPTIONAL_FLAGS = ("rollout_correction_threshold", "rollout_correction_low",
+                  "rollout_correction_high")
+# The rollout flags: options of functions the user's forward step calls (policy_loss, the
+# sampling log-probs), not of the patched loss, so they apply with or without the switch.
+ROLLOUT_FLAGS = {"rollout_temperature": "rollout_temperature", "rollout_top_k": "rollout_top_k",
+                 "rollout_top_p": "rollout_top_p", "rollout_min_p": "rollout_min_p",
+                 "rollout_correction": "rollout_correction_mode",
+                 "rollout_correction_level": "rollout_correction_level",
+                 "rollout_correction_threshold": "rollout_correction_threshold",
+                 "rollout_correction_low": "rollout_correction_low",
+                 "rollout_correction_high": "rollout_correction_high"}

@@ -1,0 +1,119 @@
+"""Argument checks of the packing functions: positive sizes, integer tensors, cumulative lengths
+(``cu_seqlens`` / ``cu_seqlens_padded``: shapes always, values with ``validate``), the sequence
+dimension and fill values that the target dtype holds.
+
+May import: ``megatron_vocabstats.ops._checks`` (``host_checks_enabled``) and torch only.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..ops._checks import host_checks_enabled
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _round_up(n, multiple):
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _is_int_tensor(t) -> bool:
+    return (isinstance(t, torch.Tensor) and not t.dtype.is_floating_point
+            and not t.dtype.is_complex and t.dtype != torch.bool)
+
+
+def _cumulative(cu, name: str, device: torch.device) -> torch.Tensor:
+    """Shape/dtype checks of a cumulative-lengths argument; returns it as int64 on ``device``."""
+    if not _is_int_tensor(cu) or cu.dim() != 1 or cu.numel() < 2:
+        got = (f"{tuple(cu.shape)} {cu.dtype}" if isinstance(cu, torch.Tensor)
+               else type(cu).__name__)
+        raise ValueError(f"{name} must be a 1-D integer tensor [N + 1] with N >= 1, got {got}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but the packed tensor on {device}")
+    return cu.to(torch.int64)
+
+
+def _check_cumulative(cu: torch.Tensor, name: str, *, total: int | None = None,
+                      multiple: int = 1, why: str = "") -> None:
+    """Value checks (host read): starts at 0, non-decreasing, ends at ``total``, every step a
+    multiple of ``multiple``."""
+    steps = cu[1:] - cu[:-1]
+    end_ok = cu[-1] == total if total is not None else cu.new_ones((), dtype=torch.bool)
+    flags = torch.stack([cu[0] != 0, (steps < 0).any(), ~end_ok, (steps % multiple != 0).any()])
+    first, decreasing, end, misaligned = flags.tolist()
+    if first:
+        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+    if decreasing:
+        k = int((steps < 0).nonzero()[0, 0])
+        raise ValueError(f"{name} must be non-decreasing (cumulative lengths): entry {k + 1} is "
+                         f"{int(cu[k + 1])} after {int(cu[k])}")
+    if end:
+        raise ValueError(f"{name} must end at the packed length T={total}, got {int(cu[-1])}")
+    if misaligned:
+        k = int((steps % multiple != 0).nonzero()[0, 0])
+        raise ValueError(f"{name}: sequence {k} has padded length {int(steps[k])}, not a multiple "
+                         f"of {multiple}{why}")
+
+
+def _cu_pair(cu_seqlens, cu_seqlens_padded, total: int, device, *, validate: bool):
+    """Checked int64 ``(cu_seqlens, cu_seqlens_padded)`` of a packed row of ``total`` tokens;
+    the padded one is ``cu_seqlens`` itself when None (which must then end at ``total``)."""
+    cu = _cumulative(cu_seqlens, "cu_seqlens", device)
+    if cu_seqlens_padded is None:
+        if host_checks_enabled(validate, device):
+            _check_cumulative(cu, "cu_seqlens", total=total)
+        return cu, cu
+    cu_p = _cumulative(cu_seqlens_padded, "cu_seqlens_padded", device)
+    if cu_p.numel() != cu.numel():
+        raise ValueError(f"cu_seqlens_padded has {cu_p.numel()} entries but cu_seqlens "
+                         f"{cu.numel()}: both are [N + 1]")
+    if host_checks_enabled(validate, device):
+        _check_cumulative(cu, "cu_seqlens")
+        _check_cumulative(cu_p, "cu_seqlens_padded", total=total)
+        over = (cu[1:] - cu[:-1]) > (cu_p[1:] - cu_p[:-1])
+        if bool(over.any()):
+            k = int(over.nonzero()[0, 0])
+            raise ValueError(f"cu_seqlens: sequence {k} is longer than its padded length in "
+                             "cu_seqlens_padded")
+    return cu, cu_p
+
+
+def _seq_dim(x, dim: int, name: str = "x") -> int:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is not a dimension of {name} with shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _fill_value(name: str, value, dtype: torch.dtype) -> int | float | bool:
+    """``value`` (a pad id, ``ignore_index``, a padding value) as a number that ``dtype`` holds,
+    else ``ValueError`` naming ``name`` (torch would wrap or truncate it: -100 to 156 in uint8,
+    -0.5 to 0 in int64)."""
+    if dtype.is_floating_point:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a real number, got {value!r} "
+                             f"({type(value).__name__})")
+        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+            raise ValueError(f"{name}={value} overflows {dtype}")
+        return float(value)
+    if dtype == torch.bool:
+        if value not in (0, 1):
+            raise ValueError(f"{name} must be a bool for bool values, got {value!r}")
+        return bool(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int for {dtype} values, got {value!r} "
+                         f"({type(value).__name__})")
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"{name}={value} does not fit the dtype {dtype} "
+                         f"([{info.min}, {info.max}]): use wider token ids (e.g. int64)")
+    return int(value)

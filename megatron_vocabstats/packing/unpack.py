@@ -1,0 +1,77 @@
+"""Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`.
+
+May import: :mod:`.checks`, ``megatron_vocabstats.ops._checks`` (and torch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops._checks import host_checks_enabled
+from .checks import _cu_pair, _fill_value, _seq_dim
+
+
+def unpack_sequences(
+    values: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    max_seqlen: int,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    dim: int = -1,
+    padding_value: float | int = 0,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed per-token values to a padded ``[B, S_max]`` batch plus its mask.
+
+    Reference semantics (``s_i = cu_seqlens_padded[i]``, ``L_i`` the real lengths)::
+
+        out[i, :L_i] = values[s_i:s_i + L_i];  out[i, L_i:] = padding_value
+        mask = arange(S_max) < L[:, None]
+
+    Differentiable w.r.t. ``values`` (gradient 0 at padding and at tokens past ``max_seqlen``).
+
+    Args:
+        values: per-token values with T packed tokens along ``dim`` (``[T]``, ``[1, T]``,
+            ``[T, k]`` with ``dim=0``), any dtype.
+        cu_seqlens: ``[N + 1]`` cumulative real lengths (ending at T when ``cu_seqlens_padded``
+            is None).
+        max_seqlen: S_max, a Python int (static shape; no device value is read for it).
+        cu_seqlens_padded: ``[N + 1]`` cumulative padded lengths ending at T, or None.
+        dim: the packed dimension; it becomes the two dimensions ``(N, S_max)``.
+        padding_value: value at masked positions.
+        validate: check the cumulative lengths and that no sequence exceeds ``max_seqlen``
+            (host read; skipped during CUDA graph capture).
+
+    Returns:
+        ``(out, mask)``: ``out`` is ``values.shape[:dim] + (N, S_max) + values.shape[dim+1:]`` in
+        the values' dtype; ``mask`` bool ``[N, S_max]``, True at real tokens.
+
+    Raises:
+        ValueError: bad shapes/dtypes, ``dim`` out of range, ``max_seqlen`` not a non-negative
+            int, a ``padding_value`` that the values' dtype does not hold (a fraction or a value
+            out of range for integer values, a non-number); with ``validate``, cumulative
+            lengths not starting at 0, decreasing, not ending at T, a sequence longer than its
+            padded length or than ``max_seqlen``.
+    """
+    dim = _seq_dim(values, dim, "values")
+    padding_value = _fill_value("padding_value", padding_value, values.dtype)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    total = values.shape[dim]
+    cu, cu_p = _cu_pair(cu_seqlens, cu_seqlens_padded, total, values.device, validate=validate)
+    lengths = cu[1:] - cu[:-1]
+    if host_checks_enabled(validate, values.device) and bool((lengths > max_seqlen).any()):
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence "
+                         f"({int(lengths.max())} tokens)")
+    num = lengths.numel()
+    pos = torch.arange(max_seqlen, device=values.device)
+    mask = pos < lengths.unsqueeze(1)
+    src = (cu_p[:-1].unsqueeze(1) + pos).clamp_(max=max(total - 1, 0)).reshape(-1)
+    if total == 0:
+        shape = values.shape[:dim] + (num * max_seqlen,) + values.shape[dim + 1:]
+        picked = values.new_zeros(shape)
+    else:
+        picked = values.index_select(dim, src)
+    out = picked.unflatten(dim, (num, max_seqlen))
+    keep = mask.view((1,) * dim + mask.shape + (1,) * (values.dim() - dim - 1))
+    return torch.where(keep, out, out.new_full((), padding_value)), mask
