@@ -6,6 +6,5 @@ and its config hook (:mod:`.arguments`, :mod:`.flag_types`), the run-time settin
 May import: :mod:`megatron_vocabstats.ops`, ``.losses``, ``.packing``, ``.rollout``, ``.mcore``
 and, lazily, the third-party Megatron. Nothing below it (ops, losses, distill, packing, rollout)
 imports this subpackage: the Megatron-core lookups they need live in
-:mod:`megatron_vocabstats.mcore` (``ops.vocab_parallel``'s lazy import of
-``compat.default_tp_group`` is the one left, to be pointed at ``mcore``).
+:mod:`megatron_vocabstats.mcore`.
 """

@@ -9,7 +9,7 @@ This module holds the Function and the public API; the chunk loop, the buffers a
 statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import:
 :mod:`._checks`, :mod:`._math` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
 default tp group of :func:`vocab_parallel_cross_entropy` comes from
-``engine.megatron_default_tp_group``).
+``megatron_vocabstats.mcore``, which only reads the third-party ``megatron.core``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..mcore import default_tp_group
 from ._checks import (
     StatsConfig,
     check_finite,
@@ -34,7 +35,6 @@ from .engine import (
     gathered_stats,
     logits_chunks,
     logits_grad,
-    megatron_default_tp_group,
     merge_tokens_per_pass,
 )
 
@@ -333,7 +333,7 @@ def vocab_parallel_cross_entropy(
     Raises: as :func:`vocab_parallel_stats`.
     """
     if tp_group is None:
-        tp_group = megatron_default_tp_group()
+        tp_group = default_tp_group()
     stats = vocab_parallel_stats(
         vocab_parallel_logits, target, tp_group=tp_group, vocab_size=vocab_size,
         vocab_start=vocab_start,

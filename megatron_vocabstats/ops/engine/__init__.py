@@ -21,7 +21,7 @@ Modules: :mod:`.kernel` (the seam: ``Chunk``, ``ChunkStats``, ``ChunkGrad``, the
 ``ShardStats``/``StatsGrad``), :mod:`.chunks` (logits chunks, gathered statistics, the unfused
 backward loop), :mod:`.linear` (the fused head's config, buffers, chunk GEMMs and chunk policy),
 :mod:`.wgrad` (weight/input gradients of a chunk), :mod:`.recompute` (the fused backward and the
-forward-gradient mode), :mod:`.groups` (Megatron's default tp group, without importing Megatron).
+forward-gradient mode).
 
 May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm` and :mod:`..workspace`;
 never an op module of ``ops/`` nor the ``megatron_vocabstats.megatron`` subpackage.
@@ -35,7 +35,6 @@ from .chunks import (
     logits_grad,
     merge_tokens_per_pass,
 )
-from .groups import megatron_default_tp_group
 from .kernel import Chunk, ChunkGrad, ChunkStats, ShardStats, StatsGrad
 from .linear import (
     CPU_LINEAR_CHUNK_BYTES,
@@ -66,7 +65,7 @@ from .wgrad import (
 __all__ = [
     "Chunk", "ChunkGrad", "ChunkStats", "ShardStats", "StatsGrad",
     "flatten_target", "function_outputs", "gathered_stats", "logits_chunks", "logits_grad",
-    "merge_tokens_per_pass", "megatron_default_tp_group",
+    "merge_tokens_per_pass",
     "CPU_LINEAR_CHUNK_BYTES", "INVARIANT_ROWS", "ChunkBuffers", "LinearStatsConfig",
     "auto_linear_chunk_size", "chunk_logits", "full_hidden", "linear_chunks",
     "reduce_hidden_grad",
