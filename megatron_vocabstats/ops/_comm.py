@@ -2,6 +2,9 @@
 
 ``group=None`` always means "no tensor parallelism" (a single shard holding the whole
 vocabulary), never "the global default group".
+
+May import torch and :mod:`._argtypes` only (no other module of the package), so that every
+module of ``ops/`` and the packages above it can use it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from ._argtypes import InputTypeError
 
 
 def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -21,8 +26,6 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 0, 1
     if not isinstance(group, dist.ProcessGroup):
-        from ._checks import InputTypeError
-
         raise InputTypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got "
                              f"{type(group).__name__}")
     return dist.get_rank(group), dist.get_world_size(group)

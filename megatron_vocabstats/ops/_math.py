@@ -1,7 +1,13 @@
-"""Per-chunk vocabulary statistics, their merge across shards, and the logits gradient.
+"""Per-chunk vocabulary statistics and their merge across shards (the gradient: :mod:`._grad`).
 
 Pure tensor math: no collectives, no process groups, never writes to the caller's tensors (only
-to the scratch buffers handed in). The formulas are those of ``docs/numerics.md``:
+to the scratch buffers handed in). May import :mod:`._layout` and :mod:`._grad` only. Lives here:
+the upcast of a chunk (:func:`load_chunk`), its statistics (:func:`chunk_stats`,
+:func:`block_stats`), the fixed-order sum (:func:`tree_sum_`) and the merge (:func:`merge_stats`,
+:func:`reduce_blocks`, :func:`log_normaliser`). The shard layout (:class:`ShardLayout`,
+:data:`BLOCK`, :func:`padded_width`, the target-index helpers) lives in :mod:`._layout`, the
+gradient (:func:`chunk_grad`, :func:`grad_coefficients`, :func:`finite_lse`, :data:`LOGP_MIN`)
+in :mod:`._grad`; both are re-exported here. The formulas are those of ``docs/numerics.md``:
 
 * per shard r and token: ``m_r = max_j z_j``, ``s_r = sum_j exp(z_j - m_r)``,
   ``u_r = sum_j exp(z_j - m_r) * (z_j - m_r)``, ``t_r = z_y`` if the target is local else 0, and
@@ -13,7 +19,7 @@ to the scratch buffers handed in). The formulas are those of ``docs/numerics.md`
   ``H = log S - U / S`` (exact: ``logZ - E_p[z]``), and ``mean_j z_j - m =
   sum_r (a_r + c n_r (m_r - m)) / (c V)`` (:func:`rebase_zsum_`: every term <= 0, so extreme
   logits neither overflow nor cancel);
-* gradient w.r.t. z with upstream ``g_lp``, ``g_H``:
+* gradient w.r.t. z with upstream ``g_lp``, ``g_H`` (:mod:`._grad`):
   ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
 
 ``u_r`` is kept relative to the shard maximum, so large logits (fp16 65504) do not cancel.
@@ -36,44 +42,24 @@ from dataclasses import dataclass
 
 import torch
 
+from ._grad import LOGP_MIN, chunk_grad, finite_lse, grad_coefficients  # noqa: F401 - re-exported
+from ._layout import (  # noqa: F401 - re-exported: the layout used to live here
+    BLOCK,
+    ShardLayout,
+    local_target_index,
+    padded_width,
+    target_in_range,
+)
+
 # Logits are clamped to Z_FLOOR as they are upcast, so every shifted logit stays finite:
 # exp(Z_FLOOR - m) is exactly 0 for any real row maximum m, and products such as
 # p * log p give 0 rather than 0 * (-inf) = NaN. A shard whose maximum is Z_FLOOR has no live
 # column for that row and reports m_r = -inf, s_r = u_r = 0.
 Z_FLOOR = -1.0e30
-# Below the log of the smallest positive fp32 (about -103.3): exp(LOGP_MIN) == 0.
-LOGP_MIN = -1.0e4
 
 # Row order of the packed per-shard statistics tensor [NUM_STATS, T].
 STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM = range(5)
 NUM_STATS = 5
-# Columns per block of the batch-invariant reductions: Megatron pads the vocabulary to a multiple
-# of 128 * tp, so blocks never straddle two shards.
-BLOCK = 128
-
-
-@dataclass(frozen=True, slots=True)
-class ShardLayout:
-    """Where this rank's logits columns sit in the global vocabulary.
-
-    ``vocab_start``: global id of local column 0; ``width``: local (padded) shard width W;
-    ``real_width``: local columns with global id < ``vocab_size`` (the rest are padding);
-    ``vocab_size``: the real, unpadded global vocabulary size V; ``even``: every rank holds W
-    columns starting at ``rank * W`` (Megatron's split), else ranges given per rank (``vocab_start``
-    of the ops, e.g. torchtitan's ``ceil(V / tp)`` split with a shorter last shard).
-    """
-
-    vocab_start: int
-    width: int
-    real_width: int
-    vocab_size: int
-    even: bool = True
-
-
-def padded_width(width: int, batch_invariant: bool) -> int:
-    """Columns of the fp32 chunk buffer: ``width``, rounded up to whole blocks of :data:`BLOCK`
-    in batch-invariant mode."""
-    return -(-width // BLOCK) * BLOCK if batch_invariant else width
 
 
 def load_chunk(logits: torch.Tensor, out: torch.Tensor, layout: ShardLayout, temperature: float):
@@ -138,20 +124,6 @@ def _floor_flag(z: torch.Tensor, scratch: torch.Tensor, real: int) -> torch.Tens
     flat = scratch[: z.shape[0], : z.shape[1] * z.shape[2]].copy_(z.reshape(z.shape[0], -1))
     flat[:, real:] = 0.0
     return flat.view(z.shape).amin(dim=-1) <= Z_FLOOR
-
-
-def target_in_range(target: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[T]`` bool: the target id lies in ``[0, vocab_size)`` (on the device, no host sync).
-    Rows where it does not (and that are not ignored) get a NaN logprob and no logprob gradient
-    (``merge_stats(in_range=...)``, ``grad_coefficients(in_range=...)``)."""
-    return (target >= 0) & (target < vocab_size)
-
-
-def local_target_index(target: torch.Tensor, valid: torch.Tensor, layout: ShardLayout):
-    """Map global target ids to local columns: ``(index clamped to [0, W), owned mask)``."""
-    local = target.long() - layout.vocab_start  # gather/scatter index with int64
-    owned = valid & (local >= 0) & (local < layout.width)
-    return local.clamp(0, layout.width - 1), owned
 
 
 def chunk_stats(
@@ -360,8 +332,9 @@ def merge_stats(
     """
     num_tokens = gathered.shape[-1]
     if tokens_per_pass is not None and num_tokens > tokens_per_pass:
-        options = dict(vocab_size=vocab_size, label_smoothing=label_smoothing, entropy=entropy,
-                       has_target=has_target, batch_invariant=batch_invariant)
+        options = {"vocab_size": vocab_size, "label_smoothing": label_smoothing,
+                   "entropy": entropy, "has_target": has_target,
+                   "batch_invariant": batch_invariant}
         def part(x, s):
             return None if x is None else x[s:s + tokens_per_pass]
 
@@ -401,81 +374,3 @@ def merge_stats(
             logprobs = torch.where(in_range, logprobs, float("nan"))
         logprobs = torch.where(valid, logprobs, 0.0)
     return MergedStats(logsumexp=lse, logprobs=logprobs, entropy=ent)
-
-
-def chunk_grad(
-    z: torch.Tensor,
-    scratch: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    lse: torch.Tensor,
-    ent: torch.Tensor | None,
-    coef_lp: torch.Tensor | None,
-    coef_h: torch.Tensor | None,
-    index: torch.Tensor | None,
-    owned: torch.Tensor | None,
-    valid: torch.Tensor | None,
-    layout: ShardLayout,
-    label_smoothing: float,
-) -> None:
-    """Write the gradient of ``sum(g_lp * logprobs + g_H * entropy)`` for one chunk into ``out``.
-
-    ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``out``: the chunk's rows of
-    the gradient, in the logits dtype. ``coef_lp = g_lp / tau`` and ``coef_h = g_H / tau`` per row,
-    already 0 at ignored rows (whose gradient is then exactly 0), or None when that output gets no
-    gradient. ``lse`` must be finite at ignored rows, and rows with ``valid`` False are zeroed
-    at the end (NaN or +inf logits there included). One fp32 pass computes
-    ``p * (-coef_h (log p + H) - coef_lp)``; the target and smoothing terms are added in fp32
-    before the single cast to ``out``.
-    """
-    n = z.shape[0]
-    logp = z.sub_(lse.unsqueeze(1))
-    p = torch.exp(logp, out=scratch[:n])
-    if coef_h is not None:
-        # Where p == 0 (masked or padding columns, log p ~ Z_FLOOR) keep coef_h * log p finite,
-        # or p * inf = NaN for large upstream gradients; no column with p > 0 is changed.
-        logp.clamp_(min=LOGP_MIN)
-        shift = coef_h * ent if coef_lp is None else coef_h * ent + coef_lp
-        grad = p.mul_(logp.mul_(coef_h.neg().unsqueeze(1)).sub_(shift.unsqueeze(1)))
-    else:
-        grad = p.mul_(coef_lp.neg().unsqueeze(1))
-    if coef_lp is not None and index is not None:
-        if label_smoothing > 0.0:
-            uniform = coef_lp * (label_smoothing / layout.vocab_size)
-            grad[:, : layout.real_width].add_(uniform.unsqueeze(1))
-        hit = torch.where(owned, coef_lp * (1.0 - label_smoothing), 0.0)
-        grad.scatter_add_(1, index.unsqueeze(1), hit.unsqueeze(1))
-    if valid is not None:
-        grad.masked_fill_(~valid.unsqueeze(1), 0.0)
-    out.copy_(grad)
-
-
-def grad_coefficients(
-    grad_logprobs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    valid: torch.Tensor | None,
-    temperature: float,
-    in_range: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(coef_lp, coef_h)`` of :func:`chunk_grad` from upstream gradients shaped like the tokens.
-
-    Flattened fp32 ``g / tau``, exactly 0 at rows where ``valid`` is False (their gradient is then
-    exactly 0); None where that upstream gradient is None. ``coef_lp`` is also 0 where
-    ``in_range`` (:func:`target_in_range`) is False: a NaN logprob passes no gradient.
-    """
-    keep = valid.float() / temperature if valid is not None else 1.0 / temperature
-    keep_lp = keep if in_range is None else keep * in_range
-    coef_lp = grad_logprobs.reshape(-1).float() * keep_lp if grad_logprobs is not None else None
-    coef_h = grad_entropy.reshape(-1).float() * keep if grad_entropy is not None else None
-    return coef_lp, coef_h
-
-
-def finite_lse(lse: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """``lse`` with non-finite values at rows that are not ``valid`` replaced by 0.
-
-    :func:`chunk_grad` needs a finite lse at ignored rows (e.g. fully masked ones) so that their
-    zero gradient is not ``0 * NaN``.
-    """
-    if valid is None:
-        return lse
-    return torch.where(valid | torch.isfinite(lse), lse, 0.0)

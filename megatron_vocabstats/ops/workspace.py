@@ -35,6 +35,8 @@ Buffers are flat and grouped by size class (the element count rounded up by at m
 calls whose token count varies a little still reuse them; :meth:`Workspace.take` returns a view
 of the requested shape. Their content is undefined (like ``torch.empty``). On CPU the same API
 applies, without streams or capture.
+
+May import torch and the standard library only (no module of the package).
 """
 
 from __future__ import annotations
@@ -46,8 +48,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Lease", "Workspace", "WORKSPACE", "configure_workspace", "reset_workspace",
-           "with_workspace_reset"]
+__all__ = [
+    "WORKSPACE",
+    "Lease",
+    "Workspace",
+    "configure_workspace",
+    "reset_workspace",
+    "with_workspace_reset",
+]
 
 DEFAULT_MAX_BUFFERS = 8
 DEFAULT_MAX_BYTES = 2 * 2**30

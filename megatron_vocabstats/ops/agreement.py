@@ -1,0 +1,238 @@
+"""Cross-rank agreement of input checks: a bad input on one rank raises on every rank.
+
+Public (``megatron_vocabstats.ops.agreement``): the machinery that the ops' checks
+(``ops/_checks.py``) and the packages above ``ops/`` (losses, packing, distillation) share. Under
+tensor (or context) parallelism every rank first decides locally, then all ranks exchange one
+small int64 vector (an error flag, then values that must be equal on every rank) so that a bad
+input on one rank raises on every rank instead of leaving the others waiting in a collective.
+
+Lives here: :class:`CrossRankCheck` (the check builder: collects this rank's first problem and
+its agreement row, then does the single exchange), :func:`checked_on_every_rank` (a caller's own
+checks through it), :func:`agree_across_ranks` (the exchange itself) and its :class:`Field`
+columns, the checksums and float encodings compared there (:func:`target_checksum`,
+:func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`), :func:`host_checks_enabled`,
+and :class:`InputTypeError` (re-exported from :mod:`._argtypes`). May import :mod:`._argtypes`
+and :mod:`._comm` only (and torch), so that every module of ``ops/`` and above may import it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+from ._argtypes import InputTypeError, check_int64
+
+__all__ = [
+    "CrossRankCheck",
+    "Field",
+    "InputTypeError",
+    "agree_across_ranks",
+    "agree_field",
+    "as_field",
+    "bits_float",
+    "checked_on_every_rank",
+    "float_bits",
+    "host_checks_enabled",
+    "target_checksum",
+    "tensor_checksum",
+]
+
+
+def host_checks_enabled(validate: bool, device: torch.device) -> bool:
+    """True when value checks may read tensors on the host (never during CUDA graph capture)."""
+    if not validate:
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def target_checksum(target: torch.Tensor | None) -> int:
+    """An int64 checksum of the integer ``target`` (token ids; -1 for None): each value weighted
+    by a hash of its flat position, summed in int64 (wrapping); reads the host."""
+    if target is None:
+        return -1
+    flat = target.reshape(-1).to(torch.int64)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+    weights = (weights * 2654435761) % 2147483647
+    return int((flat * weights).sum())
+
+
+def tensor_checksum(tensor: torch.Tensor, where: torch.Tensor | None = None) -> int:
+    """An int64 checksum of ``tensor``'s values (floats by their fp32 bits) at the positions
+    where the bool ``where`` (broadcast over trailing dims) holds; reads the host."""
+    values = tensor.detach()
+    if values.dtype.is_floating_point:
+        values = values.float().contiguous().view(torch.int32)
+    if where is not None:
+        keep = where.reshape(*where.shape, *([1] * (values.dim() - where.dim())))
+        values = torch.where(keep, values, 0)
+    return target_checksum(values)
+
+
+def float_bits(x: float) -> int:
+    """The bits of ``x`` as a float64, as an int64 (a float compared in the agreement exchange;
+    :func:`bits_float` prints it back)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def bits_float(bits: int) -> float:
+    """Inverse of :func:`float_bits`."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One compared column of :func:`agree_across_ranks` and how a difference is reported.
+
+    ``show`` maps the exchanged int back to the value printed for each rank (default: the int);
+    ``checksum=True`` prints no values (they are meaningless hashes), only the ranks whose value
+    differs from rank 0's.
+    """
+
+    name: str
+    show: Callable[[int], object] = int
+    checksum: bool = False
+
+    def difference(self, seen: list[int], group_name: str) -> str:
+        if self.checksum:
+            ranks = [r for r, v in enumerate(seen) if v != seen[0]]
+            return (f"{self.name} differs across the ranks of {group_name}: ranks {ranks} "
+                    "differ from rank 0")
+        return (f"{self.name} differs across the ranks of {group_name}: "
+                f"{[self.show(v) for v in seen]} (in rank order)")
+
+
+def as_field(name) -> Field:
+    """``name`` as a :class:`Field` (a string becomes ``Field(name)``)."""
+    return name if isinstance(name, Field) else Field(str(name))
+
+
+def agree_field(entry) -> Field:
+    """The :class:`Field` of an ``agree=...`` entry: ``(name, value_fn)`` or
+    ``(name, value_fn, show)``, the name a string or a :class:`Field`."""
+    field = as_field(entry[0])
+    if len(entry) > 2:
+        field = Field(field.name, show=entry[2], checksum=field.checksum)
+    return field
+
+
+def agree_across_ranks(error: Exception | None, values: list[int] | None,
+                       names: tuple[str | Field, ...], group: dist.ProcessGroup, *, device=None,
+                       group_name: str, hint: str, extra: int = 0) -> list[list[int]]:
+    """Make a local input error, or a disagreement between ranks, raise on every rank.
+
+    One all-gather of ``[error flag, *values]`` (int64) over ``group``: this rank re-raises its
+    own ``error`` (any exception); the others raise a ``ValueError`` naming the ranks that
+    rejected their inputs; otherwise the first of ``names`` whose value differs across ranks is
+    reported with ``hint``. A name is a string (the ints are printed) or a :class:`Field` (printed
+    through its ``show``, or as a checksum). ``values`` may be None when ``error`` is set; its
+    last ``extra`` columns are exchanged but not compared; each must fit int64. ``device``: where
+    the exchange runs; None picks it from the group's backend (``_comm.exchange_device``).
+    Returns the table of every rank's row (flag first).
+    """
+    fields = tuple(as_field(name) for name in names)
+    if device is None:
+        device = _comm.exchange_device(group)
+    row = values if values is not None else [-1] * (len(fields) + extra)
+    table = _comm.all_gather_ints([int(error is not None), *row], group, device=device)
+    if error is not None:
+        raise error
+    failed = [r for r, t in enumerate(table) if t[0]]
+    if failed:
+        raise ValueError(f"ranks {failed} of {group_name} rejected their inputs (see their errors)")
+    for col, field in enumerate(fields, start=1):
+        seen = [t[col] for t in table]
+        if any(v != seen[0] for v in seen):
+            raise ValueError(f"{field.difference(seen, group_name)}; {hint}")
+    return table
+
+
+class CrossRankCheck:
+    """The check builder: one call's rank-local checks, made to raise on every rank of ``group``.
+
+    Collects this rank's first problem (an exception of a check run through :meth:`run`, or one
+    handed to :meth:`fail`, e.g. a rank-local error found by the caller) and its row of values
+    that must agree across ranks (the ``row`` of :meth:`run`), then :meth:`finish` does the single
+    exchange (:func:`agree_across_ranks` over ``fields``, then ``extra`` columns exchanged but not
+    compared): this rank re-raises its own problem, the others a ``ValueError`` naming it, or a
+    disagreement raises with ``hint`` on every rank.
+
+    The exchange runs (``enabled``) only with ``validate`` on a group of size > 1 and not under
+    CUDA graph capture (``device``: where it runs; None picks it from the group's backend).
+    Otherwise :meth:`run` raises a check's exception at once and :meth:`finish` raises a problem
+    handed to :meth:`fail`, on this rank only (no collective, no host read). Raises
+    :class:`InputTypeError` at once if ``group`` is neither a ``ProcessGroup`` nor None.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, *, validate, device: torch.device | None,
+                 hint: str, fields: tuple[str | Field, ...] = (), extra: int = 0,
+                 group_name: str = "tp_group"):
+        _, self.size = _comm.group_rank_size(group)
+        self.enabled = self.size > 1 and host_checks_enabled(
+            validate, device or _comm.exchange_device(group))
+        self.group, self.device, self.hint, self.group_name = group, device, hint, group_name
+        self.fields, self.extra = tuple(as_field(name) for name in fields), extra
+        self.error: Exception | None = None
+        self.row: list[int] | None = None
+
+    def fail(self, error: Exception | None) -> None:
+        """Record a problem this rank found itself (None: none); the first problem is kept."""
+        if self.error is None:
+            self.error = error
+
+    def run(self, check: Callable[[], object],
+            row: Callable[[object], list[int]] | None = None) -> object:
+        """``check()`` and, when the exchange runs, ``row(result)`` (this rank's values of
+        ``fields`` then the ``extra`` columns, ints that fit int64); returns ``check``'s result.
+
+        Skipped (None) once a problem is recorded. With the exchange, an exception of either is
+        recorded for :meth:`finish` (None is returned); without, it raises here.
+        """
+        if self.error is not None:
+            return None
+        try:
+            result = check()
+            if self.enabled and row is not None:
+                self.row = list(row(result))
+        except Exception as exc:  # every local failure must reach the other ranks
+            if not self.enabled:
+                raise
+            self.error = exc
+            return None
+        return result
+
+    def finish(self) -> list[list[int]] | None:
+        """The single exchange: raises as described above, else returns every rank's row (flag
+        first; see :func:`agree_across_ranks`), or None when the exchange does not run."""
+        if not self.enabled:
+            if self.error is not None:
+                raise self.error
+            return None
+        return agree_across_ranks(self.error, self.row, self.fields, self.group,
+                                  device=self.device, group_name=self.group_name, hint=self.hint,
+                                  extra=self.extra)
+
+
+def checked_on_every_rank(check: Callable[[], object], tp_group: dist.ProcessGroup | None, *,
+                          validate: bool, device: torch.device | None,
+                          agree: tuple[tuple, ...] = (), hint: str) -> object:
+    """``check()`` (a caller's own input checks, run before any collective of the call), made to
+    raise on every rank of ``tp_group``; returns what it returns.
+
+    With ``validate`` on a group of size > 1 (and not under CUDA graph capture) this costs one
+    all-gather of ``1 + len(agree)`` int64 numbers: an exception of ``check`` on one rank raises
+    there and a ``ValueError`` naming that rank on the others, instead of leaving them blocked in
+    the op's collectives; ``agree`` entries (as ``checked_config``'s, but ``value_fn`` takes
+    what ``check`` returned) must be equal on every rank. Otherwise ``check()`` runs alone
+    and its exception raises on this rank only (no collective, no host read).
+    """
+    checks = CrossRankCheck(tp_group, validate=validate, device=device, hint=hint,
+                            fields=tuple(agree_field(entry) for entry in agree))
+    result = checks.run(check, row=lambda result: [
+        check_int64(agree_field(entry).name, entry[1](result)) for entry in agree])
+    checks.finish()
+    return result

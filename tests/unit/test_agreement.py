@@ -1,0 +1,165 @@
+"""Issue 17 (checks and math modules): the split of ``ops/_checks.py`` and ``ops/_math.py``, the
+public ``ops.agreement`` and ``ops.options`` modules, the check builder and ``LogitsSpec``."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+import torch
+
+from megatron_vocabstats.ops import _checks, _math, agreement, options
+from megatron_vocabstats.ops._checks import LogitsSpec, checked_config
+from megatron_vocabstats.ops.agreement import (
+    CrossRankCheck,
+    InputTypeError,
+    checked_on_every_rank,
+)
+
+OPS = pathlib.Path(_checks.__file__).parent
+OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,
+               ignore_index=-100, label_smoothing=0.0, validate=True)
+
+# Every name that ops._checks and ops._math defined or imported before the split (stdlib imports
+# aside): still importable from there.
+OLD_CHECKS = """BATCH_INVARIANT_MODES BLOCK CHUNK_BYTES ENTROPY_MODES FP32_MAX Field InputTypeError
+LOGITS_DTYPES MIN_TEMPERATURE ShardLayout StatsConfig _AGREEMENT _BATCH_INVARIANT_NAMES _INT64
+_MAX_ID _agree_field _agreement_row _ambiguous _as_field _batch_invariant_mode _check_local
+_int64 _target_checksum _truthy agree_across_ranks auto_chunk_size bits_float
+check_batch_invariant check_contiguous check_finite check_integer check_real checked_config
+checked_on_every_rank first_order_backward float_bits host_checks_enabled refuse_double_backward
+shard_layout tensor_checksum""".split()
+OLD_MATH = """BLOCK LOGP_MIN MergedStats NUM_STATS STAT_ENT STAT_MAX STAT_SUMEXP STAT_TARGET STAT_ZSUM
+ShardLayout Z_FLOOR _Combined _combine _floor_flag _real_zsum _sum0 block_stats chunk_grad
+chunk_stats finite_lse grad_coefficients load_chunk local_target_index log_normaliser
+merge_stats padded_width real_columns rebase_zsum_ reduce_blocks target_in_range tree_sum_
+zsum_scale""".split()
+
+
+@pytest.mark.parametrize(("module", "names"), [(_checks, OLD_CHECKS), (_math, OLD_MATH)])
+def test_old_names_stay_importable(module, names):
+    assert [n for n in names if not hasattr(module, n)] == []
+
+
+def test_public_modules_export_the_shared_machinery():
+    for name in ("Field", "agree_across_ranks", "checked_on_every_rank", "tensor_checksum",
+                 "float_bits", "bits_float", "host_checks_enabled", "InputTypeError",
+                 "CrossRankCheck"):
+        assert getattr(agreement, name) is getattr(_checks, name)
+    assert agreement.InputTypeError is importlib.import_module(
+        "megatron_vocabstats.ops._comm").InputTypeError
+    assert options.IGNORE_INDEX == -100
+    assert options.BATCH_INVARIANT_NAMES == {"off": False, "batch": True, "tp": "tp"}
+    assert _checks._BATCH_INVARIANT_NAMES is options.BATCH_INVARIANT_NAMES
+    from megatron_vocabstats import losses, packing
+    from megatron_vocabstats.megatron import arguments
+
+    assert losses.IGNORE_INDEX == packing.IGNORE_INDEX == options.IGNORE_INDEX
+    assert arguments.BATCH_INVARIANT_FLAG == options.BATCH_INVARIANT_NAMES
+
+
+# What each of the modules of this part may import from the package (relative imports, lazy
+# ones included): layered, so no cycle, and none imports an op module.
+ALLOWED = {
+    "_argtypes": set(),
+    "_comm": {"_argtypes"},
+    "_layout": {"_argtypes"},
+    "_grad": {"_layout"},
+    "_math": {"_layout", "_grad"},
+    "options": {"_layout"},
+    "agreement": {"_argtypes", "_comm"},
+    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm"},
+    "workspace": set(),
+}
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_import_layers(module):
+    tree = ast.parse((OPS / f"{module}.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            assert node.level == 1, (module, node.module)
+            if node.module:
+                imported.add(node.module)
+            else:
+                imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("megatron_vocabstats") for a in node.names)
+    assert imported <= ALLOWED[module], (module, imported - ALLOWED[module])
+
+
+@pytest.mark.parametrize("module", sorted(ALLOWED))
+def test_modules_are_short_and_documented(module):
+    source = (OPS / f"{module}.py").read_text()
+    assert len(source.splitlines()) < 400
+    assert "import" in ast.get_docstring(ast.parse(source))
+
+
+def _stand_in(shape, dtype=torch.float32):
+    return torch.empty((), dtype=dtype).expand(shape)
+
+
+@pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32), (0, 32), (32,)])
+@pytest.mark.parametrize("extra", [{}, {"vocab_size": 30}, {"vocab_size": 30, "vocab_start": 0},
+                                   {"batch_invariant": "tp", "chunk_size": 4}])
+def test_logits_spec_gives_the_config_of_the_stand_in(shape, extra):
+    target = torch.zeros(shape[:-1], dtype=torch.long)
+    opts = {**OPTIONS, **extra}
+    want = checked_config(_stand_in(shape), target, None, **opts)
+    for spec in (LogitsSpec(shape, torch.float32, torch.device("cpu")),
+                 LogitsSpec(list(shape), torch.float32, "cpu")):
+        assert checked_config(spec, target, None, **opts) == want
+
+
+@pytest.mark.parametrize(("logits", "target", "opts", "match"), [
+    ((4, 8), (5,), {}, "must equal the leading shape"),
+    ((4, 0), (4,), {}, "is empty"),
+    ((), None, {}, "at least one dimension"),
+    ((4, 8), (4,), {"entropy": "x"}, "entropy must be one of"),
+    ((4, 8), (4,), {"vocab_size": 9}, "does not fit"),
+])
+def test_logits_spec_raises_the_errors_of_the_stand_in(logits, target, opts, match):
+    target = None if target is None else torch.zeros(target, dtype=torch.long)
+    opts = {**OPTIONS, **opts}
+    with pytest.raises(ValueError, match=match) as want:
+        checked_config(_stand_in(logits), target, None, **opts)
+    with pytest.raises(ValueError, match=match) as got:
+        checked_config(LogitsSpec(logits, torch.float32, torch.device("cpu")), target, None,
+                       **opts)
+    assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        checked_config(LogitsSpec((4, 8), torch.int32, torch.device("cpu")), None, None,
+                       **OPTIONS)
+
+
+def test_local_error_with_a_spec_raises_it():
+    problem = InputTypeError("hidden must be a tensor")
+    with pytest.raises(InputTypeError, match="hidden must be a tensor"):
+        checked_config(LogitsSpec((0,), torch.float32, "cpu"), None, None,
+                       local_error=problem, **OPTIONS)
+
+
+def test_check_builder_without_exchange_raises_on_this_rank():
+    checks = CrossRankCheck(None, validate=True, device=None, hint="h", fields=("k",))
+    assert not checks.enabled and checks.size == 1
+    with pytest.raises(KeyError):
+        checks.run(lambda: {}["x"], row=lambda r: 1 / 0)
+    assert checks.run(lambda: 3, row=lambda r: 1 / 0) == 3  # no row without an exchange
+    assert checks.finish() is None
+    checks.fail(ValueError("first"))
+    checks.fail(ValueError("second"))
+    assert checks.run(lambda: 1 / 0) is None  # skipped once a problem is recorded
+    with pytest.raises(ValueError, match="first"):
+        checks.finish()
+    with pytest.raises(InputTypeError, match="tp_group must be"):
+        CrossRankCheck("group", validate=True, device=None, hint="h")
+
+
+def test_checked_on_every_rank_alone_runs_the_check_only():
+    assert checked_on_every_rank(lambda: 5, None, validate=True, device=None,
+                                 agree=(("k", lambda r: 1 / 0),), hint="h") == 5
+    with pytest.raises(ZeroDivisionError):
+        checked_on_every_rank(lambda: 1 / 0, None, validate=True, device=None, hint="h")
