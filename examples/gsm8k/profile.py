@@ -1,10 +1,25 @@
-"""``python -m megatron_vocabstats.profile run``: profile chosen steps of the GSM8K SFT job.
+"""Profile chosen steps of the GSM8K SFT job: ``python -m examples.gsm8k.profile run ...``.
+
+``python -m examples.gsm8k.profile run --out OUT [--ranks 0,2-4] [--profile-steps 2]
+[--trials memory,kernels] [--overwrite] -- sft <example flags>`` (from the repository root,
+under ``torchrun`` for several ranks), and ``python -m examples.gsm8k.profile summarize OUT``
+(the same as ``python -m megatron_vocabstats.profiling summarize OUT``). The instruments and the
+summaries are the plugin's :mod:`megatron_vocabstats.profiling`; this module is the part that
+runs the example (it moved here from ``megatron_vocabstats.profile.runner``/``__main__``, so
+that the plugin never imports the example).
 
 Each trial kind (``memory``, ``kernels``) is a separate training run from the same seed, so
 that recording memory never disturbs the kernel timeline. In a run, the chosen ranks wrap the
 chosen steps (through ``examples.gsm8k.sft.train``'s ``step_hook``); the other ranks train
 alongside, unprofiled. Every check of the selection and of the output directory runs on every
 rank before a process group or a model exists.
+
+Exit status 0 on success, 2 for bad input (``error: ...`` on stderr, printed by rank 0; every
+rank refuses the same input before any model is built; an ``--out`` that only some ranks cannot
+write is also reported by those ranks). A failure after the checks (in training
+or while writing a trial) is not bad input: it raises on the rank where it happened, with its
+traceback, and torchrun stops the other ranks.
+Importing this module imports neither Megatron nor the rest of the example (both lazily).
 """
 
 from __future__ import annotations
@@ -21,8 +36,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import kernels, memory, postprocess, ranks, summary
+from megatron_vocabstats.profiling import kernels, memory, postprocess, ranks, summary
+from megatron_vocabstats.profiling.cli import add_summarize_command, summarize_command
 
+PROG = "python -m examples.gsm8k.profile"
 SETTINGS_JSON = "settings.json"
 SETTINGS_LOG = "settings.log"
 
@@ -113,13 +130,7 @@ def plan(opts: argparse.Namespace, world: int, rank: int):
     that already holds a profile (:func:`previous_profile`) is refused unless ``--overwrite``;
     with it, rank 0 removes that profile once every rank has passed these checks.
     """
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # console script: examples/ lives in the repository
-    try:
-        from examples.gsm8k import cli
-    except ImportError as exc:
-        raise ValueError("the profiler runs the example job examples/gsm8k: run it from the "
-                         f"repository root ({exc})") from None
+    from . import cli
     argv = list(opts.example)
     if argv[:1] == ["--"]:
         argv = argv[1:]
@@ -170,14 +181,14 @@ def write_settings(p: Plan, args) -> None:
     import megatron.core
 
     settings = {
-        "command": [sys.executable, "-m", "megatron_vocabstats.profile", *sys.argv[1:]],
+        "command": [sys.executable, "-m", "examples.gsm8k.profile", *sys.argv[1:]],
         "plan": asdict(p),
         "example": {k: _jsonable(v) for k, v in sorted(vars(args).items())},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "megatron_core": getattr(megatron.core, "__version__", "?")},
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "host": platform.node(),
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     with open(os.path.join(p.out, SETTINGS_JSON), "w") as f:
         json.dump(settings, f, indent=1)
@@ -191,7 +202,7 @@ def write_settings(p: Plan, args) -> None:
 def log(p: Plan, line: str) -> None:
     """Append a timestamped event to ``settings.log`` (rank 0 only)."""
     if p.rank == 0:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S")
         with open(os.path.join(p.out, SETTINGS_LOG), "a") as f:
             f.write(f"[{stamp}] {line}\n")
 
@@ -225,7 +236,7 @@ def step_hook(p: Plan, kind: str, recorder):
 
 def _train_rows(run):
     """The training rows of ``sft.run`` (the examples shuffled with the seed, then packed)."""
-    from examples.gsm8k import sft
+    from . import sft
 
     return sft.packed_rows(run.inputs, run.args, run.par, run.alignment, run.thd)[1]
 
@@ -234,7 +245,7 @@ def execute(p: Plan, args) -> list[dict]:
     """Run every trial; returns the summaries of the trials (on rank 0, all ranks' trials)."""
     import torch.distributed as dist
 
-    from examples.gsm8k import cli, sft
+    from . import cli, sft
 
     for i, kind in enumerate(p.trials):
         recorder = None
@@ -267,3 +278,50 @@ def execute(p: Plan, args) -> list[dict]:
     summaries = postprocess.summarize(p.out)
     log(p, f"wrote {len(summaries)} trial(s) and {postprocess.INDEX_MD}")
     return summaries
+
+
+EPILOG = f"""examples:
+  torchrun --standalone --nproc-per-node 2 -m examples.gsm8k.profile run --out prof \\
+      --ranks "" --profile-steps 2 -- sft --vocab-parallel-stats --lm-head-chunk-size 128 --steps 3
+  {PROG} summarize prof
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of both commands (``run`` flags: :func:`add_run_arguments`)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Profile memory and kernels of chosen steps on chosen ranks of the GSM8K "
+                    "example job, and summarise the traces.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_run_arguments(commands.add_parser(
+        "run", help="train the example and profile chosen steps on chosen ranks"))
+    add_summarize_command(commands)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command of ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    opts = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if opts.command == "summarize":
+            return summarize_command(opts.out)
+        p, args = plan(opts, int(os.environ.get("WORLD_SIZE", "1")), rank)
+    except ValueError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        elif isinstance(exc, OutDirError):  # may fail on this rank alone
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        return 2
+    # Past the checks, an error is not the user's input: let it raise with its traceback (an
+    # error of rank 1 caught here would end that rank silently with status 2).
+    summaries = execute(p, args)
+    if rank == 0:
+        print(f"profile: {len(summaries)} trial(s) in {p.out} (index: "
+              f"{os.path.join(p.out, postprocess.INDEX_MD)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
