@@ -4,9 +4,10 @@ collided).
 Importing it warns (``DeprecationWarning``) and re-exports the trace analysis of
 :mod:`megatron_vocabstats.profiling`; ``megatron_vocabstats.profile.memory`` (``.kernels``,
 ``.postprocess``, ``.ranks``, ``.summary``) are the same module objects as
-``megatron_vocabstats.profiling.memory`` etc. ``megatron_vocabstats.profile.runner`` is gone: the
-example-profiling run moved to ``examples/gsm8k/profile.py`` (``python -m examples.gsm8k.profile
-run ...`` from the repository root), so that the plugin never imports the example.
+``megatron_vocabstats.profiling.memory`` etc. Importing ``megatron_vocabstats.profile.runner``
+raises an ``ImportError`` that says where it went: the example-profiling run moved to
+``examples/gsm8k/profile.py`` (``python -m examples.gsm8k.profile run ...`` from the repository
+root), so that the plugin never imports the example.
 
 May import: :mod:`megatron_vocabstats.profiling` only.
 """

@@ -421,6 +421,8 @@ def test_deprecated_profile_alias(capsys):
     from megatron_vocabstats.profile import memory as old_memory
 
     assert old_memory is profiling.memory and old.split_trace is profiling.split_trace
+    with pytest.raises(ImportError, match="examples.gsm8k.profile"):
+        importlib.import_module("megatron_vocabstats.profile.runner")
     from megatron_vocabstats.profiling.cli import main as plugin_main
 
     assert plugin_main(["run", "--out", "x", "--", "sft"]) == 2
