@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runner import (  # noqa: E402
+from _runner import (
     RESULTS_DIR,
     Measurement,
     available_bytes,
@@ -52,9 +52,8 @@ from _runner import (  # noqa: E402
     measure,
     write_worker_rows,
 )
-
-from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
-from megatron_vocabstats.ops.fused_linear import (  # noqa: E402
+from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops.fused_linear import (
     auto_linear_chunk_size,
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runner import (  # noqa: E402
+from _runner import (
     RESULTS_DIR,
     Measurement,
     available_bytes,
@@ -70,8 +70,7 @@ from _runner import (  # noqa: E402
     measure,
     write_worker_rows,
 )
-
-from megatron_vocabstats import (  # noqa: E402
+from megatron_vocabstats import (
     linear_vocab_parallel_sampling_logprobs,
     vocab_parallel_sampling_logprobs,
 )

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _runner import (  # noqa: E402
+from _runner import (
     RESULTS_DIR,
     Measurement,
     available_bytes,
@@ -42,9 +42,8 @@ from _runner import (  # noqa: E402
     measure,
     write_worker_rows,
 )
-
-from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
-from megatron_vocabstats.ops._checks import auto_chunk_size  # noqa: E402
+from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops._checks import auto_chunk_size
 
 GiB = 1024**3
 # Fixed per-token fp32 allowance in the bound: stats [5, T], gathered [tp, 5, T], outputs, masks.

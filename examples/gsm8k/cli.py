@@ -331,8 +331,7 @@ def _cuda() -> bool:
 
 def load_inputs(args) -> dict:
     """Tokenizer and tokenised examples of the mode; every data error raises here."""
-    from .data import (encode_gsm8k, encode_scoring_rows, load_gsm8k, load_tokenizer,
-                       read_jsonl)
+    from .data import encode_gsm8k, encode_scoring_rows, load_gsm8k, load_tokenizer, read_jsonl
 
     tokenizer = load_tokenizer(args.tokenizer)
     out = {"tokenizer": tokenizer}

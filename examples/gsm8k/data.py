@@ -61,7 +61,7 @@ def load_tokenizer(path: str | None = None):
         raise ValueError(f"--tokenizer: {path} not found")
     try:
         return Tekkenizer.from_file(path)
-    except Exception as exc:  # noqa: BLE001 - mistral-common raises several types
+    except Exception as exc:  # mistral-common raises several types (BLE: re-raised)
         raise ValueError(f"--tokenizer: {path} is not a Tekken tokenizer file ({exc})") from exc
 
 

@@ -26,12 +26,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_vocabstats import TopK, distillation_loss, vocab_parallel_topk
-from megatron_vocabstats.megatron.cpu import cuda_factories_on_cpu
+from megatron_vocabstats.testing.megatron_cpu import cuda_factories_on_cpu
 
 from . import report
 from .data import PackedRows
-from .model import (Parallel, build_model, check_checkpoint, clip_grad_norm_, load_checkpoint,
-                    make_optimizer, model_shape, run_schedule)
+from .model import (
+    Parallel,
+    build_model,
+    check_checkpoint,
+    clip_grad_norm_,
+    load_checkpoint,
+    make_optimizer,
+    model_shape,
+    run_schedule,
+)
 from .sft import packed_rows, train
 from .steps import evaluate_nll, reduce_reports
 

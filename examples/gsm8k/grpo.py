@@ -41,16 +41,28 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_vocabstats import (StatsOptions, mismatch_diagnostics, policy_loss, score_tokens,
-                                 token_loss, vocab_parallel_sampling_logprobs,
-                                 vocab_parallel_stats)
+from megatron_vocabstats import (
+    StatsOptions,
+    mismatch_diagnostics,
+    policy_loss,
+    score_tokens,
+    token_loss,
+    vocab_parallel_sampling_logprobs,
+    vocab_parallel_stats,
+)
 from megatron_vocabstats.megatron import settings
 
 from . import report
 from .data import Example, PackedRows, corrupted_answers, encode_gsm8k, reward, sequence_ids
 from .model import Parallel, clip_grad_norm_, make_optimizer, run_schedule
-from .steps import (gather_tokens, logits_forward_step, reduce_reports, shard_batch,
-                    shard_tokens, step_batch)
+from .steps import (
+    gather_tokens,
+    logits_forward_step,
+    reduce_reports,
+    shard_batch,
+    shard_tokens,
+    step_batch,
+)
 
 EPS = 1e-6
 METRICS = ("reward", "entropy", "clip fraction", "approx kl", "policy loss", "margin")

@@ -1,7 +1,7 @@
 """Process groups, the Megatron-Core ``GPTModel``, the optimizer and checkpoints of the example.
 
 CPU (gloo) by default, CUDA (NCCL) when a GPU is present. On CPU the model uses Megatron's local
-layer spec and :func:`megatron_vocabstats.megatron.cpu.install_cpu_shims`; on CUDA the
+layer spec and :func:`megatron_vocabstats.testing.megatron_cpu.install_cpu_shims`; on CUDA the
 transformer-engine spec when transformer-engine is importable (packed sequences then go through
 ``packed_seq_params``), else the local spec (packed sequences through a block-diagonal mask).
 """
@@ -120,7 +120,7 @@ def init_parallel(tp: int, cp: int, seed: int) -> Parallel:
     """
     from megatron.core import parallel_state
 
-    from megatron_vocabstats.megatron.cpu import install_cpu_shims
+    from megatron_vocabstats.testing.megatron_cpu import install_cpu_shims
 
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
@@ -171,8 +171,7 @@ def build_model(shape: ModelShape, args, par: Parallel):
     activations. ``calculate_per_token_loss`` is on and :func:`finalize_grads` divides the
     summed gradients by the global number of loss tokens (Megatron's per-token loss mode).
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = par.device.type == "cuda"
@@ -272,7 +271,7 @@ def run_schedule(model, forward_step, items, *, forward_only: bool, seq_length: 
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_vocabstats.megatron.cpu import cuda_factories_on_cpu
+    from megatron_vocabstats.testing.megatron_cpu import cuda_factories_on_cpu
 
     items = list(items)
     with cuda_factories_on_cpu():

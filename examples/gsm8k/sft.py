@@ -9,8 +9,13 @@ import time
 from . import report
 from .data import Batch, PackedRows
 from .model import Parallel, clip_grad_norm_, make_optimizer, run_schedule
-from .steps import (compare_loss_paths, evaluate_nll, labels_forward_step, reduce_reports,
-                    shard_batch)
+from .steps import (
+    compare_loss_paths,
+    evaluate_nll,
+    labels_forward_step,
+    reduce_reports,
+    shard_batch,
+)
 
 
 def step_rows(rows: PackedRows, step: int, args, par: Parallel) -> list[Batch]:
@@ -26,7 +31,7 @@ def train(model, train_rows: PackedRows, args, par: Parallel, step_hook=None) ->
 
     ``step_hook(step, model, optimizer)``, if given, returns a context manager entered around
     each step's forward/backward/optimizer work (``step`` counts from 1); the profiler
-    (``python -m megatron_vocabstats.profile``) uses it to wrap the steps it measures.
+    (``python -m examples.gsm8k.profile``) uses it to wrap the steps it measures.
     """
     from tqdm import tqdm
 

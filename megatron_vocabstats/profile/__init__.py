@@ -1,17 +1,44 @@
-"""Rank-aware memory and kernel profiling of steps of the example job (``examples/gsm8k``).
+"""Deprecated alias of :mod:`megatron_vocabstats.profiling` (``profile`` and ``profiling``
+collided).
 
-``python -m megatron_vocabstats.profile run --out OUT [--ranks 0,2-4] [--profile-steps 2]
-[--trials memory,kernels] [--overwrite] -- sft <example flags>`` (under ``torchrun`` for
-several ranks), and ``python -m megatron_vocabstats.profile summarize OUT``. See :mod:`.runner`
-for the run, :mod:`.memory` and :mod:`.kernels` for the instruments, :mod:`.summary` for the
-outputs.
-Importing this package imports neither Megatron nor the example.
+Importing it warns (``DeprecationWarning``) and re-exports the trace analysis of
+:mod:`megatron_vocabstats.profiling`; ``megatron_vocabstats.profile.memory`` (``.kernels``,
+``.postprocess``, ``.ranks``, ``.summary``) are the same module objects as
+``megatron_vocabstats.profiling.memory`` etc. Importing ``megatron_vocabstats.profile.runner``
+raises an ``ImportError`` that says where it went: the example-profiling run moved to
+``examples/gsm8k/profile.py`` (``python -m examples.gsm8k.profile run ...`` from the repository
+root), so that the plugin never imports the example.
+
+May import: :mod:`megatron_vocabstats.profiling` only.
 """
 
-from .kernels import split_trace, trace_stats
-from .memory import classify_frames, replay_trace
-from .postprocess import summarize
-from .ranks import default_ranks, parse_ranks, parse_steps, parse_trials
+import sys
+import warnings
+
+from ..profiling import (
+    classify_frames,
+    default_ranks,
+    kernels,
+    memory,
+    parse_ranks,
+    parse_steps,
+    parse_trials,
+    postprocess,
+    ranks,
+    replay_trace,
+    split_trace,
+    summarize,
+    summary,
+    trace_stats,
+)
+
+warnings.warn("megatron_vocabstats.profile is deprecated: import megatron_vocabstats.profiling; "
+              "the run command is python -m examples.gsm8k.profile run",
+              DeprecationWarning, stacklevel=2)
+
+for _module in (kernels, memory, postprocess, ranks, summary):
+    sys.modules.setdefault(f"{__name__}.{_module.__name__.rsplit('.', 1)[1]}", _module)
+del _module
 
 __all__ = ["classify_frames", "default_ranks", "parse_ranks", "parse_steps", "parse_trials",
            "replay_trace", "split_trace", "summarize", "trace_stats"]

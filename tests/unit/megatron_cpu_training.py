@@ -1,12 +1,12 @@
 """CPU shims for Megatron-LM's own training loop, ``megatron.training.pretrain``: tests only.
 
-:func:`megatron_vocabstats.megatron.cpu.install_cpu_shims` lets ``GPTModel`` run without CUDA
-(memory buffer, causal mask, RNG tracker); the training loop around it also calls CUDA directly.
-:func:`cpu_training` adds the stubs below (one line of why each) and builds tensors asked for on
-``cuda`` on the CPU, for as long as it is entered. It changes ``torch.cuda`` and Megatron's modules
-for the whole process and never undoes that: use it only in a process of its own (the torchrun
-script ``tests/unit/dist/megatron_training_run.py``), never in the pytest process. It is a no-op
-where CUDA is available. It is not part of the plugin. The flags a CPU run needs as well are
+:func:`megatron_vocabstats.testing.megatron_cpu.install_cpu_shims` lets ``GPTModel`` run without
+CUDA (memory buffer, causal mask, RNG tracker); the training loop around it also calls CUDA
+directly. :func:`cpu_training` adds the stubs below (one line of why each) and builds tensors asked
+for on ``cuda`` on the CPU, for as long as it is entered. It changes ``torch.cuda`` and Megatron's
+modules for the whole process and never undoes that: use it only in a process of its own (the
+torchrun script ``tests/unit/dist/megatron_training_run.py``), never in the pytest process. It is a
+no-op where CUDA is available. It is not part of the plugin. The flags a CPU run needs as well are
 listed in README.md, "Running Megatron's training loop on CPU".
 """
 
@@ -38,7 +38,7 @@ def _building_model_parallel_groups(initialize_distributed):
 
     @functools.wraps(initialize_distributed)
     def wrapper(*args, **kwargs):
-        from megatron_vocabstats.megatron.cpu import install_cpu_shims
+        from megatron_vocabstats.testing.megatron_cpu import install_cpu_shims
 
         saved = torch.cuda.device_count, torch.cuda.set_device
         torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda device: None)
@@ -98,9 +98,9 @@ def install() -> bool:
 def cpu_training():
     """:func:`install`, then, inside the context, tensor factories asked for ``device="cuda"``
     (training.py's loss and timing reductions, the schedules' token counter) build on the CPU
-    (:func:`megatron_vocabstats.megatron.cpu.cuda_factories_on_cpu`). Yields whether the stubs are
-    in place (False where CUDA is available: nothing is changed then)."""
-    from megatron_vocabstats.megatron.cpu import cuda_factories_on_cpu
+    (:func:`megatron_vocabstats.testing.megatron_cpu.cuda_factories_on_cpu`). Yields whether the
+    stubs are in place (False where CUDA is available: nothing is changed then)."""
+    from megatron_vocabstats.testing.megatron_cpu import cuda_factories_on_cpu
 
     installed = install()
     with cuda_factories_on_cpu():

@@ -1,6 +1,7 @@
-"""The profiler (megatron_vocabstats.profile): selection parsing, the CUDA snapshot grouping and
-the trace splitting on hand-made inputs, summaries from raw files, and (dist/profile_cases.py,
-one torchrun launch on 2 gloo ranks) a tiny profile of the GSM8K example end to end.
+"""The profiler (megatron_vocabstats.profiling, examples/gsm8k/profile.py): selection parsing, the
+CUDA snapshot grouping and the trace splitting on hand-made inputs, summaries from raw files, and
+(dist/profile_cases.py, one torchrun launch on 2 gloo ranks) a tiny profile of the GSM8K example
+end to end.
 """
 
 from __future__ import annotations
@@ -14,14 +15,24 @@ import sys
 import pytest
 
 from conftest import check_case
-from megatron_vocabstats.profile import (classify_frames, default_ranks, parse_ranks,
-                                         parse_steps, parse_trials, replay_trace, split_trace,
-                                         summarize, trace_stats)
-from megatron_vocabstats.profile import memory, summary
-from megatron_vocabstats.profile.__main__ import main
+from examples.gsm8k import profile as runner
+from examples.gsm8k.profile import main
+from megatron_vocabstats.profiling import (
+    classify_frames,
+    default_ranks,
+    memory,
+    parse_ranks,
+    parse_steps,
+    parse_trials,
+    replay_trace,
+    split_trace,
+    summarize,
+    summary,
+    trace_stats,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist.profile_cases import CASES  # noqa: E402
+from dist.profile_cases import CASES
 
 
 @pytest.mark.megatron
@@ -352,8 +363,6 @@ def test_summarize_partial_and_corrupt_trials(tmp_path, capsys):
 def test_errors_after_the_checks_are_not_swallowed(monkeypatch, capsys):
     """Only the checks' ValueErrors are bad input (status 2, printed by rank 0). A ValueError in
     training on rank 1 used to end that rank with status 2 and no message at all."""
-    from megatron_vocabstats.profile import runner
-
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(runner, "plan", lambda opts, world, rank: (None, None))
 
@@ -374,8 +383,6 @@ def test_errors_after_the_checks_are_not_swallowed(monkeypatch, capsys):
 
 
 def test_previous_profile_is_found_and_removed(tmp_path):
-    from megatron_vocabstats.profile import runner
-
     assert runner.previous_profile(str(tmp_path / "missing")) == []
     assert runner.previous_profile(str(tmp_path)) == []
     write_trial(tmp_path, "kernels-step1-rank0", "kernels", "trace.json", TRACE)
@@ -395,7 +402,32 @@ def test_matplotlib_is_required_up_front(monkeypatch):
 
 
 def test_import_needs_no_megatron_or_example():
-    code = ("import sys, megatron_vocabstats.profile; "
+    code = ("import sys, megatron_vocabstats.profiling, megatron_vocabstats.profile; "
             "bad = [m for m in sys.modules if m.startswith(('megatron.core', 'examples', "
             "'matplotlib'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_deprecated_profile_alias(capsys):
+    """``megatron_vocabstats.profile`` warns and is the same modules; its ``run`` says where the
+    command moved (the plugin never imports the example)."""
+    import importlib
+
+    import megatron_vocabstats.profiling as profiling
+
+    sys.modules.pop("megatron_vocabstats.profile", None)
+    with pytest.warns(DeprecationWarning, match="megatron_vocabstats.profiling"):
+        old = importlib.import_module("megatron_vocabstats.profile")
+    from megatron_vocabstats.profile import memory as old_memory
+
+    assert old_memory is profiling.memory and old.split_trace is profiling.split_trace
+    with pytest.raises(ImportError, match="examples.gsm8k.profile"):
+        importlib.import_module("megatron_vocabstats.profile.runner")
+    from megatron_vocabstats.profiling.cli import main as plugin_main
+
+    assert plugin_main(["run", "--out", "x", "--", "sft"]) == 2
+    assert "python -m examples.gsm8k.profile run" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "megatron_vocabstats.profile", "run", "--out",
+                           "x"], capture_output=True, text=True)
+    assert done.returncode == 2 and "deprecated" in done.stderr, done.stderr
+    assert "python -m examples.gsm8k.profile run" in done.stderr, done.stderr

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, main  # noqa: E402
+from _harness import Cases, main
 
 CASES = Cases()
 VOCAB, SEQ, BATCH = 250, 12, 2
@@ -24,7 +24,7 @@ def tiny_gpt(tp: int, *, seed: int = 7, share_embeddings_and_output_weights=Fals
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_vocabstats.megatron.cpu import install_cpu_shims
+    from megatron_vocabstats.testing.megatron_cpu import install_cpu_shims
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)

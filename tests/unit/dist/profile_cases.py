@@ -1,4 +1,4 @@
-"""The profiler (``python -m megatron_vocabstats.profile``) on 2 gloo ranks, tp = 2.
+"""The profiler (``python -m examples.gsm8k.profile``) on 2 gloo ranks, tp = 2.
 
 Run by tests/unit/test_profile.py. A tiny SFT run profiles step 2 on both ranks (memory and
 kernel trials); its summaries are checked against the raw files they come from, and the
@@ -39,7 +39,7 @@ def shared_dir() -> str:
 
 def profile(argv) -> tuple[int, str]:
     """``main(argv)`` on every rank; the common exit status and rank 0's stderr."""
-    from megatron_vocabstats.profile.__main__ import main as profile_main
+    from examples.gsm8k.profile import main as profile_main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -134,7 +134,7 @@ def tiny_profile_writes_consistent_summaries(group):
         for f in SUMMARIES + ("timeline.png", "trace.device.json", "trace.host.json"):
             if os.path.exists(os.path.join(out, t, f)):
                 os.remove(os.path.join(out, t, f))
-    from megatron_vocabstats.profile.__main__ import main as profile_main
+    from examples.gsm8k.profile import main as profile_main
 
     assert profile_main(["summarize", out]) == 0
     after = {(t, f): digest(os.path.join(out, t, f)) for t in trials for f in SUMMARIES}

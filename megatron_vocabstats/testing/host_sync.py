@@ -10,6 +10,9 @@ Method: a ``TorchDispatchMode`` inspects every aten op that runs (using the op t
 ``data_dependent_output`` and ``dynamic_output_shape`` that torch itself attaches for
 ``torch.compile``), and a ``TorchFunctionMode`` catches the ``Tensor`` methods that copy data to
 Python without going through an aten op (``tolist``, ``numpy``, ``__array__``).
+
+Lives in :mod:`megatron_vocabstats.testing` (this module was ``megatron_vocabstats/testing.py``);
+import it from there. May import: torch and the standard library only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,20 @@
-"""Measurement helpers shared by the tests and benchmarks: peak memory and collective counts.
+"""Measurement and profiling tools: peak memory, collective counts, and the trace analysis.
 
-Peak memory uses torch's own trackers: ``MemTracker`` (``torch.distributed._tools``) on CPU, the
-CUDA caching allocator's ``max_memory_allocated`` on GPU.
+This module itself holds the measurement helpers shared by the tests and benchmarks: peak memory
+and collective counts. Peak memory uses torch's own trackers: ``MemTracker``
+(``torch.distributed._tools``) on CPU, the CUDA caching allocator's ``max_memory_allocated`` on
+GPU.
+
+The submodules analyse the raw files of a profile run (a run of chosen steps on chosen ranks,
+e.g. the GSM8K example's ``python -m examples.gsm8k.profile run``): :mod:`.ranks` parses the
+selection flags, :mod:`.memory` and :mod:`.kernels` are the instruments (memory snapshots or
+MemTracker, the torch profiler's trace), :mod:`.summary` writes a trial's summaries and
+:mod:`.postprocess` rewrites every summary of an output directory
+(``python -m megatron_vocabstats.profiling summarize OUT``, :mod:`.cli`).
+
+May import: torch and the standard library only (matplotlib lazily, for the memory plots).
+Never Megatron, the ops, or the examples; the plugin's own modules do not import this package.
+(``megatron_vocabstats.profile`` is its deprecated alias.)
 """
 
 from __future__ import annotations
@@ -11,6 +24,15 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from .kernels import split_trace, trace_stats
+from .memory import classify_frames, replay_trace
+from .postprocess import summarize
+from .ranks import default_ranks, parse_ranks, parse_steps, parse_trials
+
+__all__ = ["COLLECTIVES", "classify_frames", "count_collectives", "default_ranks",
+           "parse_ranks", "parse_steps", "parse_trials", "peak_memory_bytes", "replay_trace",
+           "split_trace", "summarize", "trace_stats"]
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",

@@ -1,4 +1,4 @@
-"""``python -m megatron_vocabstats.profile summarize OUT``: rewrite every trial's summaries.
+"""``python -m megatron_vocabstats.profiling summarize OUT``: rewrite every trial's summaries.
 
 Reads only the raw files a run left (``trial.json``, ``memory.raw.json``, ``trace.json``), so it
 works on a copied output directory, after a run was interrupted between trials, or after the

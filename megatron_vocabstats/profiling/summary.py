@@ -2,7 +2,7 @@
 
 Everything is computed from the raw files of the trial directory (``trial.json`` and
 ``memory.raw.json`` or ``trace.json``), never from live state, so that
-``python -m megatron_vocabstats.profile summarize OUT`` rewrites the same files. Summaries hold
+``python -m megatron_vocabstats.profiling summarize OUT`` rewrites the same files. Summaries hold
 no timestamps: regenerating them gives identical bytes.
 """
 

@@ -1,0 +1,115 @@
+"""CPU shims that let Megatron-Core's ``GPTModel`` run without CUDA (tests, CPU examples).
+
+Megatron-Core builds three things on ``cuda`` unconditionally: the global memory buffer that
+tensor/sequence-parallel all-gathers borrow from, the default causal attention mask, and the CUDA
+RNG tracker that model-parallel initialisation forks. :func:`install_cpu_shims` replaces exactly
+those three, on CPU-only machines only; it is a no-op when CUDA is available. Its pipeline
+schedules also create a counter on ``cuda``: run them inside :func:`cuda_factories_on_cpu`. It is
+not part of the plugin's training path and is never applied by ``import megatron_vocabstats.patch``.
+
+Moved here from ``megatron_vocabstats.megatron.cpu`` (now a deprecated re-export).
+May import: torch and the standard library; Megatron-Core only inside :func:`install_cpu_shims`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _cpu_sliding_window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    upper = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+
+class _CpuRNGTracker:
+    """Stands in for ``CudaRNGStatesTracker``: named seeds are kept, forks use the CPU generator."""
+
+    def __init__(self):
+        self.states_ = {}
+
+    def reset(self):
+        self.states_ = {}
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self.states_[name] = seed
+
+    def is_initialized(self):
+        return True
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def cuda_factories_on_cpu():
+    """A context in which tensor factories asked for ``device="cuda"`` build on the CPU instead.
+
+    Megatron's pipeline schedules create their token counter with ``torch.zeros(...,
+    device="cuda")`` unconditionally; wrap ``get_forward_backward_func()(...)`` in this to run
+    them on a CPU-only machine. A no-op context when CUDA is available.
+    """
+    return contextlib.nullcontext() if torch.cuda.is_available() else _CudaFactoriesOnCpu()
+
+
+def install_cpu_shims() -> bool:
+    """Install the three CPU shims if CUDA is absent; returns True if they are (now) installed.
+
+    Call after ``parallel_state.initialize_model_parallel`` (which creates the global memory
+    buffer) and before building the model. Idempotent.
+    """
+    global _INSTALLED
+    if torch.cuda.is_available():
+        return False
+    if _INSTALLED:
+        return True
+    from megatron.core import parallel_state, utils
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    class _CpuMemoryBuffer(utils.GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            numel = 1
+            for dim in tensor_shape:
+                numel *= dim
+            buf = self.buffer.get((name, dtype))
+            if buf is None or buf.numel() < numel:
+                buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
+            return buf[:numel].view(*tensor_shape)
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+    for module in (transformer_utils, fused_softmax):
+        if hasattr(module, "get_default_causal_mask"):
+            module.get_default_causal_mask = _cpu_causal_mask
+        if hasattr(module, "get_sliding_window_causal_mask"):
+            module.get_sliding_window_causal_mask = _cpu_sliding_window_mask
+    mp_random._CUDA_RNG_STATE_TRACKER = _CpuRNGTracker()
+    if hasattr(mp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
+        mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _INSTALLED = True
+    return True
