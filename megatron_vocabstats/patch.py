@@ -6,9 +6,10 @@ vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes ``GPTModel``
 from the hidden states without materialising the logits (through ``forward``'s
 ``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17); it makes
 ``FullCudaGraphWrapper.reset_cuda_graph`` also drop the ops' cached workspace
-(:func:`~megatron_vocabstats.ops.workspace.reset_workspace`); it adds the ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the
-config hook before ``validate_args`` (see :mod:`megatron_vocabstats.megatron.arguments` for how
-the import and the flag combine). ``apply(**settings)`` / ``remove()`` give explicit control;
+(:func:`~megatron_vocabstats.ops.workspace.reset_workspace`); it adds the
+``--vocab-parallel-stats`` flag family to Megatron's parser and runs the config hook before
+``validate_args`` (see :mod:`megatron_vocabstats.megatron.arguments` for how the import and the
+flag combine). ``apply(**settings)`` / ``remove()`` give explicit control;
 applying twice patches once and ``remove()`` restores every original object.
 
 Raises ``UnsupportedMegatronError`` (an ``ImportError``) at import when megatron-core is missing
@@ -49,7 +50,8 @@ def _targets():
     else:
         raise compat.UnsupportedMegatronError(
             f"megatron-core {compat.megatron_core_version()}: GPTModel has neither "
-            f"forward(output_processor=...) nor _postprocess; the plugin supports {compat.SUPPORTED}"
+            "forward(output_processor=...) nor _postprocess; the plugin supports "
+            f"{compat.SUPPORTED}"
         )
     targets = [
         (language_module, "compute_language_model_loss", model.make_compute_language_model_loss,

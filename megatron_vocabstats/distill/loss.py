@@ -2,7 +2,7 @@
 log-probs at the teacher's ids from logits or a fused LM head, then :func:`topk_divergence`).
 
 May import: :mod:`.divergence`, :mod:`megatron_vocabstats.losses.inputs`,
-:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops._checks``, ``ops._math``) and torch.
+:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops.agreement``, ``ops.options``) and torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..losses.inputs import LossOutput, _check_float, _count, _pair, _token_mask
-from ..ops._checks import (
+from ..ops.agreement import (
     Field,
     bits_float,
     checked_on_every_rank,
@@ -22,7 +22,7 @@ from ..ops._checks import (
     host_checks_enabled,
     tensor_checksum,
 )
-from ..ops._math import LOGP_MIN
+from ..ops.options import LOGP_MIN
 from ..ops.topk import TopK, vocab_parallel_topk_logprobs
 from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 

@@ -30,10 +30,10 @@ Layout (each module says what it may import; none imports ``megatron_vocabstats.
 :mod:`.stats` (``StatsOptions``, ``token_stats``, ``token_loss``, ``sft_loss``,
 ``logprobs_step``; also ``..ops``) and :mod:`.forward_step` (``make_forward_step``,
 ``StepBatch``, ``model_tp_group``; also ``..mcore``). This package may import
-``megatron_vocabstats.ops``, ``.rollout``, ``.conventions`` and ``.mcore``.
+``megatron_vocabstats.ops`` (public modules), ``.rollout`` and ``.mcore``.
 """
 
-from ..conventions import IGNORE_INDEX
+from ..ops.options import IGNORE_INDEX
 from .forward_step import (
     FROM_MODEL,
     StepBatch,

@@ -1,5 +1,6 @@
 """The PPO / GRPO clipped-surrogate :func:`policy_loss` and its options
-(:class:`PolicyLossConfig`), with the optional rollout correction of :mod:`megatron_vocabstats.rollout`.
+(:class:`PolicyLossConfig`), with the optional rollout correction of
+:mod:`megatron_vocabstats.rollout`.
 
 A pure function of per-token tensors: no process groups, no host sync.
 

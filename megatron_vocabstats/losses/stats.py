@@ -6,8 +6,8 @@ Lives here: :class:`StatsOptions` (the one user-facing options object of the sta
 :func:`token_loss` (a per-token loss applied to them, with the cross-rank checks of
 ``validate``), and its two instances :func:`sft_loss` and :func:`logprobs_step`.
 
-May import: :mod:`megatron_vocabstats.ops` (public names and ``ops._checks``),
-:mod:`megatron_vocabstats.conventions`, :mod:`.inputs`, :mod:`.token` (and torch).
+May import: :mod:`megatron_vocabstats.ops` (public names, ``ops.agreement`` and ``ops.options``),
+:mod:`.inputs`, :mod:`.token` (and torch).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..conventions import IGNORE_INDEX
 from ..ops import VocabStats, vocab_parallel_stats
-from ..ops._checks import Field, checked_on_every_rank, tensor_checksum
+from ..ops.agreement import Field, checked_on_every_rank, tensor_checksum
+from ..ops.options import IGNORE_INDEX
 from .inputs import _EVERY_RANK_HINT, LossOutput, _token_mask
 from .token import nll_loss, score_tokens
 

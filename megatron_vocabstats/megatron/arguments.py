@@ -1,4 +1,4 @@
-"""The ``--vocab-parallel-stats`` flag family and the config hook that runs before ``validate_args``.
+"""The ``--vocab-parallel-stats`` flag family and the config hook run before ``validate_args``.
 
 How the import and the flag combine (the plugin is never half on):
 
@@ -20,7 +20,7 @@ import logging
 import math
 import warnings
 
-from ..ops._checks import _BATCH_INVARIANT_NAMES
+from ..ops.options import BATCH_INVARIANT_NAMES
 from . import compat, settings
 
 # Re-exported: the flags' value types and tables live in .flag_types.
@@ -39,7 +39,7 @@ GROUP_TITLE = "megatron-vocabstats"
 FP8_RECIPE_MULTIPLE = {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}
 VOCAB_SHARD_MULTIPLE = 128
 # --vocab-stats-batch-invariant value -> the ops' batch_invariant argument: the ops' own table.
-BATCH_INVARIANT_FLAG = _BATCH_INVARIANT_NAMES
+BATCH_INVARIANT_FLAG = BATCH_INVARIANT_NAMES
 
 
 def check_flag_values(args) -> None:
@@ -277,9 +277,10 @@ def config_hook(args) -> settings.PluginSettings:
             other than -1, top-p outside (0, 1], min-p outside [0, 1), an unknown choice), whether
             or not the plugin is on; a rollout-correction bound the mode does not take
             (``--rollout-correction-threshold`` without tis, ``-low``/``-high`` without mis or
-            icepop), icepop at sequence level, a band with low >= high; and naming the flags to change, for our path together with
-            ``--cross-entropy-loss-fusion``, an entropy bonus without ``--vocab-stats-entropy
-            grad``, FP8 without bf16, missing precision-aware-optimizer prerequisites (all of
+            icepop), icepop at sequence level, a band with low >= high; and naming the flags
+            to change, for our path together with ``--cross-entropy-loss-fusion``, an entropy
+            bonus without ``--vocab-stats-entropy grad``, FP8 without bf16, missing
+            precision-aware-optimizer prerequisites (all of
             them listed at once), or ``--vocab-stats-batch-invariant tp`` under tensor
             parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128.
     """

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
-from ..ops._checks import ENTROPY_MODES, check_batch_invariant
+from ..ops.options import ENTROPY_MODES, check_batch_invariant
 from ..ops.sampling import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
 
@@ -38,9 +38,10 @@ class PluginSettings:
     ``vocab_size``: the real vocabulary size, None = the padded size (padding columns then take
     part in the softmax exactly as in Megatron's own loss; set it with ``patch.apply``);
     ``validate``: run the op's host-side input checks, a host sync per loss call (skipped during
-    CUDA graph capture anyway) [--vocab-stats-skip-checks turns them off]; ``token_alignment``: per-sequence
-    padding multiple derived by the config hook (FP8 recipe x 2*cp x tp with sequence parallel),
-    for :mod:`megatron_vocabstats.packing`; ``batch_invariant``: False, True or "tp", the ops'
+    CUDA graph capture anyway) [--vocab-stats-skip-checks turns them off];
+    ``token_alignment``: per-sequence padding multiple derived by the config hook (FP8 recipe x
+    2*cp x tp with sequence parallel), for :mod:`megatron_vocabstats.packing`; ``batch_invariant``:
+    False, True or "tp", the ops'
     argument of that name [--vocab-stats-batch-invariant {off,batch,tp}].
 
     Rollout fields (read by the user's forward step through :meth:`sampler_options` and

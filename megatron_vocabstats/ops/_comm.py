@@ -45,7 +45,8 @@ def all_gather_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     """One all-gather of a contiguous tensor: returns ``[size, *tensor.shape]`` in rank order."""
     size = dist.get_world_size(group)
     tensor = tensor.contiguous()
-    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
     # torch >= 2.12 names it all_gather_single; both take the output concatenated along dim 0.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, tensor, group=group)

@@ -7,7 +7,7 @@ coefficients) and :func:`finite_lse`. The formula is that of ``docs/numerics.md`
 ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
 
 Pure tensor math like :mod:`._math`: no collectives, never writes to the caller's tensors (only
-to the scratch buffers handed in). May import :mod:`._layout` only.
+to the scratch buffers handed in). May import :mod:`._layout` and :mod:`.options` only.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._layout import ShardLayout
-
-# Below the log of the smallest positive fp32 (about -103.3): exp(LOGP_MIN) == 0.
-LOGP_MIN = -1.0e4
+from .options import LOGP_MIN
 
 
 def chunk_grad(

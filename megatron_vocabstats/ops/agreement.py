@@ -11,8 +11,10 @@ its agreement row, then does the single exchange), :func:`checked_on_every_rank`
 checks through it), :func:`agree_across_ranks` (the exchange itself) and its :class:`Field`
 columns, the checksums and float encodings compared there (:func:`target_checksum`,
 :func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`), :func:`host_checks_enabled`,
-and :class:`InputTypeError` (re-exported from :mod:`._argtypes`). May import :mod:`._argtypes`
-and :mod:`._comm` only (and torch), so that every module of ``ops/`` and above may import it.
+and :class:`InputTypeError` (re-exported from :mod:`._argtypes`), and the two collectives the
+packages above use (:func:`group_rank_size`, :func:`all_gather_flat`, from :mod:`._comm`).
+May import :mod:`._argtypes` and :mod:`._comm` only (and torch), so that every module of
+``ops/`` and above may import it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ import torch.distributed as dist
 
 from . import _comm
 from ._argtypes import InputTypeError, check_int64
+from ._comm import all_gather_flat, group_rank_size  # the collectives the packages above use
 
 __all__ = [
     "CrossRankCheck",
+    "all_gather_flat",
+    "group_rank_size",
     "Field",
     "InputTypeError",
     "agree_across_ranks",

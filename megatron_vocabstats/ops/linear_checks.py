@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _comm
-from ._checks import LOGITS_DTYPES, Field, checked_config, tensor_checksum
+from ._checks import LOGITS_DTYPES, Field, LogitsSpec, checked_config, tensor_checksum
 from .engine import LinearStatsConfig, auto_linear_chunk_size
 
 
@@ -125,13 +125,11 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, seq
         problem = local_error
     if problem is None:
         width = weight.shape[0]
-        # Shape, dtype and device of the logits, with no memory behind them.
-        # TODO(shape-checks): pass the shape to checked_config's shape-based entry instead.
-        logits = hidden.new_empty(()).expand(*lead, width)
+        logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
         if chunk_size is None:
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
-        logits = torch.empty(0, device=first_device(hidden, weight, target))
+        logits = LogitsSpec((0,), torch.float32, first_device(hidden, weight, target))
     agree = (("sequence_parallel", lambda: int(sequence_parallel), bool),
              ("grad_weights", lambda: int(grad_weights is not None),
               lambda given: "tensor" if given else None),

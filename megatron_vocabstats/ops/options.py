@@ -1,7 +1,8 @@
 """The options of the vocabulary statistics: their allowed values, defaults and validated bundle.
 
 Public (``megatron_vocabstats.ops.options``), for the ops, the losses and the Megatron settings
-alike. Lives here: :data:`IGNORE_INDEX` (the default ``ignore_index``), :data:`ENTROPY_MODES`,
+alike. Lives here: :data:`IGNORE_INDEX` (the default ``ignore_index``), :data:`LOGP_MIN`,
+:data:`ENTROPY_MODES`,
 :data:`BATCH_INVARIANT_MODES` and the flag spellings :data:`BATCH_INVARIANT_NAMES`,
 :func:`check_batch_invariant`, :data:`LOGITS_DTYPES`, :data:`MIN_TEMPERATURE`, the auto chunk size
 (:data:`CHUNK_BYTES`, :func:`auto_chunk_size`) and :class:`StatsConfig`, the frozen options of one
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ._layout import BLOCK, ShardLayout
+
+# Floor of the log-probabilities the gradients exponentiate, below the log of the smallest
+# positive fp32 (about -103.3): exp(LOGP_MIN) == 0.
+LOGP_MIN = -1.0e4
 
 # The default ``ignore_index`` of the ops and losses (PyTorch's and Megatron's): target rows
 # holding it are not scored.

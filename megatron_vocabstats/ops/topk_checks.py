@@ -17,13 +17,8 @@ import numbers
 import torch
 
 from . import _comm
-from ._checks import (
-    Field,
-    InputTypeError,
-    _target_checksum,
-    checked_config,
-    host_checks_enabled,
-)
+from ._checks import Field, InputTypeError, checked_config, host_checks_enabled
+from .agreement import target_checksum
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
@@ -97,8 +92,8 @@ def agreement(k, indices=None, mask=None) -> tuple:
         def ids():
             return torch.where(keep().view(*indices.shape[:-1], 1), indices.long(), -1)
 
-        pairs += [(Field("mask", checksum=True), lambda: _target_checksum(keep())),
-                  (Field("indices", checksum=True), lambda: _target_checksum(ids()))]
+        pairs += [(Field("mask", checksum=True), lambda: target_checksum(keep())),
+                  (Field("indices", checksum=True), lambda: target_checksum(ids()))]
     return tuple(pairs)
 
 

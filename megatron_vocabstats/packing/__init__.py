@@ -25,11 +25,11 @@ Layout (each module says what it may import; none imports ``megatron_vocabstats.
 ``sequence_alignment``, ``shift_packed_labels``), :mod:`.pack` (``pack_sequences``,
 ``make_packed_seq_params``), :mod:`.context_parallel` (``context_parallel_indices``,
 ``shard_for_context_parallel``, ``gather_from_context_parallel``) and :mod:`.unpack`
-(``unpack_sequences``). This package may import ``megatron_vocabstats.ops`` (``_comm``,
-``_checks``), ``.conventions`` and ``.mcore``.
+(``unpack_sequences``). This package may import ``megatron_vocabstats.ops.agreement`` and
+``ops.options`` (public), and ``.mcore``.
 """
 
-from ..conventions import IGNORE_INDEX
+from ..ops.options import IGNORE_INDEX
 from .context_parallel import (
     context_parallel_indices,
     gather_from_context_parallel,

@@ -2,7 +2,7 @@
 (``cu_seqlens`` / ``cu_seqlens_padded``: shapes always, values with ``validate``), the sequence
 dimension and fill values that the target dtype holds.
 
-May import: ``megatron_vocabstats.ops._checks`` (``host_checks_enabled``) and torch only.
+May import: ``megatron_vocabstats.ops.agreement`` (``host_checks_enabled``) and torch only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from ..ops._checks import host_checks_enabled
+from ..ops.agreement import host_checks_enabled
 
 
 def _positive_int(value, name: str) -> int:

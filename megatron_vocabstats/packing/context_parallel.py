@@ -2,8 +2,7 @@
 a rank (:func:`context_parallel_indices`), sharding (:func:`shard_for_context_parallel`) and its
 differentiable inverse (:func:`gather_from_context_parallel`, one all-gather).
 
-May import: :mod:`.checks`, :mod:`.layout`, ``megatron_vocabstats.ops._comm`` and
-``megatron_vocabstats.ops._checks`` (and torch).
+May import: :mod:`.checks`, :mod:`.layout`, ``megatron_vocabstats.ops.agreement`` (and torch).
 """
 
 from __future__ import annotations
@@ -14,8 +13,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..ops import _comm
-from ..ops._checks import Field, agree_across_ranks, host_checks_enabled
+from ..ops.agreement import (
+    Field,
+    agree_across_ranks,
+    all_gather_flat,
+    group_rank_size,
+    host_checks_enabled,
+)
 from .checks import _check_cumulative, _cumulative, _positive_int, _seq_dim
 from .layout import PackedBatch
 
@@ -131,7 +135,7 @@ def shard_for_context_parallel(
             ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or a sequence
             not padded to a multiple of ``2 * cp`` (naming ``cu_seqlens_padded``).
     """
-    rank, cp = _comm.group_rank_size(cp_group)
+    rank, cp = group_rank_size(cp_group)
     if isinstance(x, PackedBatch):
         if cu_seqlens_padded is not None:
             raise ValueError("cu_seqlens_padded: a PackedBatch carries its own")
@@ -162,7 +166,7 @@ class _GatherFromContextParallel(torch.autograd.Function):
         ctx.dim = dim
         ctx.save_for_backward(own)
         local = x.movedim(dim, 0)
-        gathered = _comm.all_gather_flat(local, group)
+        gathered = all_gather_flat(local, group)
         full = gathered.reshape(-1, *local.shape[1:]).index_select(0, inverse)
         return full.movedim(0, dim)
 
@@ -222,7 +226,7 @@ def gather_from_context_parallel(
             with ``validate``, bad ``cu_seqlens_padded`` (as in :func:`context_parallel_indices`)
             or shards that differ across ranks, on all ranks.
     """
-    rank, cp = _comm.group_rank_size(cp_group)
+    rank, cp = group_rank_size(cp_group)
     if cp == 1:
         _seq_dim(x, dim)
         return x
@@ -238,7 +242,7 @@ def gather_from_context_parallel(
             others = x.shape[:dim] + x.shape[dim + 1:]
             row = [x.shape[dim], _signature(x.dtype), _signature(tuple(others)),
                    _signature(cu.tolist())]
-    except Exception as exc:  # noqa: BLE001 - every local failure must reach the other ranks
+    except Exception as exc:
         if not exchange:
             raise
         error = exc

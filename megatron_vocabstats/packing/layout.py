@@ -2,7 +2,7 @@
 of a parallel layout), the per-position segment arithmetic and the label shift inside sequences
 (:func:`shift_packed_labels`).
 
-May import: :mod:`.checks`, :mod:`megatron_vocabstats.conventions` (and torch).
+May import: :mod:`.checks`, :mod:`megatron_vocabstats.ops.options` (and torch).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..conventions import IGNORE_INDEX
+from ..ops.options import IGNORE_INDEX
 from .checks import _cu_pair, _fill_value, _is_int_tensor, _positive_int
 
 # ----------------------------------------------------------------------------- alignment

@@ -1,9 +1,9 @@
 """Packing sequences into one THD row (:func:`pack_sequences`) and Megatron's
 ``PackedSeqParams`` for it (:func:`make_packed_seq_params`).
 
-May import: :mod:`.checks`, :mod:`.layout`, :mod:`megatron_vocabstats.conventions`,
+May import: :mod:`.checks`, :mod:`.layout`, :mod:`megatron_vocabstats.ops.options`,
 :mod:`megatron_vocabstats.mcore` (the lazy ``PackedSeqParams`` lookup; never the
-``megatron_vocabstats.megatron`` subpackage), ``megatron_vocabstats.ops._checks`` (and torch).
+``megatron_vocabstats.megatron`` subpackage), ``megatron_vocabstats.ops.agreement`` (and torch).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from itertools import accumulate
 
 import torch
 
-from ..conventions import IGNORE_INDEX
 from ..mcore import packed_seq_params_class
-from ..ops._checks import host_checks_enabled
+from ..ops.agreement import host_checks_enabled
+from ..ops.options import IGNORE_INDEX
 from .checks import _fill_value, _is_int_tensor, _positive_int, _round_up
 from .layout import PackedBatch, _segments, _shift
 

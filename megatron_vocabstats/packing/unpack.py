@@ -1,13 +1,13 @@
 """Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`.
 
-May import: :mod:`.checks`, ``megatron_vocabstats.ops._checks`` (and torch).
+May import: :mod:`.checks`, ``megatron_vocabstats.ops.agreement`` (and torch).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops._checks import host_checks_enabled
+from ..ops.agreement import host_checks_enabled
 from .checks import _cu_pair, _fill_value, _seq_dim
 
 
