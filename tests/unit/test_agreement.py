@@ -66,7 +66,7 @@ ALLOWED = {
     "_argtypes": set(),
     "_comm": {"_argtypes"},
     "_layout": {"_argtypes"},
-    "_grad": {"_layout"},
+    "_grad": {"_layout", "options"},
     "_math": {"_layout", "_grad"},
     "options": {"_layout"},
     "agreement": {"_argtypes", "_comm"},
