@@ -4,6 +4,7 @@ Public API only; importing it has no side effects (the Megatron patch is
 ``import megatron_vocabstats.patch``).
 """
 
+from . import ops, packing
 from .distill import distillation_loss, topk_divergence
 from .losses import (
     LossOutput,
@@ -17,40 +18,8 @@ from .losses import (
     sft_loss,
     token_loss,
 )
-from .ops import (
-    SamplingLogprobs,
-    TopK,
-    TopKLogits,
-    VocabStats,
-    configure_workspace,
-    linear_vocab_parallel_cross_entropy,
-    linear_vocab_parallel_sampling_logprobs,
-    linear_vocab_parallel_stats,
-    linear_vocab_parallel_topk,
-    linear_vocab_parallel_topk_logprobs,
-    reset_workspace,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_entropy,
-    vocab_parallel_gather_logits,
-    vocab_parallel_logprobs,
-    vocab_parallel_sampling_logprobs,
-    vocab_parallel_stats,
-    vocab_parallel_topk,
-    vocab_parallel_topk_logits,
-    vocab_parallel_topk_logprobs,
-    with_workspace_reset,
-)
-from .packing import (
-    PackedBatch,
-    context_parallel_indices,
-    gather_from_context_parallel,
-    make_packed_seq_params,
-    pack_sequences,
-    sequence_alignment,
-    shard_for_context_parallel,
-    shift_packed_labels,
-    unpack_sequences,
-)
+from .ops import *  # noqa: F403 - the ops' public API: ops.__all__
+from .packing import *  # noqa: F403 - packing.__all__
 from .rollout import (
     CorrectionWeights,
     RolloutCorrection,
@@ -61,19 +30,10 @@ from .rollout import (
 __version__ = "0.1.0"
 
 __all__ = [
+    *ops.__all__,
+    *packing.__all__,
     "distillation_loss",
     "topk_divergence",
-    "SamplingLogprobs",
-    "linear_vocab_parallel_sampling_logprobs",
-    "vocab_parallel_sampling_logprobs",
-    "TopK",
-    "TopKLogits",
-    "vocab_parallel_gather_logits",
-    "vocab_parallel_topk_logits",
-    "linear_vocab_parallel_topk",
-    "linear_vocab_parallel_topk_logprobs",
-    "vocab_parallel_topk",
-    "vocab_parallel_topk_logprobs",
     "LossOutput",
     "StatsOptions",
     "StepBatch",
@@ -88,23 +48,4 @@ __all__ = [
     "RolloutCorrection",
     "correction_weights",
     "mismatch_diagnostics",
-    "PackedBatch",
-    "context_parallel_indices",
-    "gather_from_context_parallel",
-    "make_packed_seq_params",
-    "pack_sequences",
-    "sequence_alignment",
-    "shard_for_context_parallel",
-    "shift_packed_labels",
-    "unpack_sequences",
-    "VocabStats",
-    "linear_vocab_parallel_cross_entropy",
-    "linear_vocab_parallel_stats",
-    "vocab_parallel_cross_entropy",
-    "vocab_parallel_entropy",
-    "vocab_parallel_logprobs",
-    "vocab_parallel_stats",
-    "configure_workspace",
-    "reset_workspace",
-    "with_workspace_reset",
 ]

@@ -41,7 +41,7 @@ inf; the band test of ``"mis"``/``"icepop"`` is on that clamped ratio.
 
 Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
 shape): quantiles come from one sort with the uncounted positions pushed to +inf and indices
-computed on the device.
+computed on the device. May import :mod:`megatron_vocabstats.ops.options` (and torch).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from .ops.options import check_choice
 
 __all__ = [
     "ROLLOUT_LEVELS",
@@ -110,10 +112,8 @@ class RolloutCorrection:
     high: float | None = None
 
     def __post_init__(self):
-        if self.mode not in ROLLOUT_MODES:
-            raise ValueError(f"mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
-        if self.level not in ROLLOUT_LEVELS:
-            raise ValueError(f"level must be one of {ROLLOUT_LEVELS}, got {self.level!r}")
+        check_choice("mode", self.mode, ROLLOUT_MODES)
+        check_choice("level", self.level, ROLLOUT_LEVELS)
         if self.mode == "icepop" and self.level != "token":
             raise ValueError("level must be 'token' for mode='icepop' (IcePop masks single "
                              "tokens); use mode='mis', level='sequence' to drop whole rows")
@@ -338,8 +338,7 @@ def mismatch_diagnostics(
     like = dict(like=trainer_logprobs, like_name="trainer_logprobs")
     _check_tensor("rollout_logprobs", rollout_logprobs, **like)
     mask = _mask_of(mask, trainer_logprobs, "trainer_logprobs")
-    if flag_name not in _FLAG_NAMES:
-        raise ValueError(f"flag_name must be one of {_FLAG_NAMES}, got {flag_name!r}")
+    check_choice("flag_name", flag_name, _FLAG_NAMES)
     if weights is not None:
         _check_tensor("weights", weights, **like)
     for name, tensor in (("flags", flags), ("outside", outside)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..losses.inputs import _check_float, _token_mask
+from ..ops.options import check_choice
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 _LN2 = math.log(2.0)
@@ -28,8 +29,7 @@ class DistillConfig:
     renormalize: bool = False
 
     def __post_init__(self):
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+        check_choice("divergence", self.divergence, DIVERGENCES)
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
                 or not 0.0 < self.beta < 1.0:
             raise ValueError(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.options import check_choice
 from ..rollout import RolloutCorrection, correction_weights, mismatch_diagnostics
 from .inputs import (
     LossOutput,
@@ -56,12 +57,8 @@ class PolicyLossConfig:
         _check_number("dual_clip", self.dual_clip, low=1.0, low_open=True, allow_none=True)
         _check_number("kl_coef", self.kl_coef, low=0.0)
         _check_number("entropy_coef", self.entropy_coef)
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, "
-                             f"got {self.kl_estimator!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, "
-                             f"got {self.aggregation!r}")
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
 
 def _kl_to_reference(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -237,13 +237,7 @@ def sft_loss(
     loss_mask: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_size: int | None = None,
-    label_smoothing: float = 0.0,
-    temperature: float = 1.0,
-    entropy: str = "off",
-    validate: bool = False,
-    batch_invariant: bool | str = False,
+    **options: Any,
 ) -> LossOutput:
     """Masked token cross-entropy from vocab-parallel logits, in Megatron's loss contract.
 
@@ -264,22 +258,21 @@ def sft_loss(
         labels: int64 target ids shaped like ``logits.shape[:-1]``; -100 = ignored.
         loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
         tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
-        vocab_size, chunk_size, label_smoothing, temperature, entropy, validate,
-            batch_invariant: as in :func:`~megatron_vocabstats.vocab_parallel_stats`
-            (``validate`` off by default, see :class:`StatsOptions`); with ``entropy`` other than
-            ``"off"`` the entropy is reported.
+        **options: the fields of :class:`StatsOptions` (``vocab_size``, ``chunk_size``,
+            ``label_smoothing``, ``temperature``, ``entropy``, ``validate``,
+            ``batch_invariant``), as in :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (``validate`` off by default); with ``entropy`` other than ``"off"`` the entropy is
+            reported.
 
     Returns:
         :class:`LossOutput`; report ``"lm loss"`` (and ``"entropy"``), as in :func:`nll_loss`.
 
     Raises:
         ValueError: as :func:`token_stats` and :func:`nll_loss`.
+        TypeError: a keyword that is not a field of :class:`StatsOptions`.
     """
-    options = StatsOptions(vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature,
-                           entropy=entropy, label_smoothing=label_smoothing, validate=validate,
-                           batch_invariant=batch_invariant)
     return token_loss(logits, labels, loss_mask, loss_fn=nll_loss, tp_group=tp_group,
-                      options=options)
+                      options=StatsOptions(**options))
 
 
 def logprobs_step(
@@ -288,13 +281,9 @@ def logprobs_step(
     loss_mask: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    chunk_size: int | None = None,
-    temperature: float = 1.0,
     entropy: bool = True,
-    validate: bool = False,
     non_loss_data: bool = False,
-    batch_invariant: bool | str = False,
+    **options: Any,
 ):
     """Forward-only per-token log-probs and entropy of ``labels`` for scoring rollouts.
 
@@ -303,8 +292,8 @@ def logprobs_step(
     ``score_tokens`` and ``StatsOptions(entropy="metric")``.
 
     Args:
-        logits, labels, loss_mask, tp_group, vocab_size, chunk_size, temperature, validate,
-            batch_invariant: as in :func:`sft_loss` (``temperature`` should be the sampling
+        logits, labels, loss_mask, tp_group, **options: as in :func:`sft_loss` (the fields of
+            :class:`StatsOptions` but ``entropy``; ``temperature`` should be the sampling
             temperature; ``batch_invariant=True`` makes each row's scores independent of the
             rest of the batch, bit for bit).
         entropy: also return the per-token entropy.
@@ -319,8 +308,6 @@ def logprobs_step(
     Raises:
         ValueError: as :func:`token_stats` and :func:`score_tokens`.
     """
-    options = StatsOptions(vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature,
-                           entropy="metric" if entropy else "off", validate=validate,
-                           batch_invariant=batch_invariant)
     return token_loss(logits, labels, loss_mask, loss_fn=score_tokens, tp_group=tp_group,
-                      options=options, non_loss_data=non_loss_data)
+                      options=StatsOptions(entropy="metric" if entropy else "off", **options),
+                      non_loss_data=non_loss_data)

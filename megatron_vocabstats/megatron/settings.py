@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
-from ..ops.options import ENTROPY_MODES, check_batch_invariant
+from ..ops.options import ENTROPY_MODES, check_batch_invariant, check_choice
 from ..ops.sampling import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
 
@@ -105,8 +105,7 @@ class PluginSettings:
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
         check_batch_invariant(self.batch_invariant)
-        if self.entropy not in ENTROPY_MODES:
-            raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {self.entropy!r}")
+        check_choice("entropy", self.entropy, ENTROPY_MODES)
         if self.entropy_coef != 0.0 and self.entropy != "grad":
             raise ValueError(
                 f"entropy_coef={self.entropy_coef} needs entropy='grad' (got {self.entropy!r}): "
@@ -125,12 +124,9 @@ class PluginSettings:
         problem = sampler_problem(self.rollout_top_k, self.rollout_top_p, self.rollout_min_p)
         if problem is not None:
             raise type(problem)(f"rollout_{problem}")
-        if self.rollout_correction_mode not in ROLLOUT_CORRECTION_MODES:
-            raise ValueError(f"rollout_correction_mode must be one of {ROLLOUT_CORRECTION_MODES}"
-                             f", got {self.rollout_correction_mode!r}")
-        if self.rollout_correction_level not in ROLLOUT_LEVELS:
-            raise ValueError(f"rollout_correction_level must be one of {ROLLOUT_LEVELS}, got "
-                             f"{self.rollout_correction_level!r}")
+        check_choice("rollout_correction_mode", self.rollout_correction_mode,
+                     ROLLOUT_CORRECTION_MODES)
+        check_choice("rollout_correction_level", self.rollout_correction_level, ROLLOUT_LEVELS)
         if self.rollout_correction_mode == "none":
             for name in ("threshold", "low", "high"):
                 if getattr(self, f"rollout_correction_{name}") is not None:

@@ -1,9 +1,10 @@
 """Python-type checks of the ops' scalar arguments, and the error they raise.
 
 Lives here: :class:`InputTypeError` (a ``TypeError`` that is also a ``ValueError``),
-:func:`check_integer`, :func:`check_real` and :func:`check_int64` (an int that must fit the int64
-columns of the cross-rank check exchange). The bottom of ``ops/``: imports nothing of the package
-(only the standard library), so every other module, :mod:`._comm` included, may import it.
+:func:`check_integer`, :func:`check_real`, :func:`check_choice` and :func:`check_int64` (an int
+that must fit the int64 columns of the cross-rank check exchange). The bottom of ``ops/``:
+imports nothing of the package (only the standard library), so every other module,
+:mod:`._comm` included, may import it.
 """
 
 from __future__ import annotations
@@ -41,3 +42,9 @@ def check_int64(name: str, value) -> int:
     if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
         raise ValueError(f"{name}={value} does not fit int64")
     return value
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

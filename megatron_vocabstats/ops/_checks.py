@@ -131,21 +131,27 @@ def refuse_double_backward(op: str) -> None:
 
 def first_order_backward(op: str):
     """Decorator for an autograd Function's ``backward`` (in place of ``once_differentiable``):
-    :func:`refuse_double_backward` first, so the backward then always runs with grad mode off."""
+    :func:`refuse_double_backward` first, so the backward then always runs with grad mode off;
+    then, when no output gradient arrives (all None: the ops' Functions do not materialise
+    them), no gradient for any input without running ``backward``."""
     def wrap(backward):
         @functools.wraps(backward)
         def checked(ctx, *grads):
             refuse_double_backward(op)
+            if all(grad is None for grad in grads):
+                return (None,) * len(ctx.needs_input_grad)
             return backward(ctx, *grads)
         return checked
     return wrap
 
 
-def _check_local(logits, target, tp_group, *, vocab_size, chunk_size, entropy, temperature,
-                 ignore_index, label_smoothing, validate, batch_invariant=False,
-                 vocab_start=None) -> StatsConfig:
+def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, entropy="grad",
+                 temperature=1.0, ignore_index=IGNORE_INDEX, label_smoothing=0.0, validate=True,
+                 batch_invariant=False, vocab_start=None) -> StatsConfig:
     """This rank's checks of :func:`checked_config` (no collective); ``logits`` a tensor or a
-    normalised :class:`LogitsSpec`."""
+    normalised :class:`LogitsSpec`. The one declaration of the options' defaults (those of
+    :func:`~megatron_vocabstats.vocab_parallel_stats`): the wrappers pass on what they are
+    given (``**options``)."""
     if not isinstance(logits, (torch.Tensor, LogitsSpec)):
         raise InputTypeError(f"logits must be a tensor [..., V/tp], got {type(logits).__name__}")
     if len(logits.shape) < 1:
@@ -289,7 +295,7 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
         logits = _as_spec(logits)
     device = logits.device if isinstance(logits, (torch.Tensor, LogitsSpec)) else None
     checks = CrossRankCheck(
-        tp_group, validate=_truthy(options.get("validate")), device=device,
+        tp_group, validate=_truthy(options.get("validate", True)), device=device,
         fields=_AGREEMENT + tuple(_agree_field(entry) for entry in agree), extra=3,
         hint="every tensor-parallel rank must pass the same tokens, targets and options, and "
         "its own equal-width vocabulary shard")

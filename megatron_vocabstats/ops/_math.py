@@ -126,6 +126,23 @@ def _floor_flag(z: torch.Tensor, scratch: torch.Tensor, real: int) -> torch.Tens
     return flat.view(z.shape).amin(dim=-1) <= Z_FLOOR
 
 
+def _shift_to_max(z, scratch, out, layout: ShardLayout, zsum: bool) -> torch.Tensor:
+    """Rebase ``z`` (``[n, W]``, or ``[n, nb, BLOCK]`` blocks) on its maxima over the last dim,
+    in place: ``out[STAT_MAX]`` gets them (-inf where no column is live), with ``zsum`` also
+    ``out[STAT_ZSUM]`` the real columns' sum of ``z - max`` (-inf where one is at the floor).
+    Returns the live mask (a NaN maximum stays live, so the row comes out NaN)."""
+    if zsum:
+        at_floor = _floor_flag(z, scratch, layout.real_width)
+    m = z.amax(dim=-1)
+    live = ~(m <= Z_FLOOR)
+    out[STAT_MAX] = torch.where(live, m, float("-inf"))
+    z.sub_(m.unsqueeze(-1))
+    if zsum:
+        out[STAT_ZSUM] = torch.where(at_floor, float("-inf"),
+                                     _real_zsum(z, scratch, layout.real_width, layout.vocab_size))
+    return live
+
+
 def chunk_stats(
     z: torch.Tensor,
     scratch: torch.Tensor,
@@ -158,15 +175,7 @@ def chunk_stats(
     if zsum and layout.real_width == 0:  # no real column on this shard
         out[STAT_ZSUM] = 0.0
         zsum = False
-    if zsum:
-        at_floor = _floor_flag(z, scratch, layout.real_width)
-    m = z.amax(dim=-1)
-    live = ~(m <= Z_FLOOR)  # a NaN maximum stays live, so the row comes out NaN
-    out[STAT_MAX] = torch.where(live, m, float("-inf"))
-    z.sub_(m.unsqueeze(1))
-    if zsum:
-        out[STAT_ZSUM] = torch.where(at_floor, float("-inf"),
-                                     _real_zsum(z, scratch, layout.real_width, layout.vocab_size))
+    live = _shift_to_max(z, scratch, out, layout, zsum)
     e = torch.exp(z, out=scratch[:n])
     out[STAT_SUMEXP] = torch.where(live, e.sum(dim=-1), 0.0)
     if entropy:
@@ -210,17 +219,8 @@ def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: 
     if index is not None:
         picked = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
         out[STAT_TARGET].scatter_(1, (index // BLOCK).unsqueeze(1), picked.unsqueeze(1))
-    if zsum:
-        at_floor = _floor_flag(zb, scratch, layout.real_width)
-    m = zb.amax(dim=-1)
-    live = ~(m <= Z_FLOOR)  # a NaN maximum stays live, so the row comes out NaN
-    out[STAT_MAX] = torch.where(live, m, float("-inf"))
-    zb.sub_(m.unsqueeze(2))
-    if zsum:
-        # Blocks with no real column stay 0; the others -inf when one is at the floor.
-        out[STAT_ZSUM] = torch.where(at_floor, float("-inf"),
-                                     _real_zsum(zb, scratch, layout.real_width,
-                                                layout.vocab_size))
+    # (with zsum, blocks with no real column stay 0; the others -inf when one is at the floor)
+    live = _shift_to_max(zb, scratch, out, layout, zsum)
     e = torch.exp(z, out=scratch[:n]).view(zb.shape)
     if entropy:
         out[STAT_ENT] = torch.where(live, tree_sum_(zb.mul_(e), 2), 0.0)

@@ -23,6 +23,7 @@ weight-gradient GEMMs, the recompute backward and the forward-gradient mode are 
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from .engine import (
     wgrad_mode,
 )
 from .linear_checks import checked_linear_config
+from .options import LinearStatsKwargs, StatsKwargs
 from .vocab_parallel import VocabStats
 
 __all__ = [
@@ -115,8 +117,6 @@ class _LinearVocabParallelStats(torch.autograd.Function):
     @staticmethod
     @first_order_backward("linear_vocab_parallel_stats")
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
-        if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None, None, None
         if ctx.cfg.forward_grad:
             grad_hidden, grad_weight = scaled_forward_grads(ctx, grad_logprobs)
         else:
@@ -144,17 +144,10 @@ def linear_vocab_parallel_stats(
     *,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
     entropy: str = "grad",
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
     grad_weights: torch.Tensor | None = None,
     accumulate_into_main_grad: bool = False,
-    validate: bool = True,
-    batch_invariant: bool | str = False,
+    **options: Unpack[StatsKwargs],
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp of ``hidden @ W.T`` without the logits.
 
@@ -197,10 +190,14 @@ def linear_vocab_parallel_stats(
         tp_group: the tensor-parallel group; None means no tensor parallelism.
         sequence_parallel: ``hidden`` is the local sequence shard (Megatron's
             ``sequence_parallel``); ignored for tp = 1.
-        vocab_size, vocab_start, entropy, temperature, ignore_index, label_smoothing,
-            validate: as :func:`~megatron_vocabstats.vocab_parallel_stats` (with ``vocab_start``
-            the weight shard holds rows ``[vocab_start, vocab_start + W)``). The temperature
-            scales each fp32 chunk and the gradients; the weight is never copied.
+        entropy: as :func:`~megatron_vocabstats.vocab_parallel_stats`.
+        **options: the keywords of :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (:class:`~megatron_vocabstats.ops.options.StatsKwargs`: ``vocab_size``,
+            ``vocab_start``, ``chunk_size``, ``temperature``, ``ignore_index``,
+            ``label_smoothing``, ``validate``, ``batch_invariant``), with the same meaning; with
+            ``vocab_start`` the weight shard holds rows ``[vocab_start, vocab_start + W)``. The
+            temperature scales each fp32 chunk and the gradients; the weight is never copied.
+            Here ``chunk_size`` and ``batch_invariant`` also shape the GEMMs (below).
         chunk_size: tokens per chunk; workspace one ``[chunk, W]`` buffer of the model dtype, two
             fp32 ``[chunk, W]`` (plus an fp32 ``[chunk, H]`` on CPU). None:
             :func:`auto_linear_chunk_size` (64 MiB per fp32 buffer on CPU, 256 MiB on GPU).
@@ -270,20 +267,10 @@ def linear_vocab_parallel_stats(
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are scaled in place by the first).
     """
-    cfg = checked_linear_config(
-        hidden, weight, target, grad_weights, tp_group,
-        sequence_parallel=sequence_parallel,
-        accumulate_into_main_grad=accumulate_into_main_grad,
-        chunk_size=chunk_size,
-        vocab_size=vocab_size,
-        vocab_start=vocab_start,
-        entropy=entropy,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        validate=validate,
-        batch_invariant=batch_invariant,
-    )
+    cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,
+                                sequence_parallel=sequence_parallel,
+                                accumulate_into_main_grad=accumulate_into_main_grad,
+                                entropy=entropy, **options)
     return VocabStats(*_LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
                                                        tp_group))
 
@@ -294,16 +281,8 @@ def linear_vocab_parallel_cross_entropy(
     target: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
     loss_weights: torch.Tensor | None = None,
-    accumulate_into_main_grad: bool = False,
-    validate: bool = True,
-    batch_invariant: bool | str = False,
+    **options: Unpack[LinearStatsKwargs],
 ) -> torch.Tensor:
     """Per-token cross-entropy ``-log p(target)`` (fp32, nats, shaped like ``target``) of
     ``hidden @ W.T``, without the logits: the fused replacement of Megatron's output layer +
@@ -313,14 +292,10 @@ def linear_vocab_parallel_cross_entropy(
     ``loss_weights`` (e.g. Megatron's ``loss_mask``) selects the forward-gradient mode: valid when
     the upstream gradient of the returned loss is ``c * loss_weights`` for one scalar ``c`` (as
     ``sum(loss * loss_mask)`` then any scaling); see ``grad_weights`` of
-    :func:`linear_vocab_parallel_stats`, whose other arguments, errors and communication apply.
+    :func:`linear_vocab_parallel_stats`, whose other keywords
+    (:class:`~megatron_vocabstats.ops.options.LinearStatsKwargs`), errors and communication
+    apply.
     """
-    stats = linear_vocab_parallel_stats(
-        hidden, weight, target, tp_group=tp_group, sequence_parallel=sequence_parallel,
-        vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size, entropy="off",
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing, grad_weights=loss_weights,
-        accumulate_into_main_grad=accumulate_into_main_grad, validate=validate,
-        batch_invariant=batch_invariant,
-    )
+    stats = linear_vocab_parallel_stats(hidden, weight, target, tp_group=tp_group,
+                                        entropy="off", grad_weights=loss_weights, **options)
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

@@ -9,6 +9,8 @@ the public names of :mod:`.sampling`; never ``megatron_vocabstats.megatron``.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 import torch.distributed as dist
 
@@ -22,8 +24,15 @@ from .engine import (
     recompute_backward,
 )
 from .linear_checks import checked_linear_config
+from .options import TargetKwargs
 from .sampling import SamplingLogprobs, sampler_config
-from .sampling_search import SampledGrad, SamplerConfig, grad_coefficient, sampled_pass
+from .sampling_search import (
+    SampledGrad,
+    SamplerConfig,
+    grad_coefficient,
+    sampled_pass,
+    sampling_outputs,
+)
 
 
 class _LinearSamplingLogprobs(torch.autograd.Function):
@@ -44,15 +53,11 @@ class _LinearSamplingLogprobs(torch.autograd.Function):
         ctx.cfg, ctx.lcfg, ctx.tp_group = cfg, lcfg, tp_group
         ctx.main_grad = weight.main_grad if lcfg.accumulate_into_main_grad else None
         ctx.save_for_backward(hidden, weight, target, *saved)
-        ctx.mark_non_differentiable(outside)
-        ctx.set_materialize_grads(False)
-        return logprobs.view(target.shape), outside.view(target.shape)
+        return sampling_outputs(ctx, logprobs, outside, target.shape)
 
     @staticmethod
     @first_order_backward("linear_vocab_parallel_sampling_logprobs")
     def backward(ctx, grad, _grad_outside):
-        if grad is None:
-            return None, None, None, None, None, None
         hidden, weight, target, *saved = ctx.saved_tensors
         cfg: SamplerConfig = ctx.cfg
         target1d, valid = flatten_target(target, cfg.stats.ignore_index)
@@ -70,16 +75,11 @@ def linear_vocab_parallel_sampling_logprobs(
     *,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
     accumulate_into_main_grad: bool = False,
-    validate: bool = True,
+    **options: Unpack[TargetKwargs],
 ) -> SamplingLogprobs:
     """:func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs` of ``hidden @ W.T`` without
     the logits.
@@ -94,7 +94,8 @@ def linear_vocab_parallel_sampling_logprobs(
     :func:`~megatron_vocabstats.linear_vocab_parallel_stats` (model dtype, one rounding), so the
     results equal the unfused op on those chunk products. ``hidden``, ``weight``,
     ``sequence_parallel``, ``accumulate_into_main_grad`` and the errors are those of
-    ``linear_vocab_parallel_stats``; the filters, results and communication those of
+    ``linear_vocab_parallel_stats``; the filters, the other keywords
+    (:class:`~megatron_vocabstats.ops.options.TargetKwargs`), results and communication those of
     ``vocab_parallel_sampling_logprobs`` (plus the sequence-parallel gather of ``hidden``, and
     in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's chunk buffers,
     chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
@@ -106,8 +107,6 @@ def linear_vocab_parallel_sampling_logprobs(
                                      **kwargs)
 
     cfg, lcfg = sampler_config(None, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
-                               check=check, vocab_size=vocab_size, vocab_start=vocab_start,
-                               chunk_size=chunk_size, temperature=temperature,
-                               ignore_index=ignore_index, validate=validate)
+                               check=check, **options)
     return SamplingLogprobs(*_LinearSamplingLogprobs.apply(hidden, weight, target, cfg, lcfg,
                                                            tp_group))

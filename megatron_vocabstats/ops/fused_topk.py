@@ -17,6 +17,7 @@ May import: :mod:`._checks`, :mod:`._comm`, :mod:`.engine`, :mod:`.linear_checks
 from __future__ import annotations
 
 import math
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
@@ -31,19 +32,14 @@ from .engine import (
     recompute_backward,
 )
 from .linear_checks import checked_linear_config, lead_shape
+from .options import ScaledKwargs
 from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows
 from .topk_kernels import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
 
 
-def _linear_config(hidden, weight, tp_group, *, sequence_parallel=False,
-                   accumulate_into_main_grad=False, chunk_size, vocab_size, vocab_start=None,
-                   temperature, validate, local_error=None, agree=()) -> LinearStatsConfig:
-    return checked_linear_config(
-        hidden, weight, None, None, tp_group, sequence_parallel=sequence_parallel,
-        accumulate_into_main_grad=accumulate_into_main_grad, chunk_size=chunk_size,
-        local_error=local_error, agree=agree, vocab_size=vocab_size, vocab_start=vocab_start,
-        entropy="off",
-        temperature=temperature, ignore_index=-100, label_smoothing=0.0, validate=validate)
+def _linear_config(hidden, weight, tp_group, **options) -> LinearStatsConfig:
+    return checked_linear_config(hidden, weight, None, None, tp_group, entropy="off",
+                                 ignore_index=-100, label_smoothing=0.0, **options)
 
 
 class _LinearTopKLogprobs(torch.autograd.Function):
@@ -68,8 +64,6 @@ class _LinearTopKLogprobs(torch.autograd.Function):
     @staticmethod
     @first_order_backward("linear_vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
-        if grad is None:
-            return None, None, None, None, None, None
         hidden, weight, indices, valid, lse = ctx.saved_tensors
         cfg: LinearStatsConfig = ctx.cfg
         kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, cfg.stats), valid,
@@ -87,12 +81,8 @@ def linear_vocab_parallel_topk_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     mask: torch.Tensor | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
     accumulate_into_main_grad: bool = False,
-    validate: bool = True,
+    **options: Unpack[ScaledKwargs],
 ) -> torch.Tensor:
     """Log-probs of ``hidden @ W.T`` at given global ids, normalised over the full vocabulary,
     without the logits.
@@ -119,9 +109,10 @@ def linear_vocab_parallel_topk_logprobs(
         weight: this rank's ``[W, H]`` shard of the output layer, same dtype and device.
         indices: integer global ids ``[..., k]`` whose leading shape is that of ``hidden``
             (the gathered ``[s, ...]`` under ``sequence_parallel``, as Megatron's labels).
-        tp_group, mask, vocab_size, vocab_start, temperature, validate: as
+        tp_group, mask, **options: as
             :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (``mask`` shaped like the
-            leading shape of ``indices``).
+            leading shape of ``indices``; :class:`~megatron_vocabstats.ops.options.ScaledKwargs`,
+            with ``chunk_size`` as below).
         sequence_parallel: ``hidden`` is the local sequence shard (Megatron's
             ``sequence_parallel``); ignored for tp = 1.
         chunk_size: tokens per chunk (default ``fused_linear.auto_linear_chunk_size``).
@@ -150,14 +141,12 @@ def linear_vocab_parallel_topk_logprobs(
     problem = None
     if lead is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
         problem = index_problem(indices, mask, lead, hidden.device,
-                                real_vocab(weight.shape[0], tp_group, vocab_size),
-                                host_checks_enabled(validate, hidden.device))
+                                real_vocab(weight.shape[0], tp_group, options.get("vocab_size")),
+                                host_checks_enabled(options.get("validate", True), hidden.device))
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
                          accumulate_into_main_grad=accumulate_into_main_grad,
-                         chunk_size=chunk_size, vocab_size=vocab_size, vocab_start=vocab_start,
-                         temperature=temperature,
-                         validate=validate, local_error=problem,
-                         agree=agreement(lambda: indices.shape[-1], indices, mask))
+                         local_error=problem,
+                         agree=agreement(lambda: indices.shape[-1], indices, mask), **options)
     valid = valid_rows(mask, math.prod(lead), hidden.device)
     return _LinearTopKLogprobs.apply(hidden, weight, indices, valid, cfg, tp_group)
 
@@ -169,16 +158,12 @@ def linear_vocab_parallel_topk(
     *,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    validate: bool = True,
+    **options: Unpack[ScaledKwargs],
 ) -> TopK:
     """The teacher's global top-k of ``hidden @ W.T`` without the logits: equals
     :func:`~megatron_vocabstats.vocab_parallel_topk` on the chunk products (see
-    :func:`linear_vocab_parallel_topk_logprobs` for ``hidden``/``weight``/``sequence_parallel``
-    and the rounding); results ``[*lead, k]`` for the (gathered) leading shape.
+    :func:`linear_vocab_parallel_topk_logprobs` for ``hidden``/``weight``/``sequence_parallel``,
+    the keywords and the rounding); results ``[*lead, k]`` for the (gathered) leading shape.
 
     Not differentiable. Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 (plus one
     of a few int64 with ``validate``, and the all-gather of ``hidden`` under
@@ -188,12 +173,10 @@ def linear_vocab_parallel_topk(
     """
     problem = None
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        vocab = real_vocab(weight.shape[0], tp_group, vocab_size)
+        vocab = real_vocab(weight.shape[0], tp_group, options.get("vocab_size"))
         problem = k_problem(k, vocab) if vocab is not None else None
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
-                         chunk_size=chunk_size, vocab_size=vocab_size, vocab_start=vocab_start,
-                         temperature=temperature,
-                         validate=validate, local_error=problem, agree=agreement(k))
+                         local_error=problem, agree=agreement(k), **options)
     sc = cfg.stats
     with torch.no_grad():
         total = full_hidden(hidden.detach(), cfg, tp_group)

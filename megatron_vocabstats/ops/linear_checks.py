@@ -103,8 +103,9 @@ def first_device(*candidates) -> torch.device:
     return torch.device("cpu")
 
 
-def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, sequence_parallel,
-                          accumulate_into_main_grad, chunk_size,
+def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
+                          sequence_parallel: bool = False,
+                          accumulate_into_main_grad: bool = False, chunk_size=None,
                           local_error: ValueError | None = None, agree: tuple = (),
                           **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
@@ -119,7 +120,7 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *, seq
     lead = lead_shape(hidden, sequence_parallel, tp)
     problem = linear_problem(hidden, weight, target, grad_weights, lead_shape=lead,
                              sequence_parallel=sequence_parallel, tp=tp,
-                             entropy=options["entropy"],
+                             entropy=options.get("entropy", "grad"),
                              accumulate_into_main_grad=accumulate_into_main_grad)
     if problem is None and local_error is not None:
         problem = local_error

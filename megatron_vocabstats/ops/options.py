@@ -2,19 +2,23 @@
 
 Public (``megatron_vocabstats.ops.options``), for the ops, the losses and the Megatron settings
 alike. Lives here: :data:`IGNORE_INDEX` (the default ``ignore_index``), :data:`LOGP_MIN`,
-:data:`ENTROPY_MODES`,
-:data:`BATCH_INVARIANT_MODES` and the flag spellings :data:`BATCH_INVARIANT_NAMES`,
-:func:`check_batch_invariant`, :data:`LOGITS_DTYPES`, :data:`MIN_TEMPERATURE`, the auto chunk size
-(:data:`CHUNK_BYTES`, :func:`auto_chunk_size`) and :class:`StatsConfig`, the frozen options of one
-call (built by ``_checks.checked_config``). May import :mod:`._layout` only (and torch).
+:data:`ENTROPY_MODES`, :data:`BATCH_INVARIANT_MODES` and the flag spellings
+:data:`BATCH_INVARIANT_NAMES`, :func:`check_batch_invariant`, :data:`LOGITS_DTYPES`,
+:data:`MIN_TEMPERATURE`, the auto chunk size (:data:`CHUNK_BYTES`, :func:`auto_chunk_size`),
+the keyword sets the op wrappers take as
+``**options`` (:class:`ShardKwargs` and its extensions, ``TypedDict`` s for ``Unpack``) and
+:class:`StatsConfig`, the frozen options of one call (built by ``_checks.checked_config``).
+May import :mod:`._argtypes` and :mod:`._layout` only (and torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
+from ._argtypes import check_choice  # noqa: F401 - public here
 from ._layout import BLOCK, ShardLayout
 
 # Floor of the log-probabilities the gradients exponentiate, below the log of the smallest
@@ -74,6 +78,56 @@ def batch_invariant_mode(value, width: int, tp: int, even: bool = True):
             f"of {BLOCK} * tp, as Megatron's make_vocab_size_divisible_by=128 does"
         )
     return value
+
+
+class ShardKwargs(TypedDict, total=False):
+    """The keywords every op takes besides its tensors and ``tp_group``, documented in full at
+    :func:`~megatron_vocabstats.vocab_parallel_stats`: ``vocab_size`` (int | None, the real V),
+    ``vocab_start`` (int | None, global id of local column 0 for uneven shards), ``chunk_size``
+    (int | None, tokens per fp32 chunk; None = auto) and ``validate`` (bool, default True: the
+    host-side checks and their cross-rank agreement). The wrappers take them as
+    ``**options: Unpack[...]`` and pass them on unchanged; the one place that declares their
+    defaults and checks them is ``ops._checks.checked_config``."""
+
+    vocab_size: int | None
+    vocab_start: int | None
+    chunk_size: int | None
+    validate: bool
+
+
+class ScaledKwargs(ShardKwargs, total=False):
+    """:class:`ShardKwargs` and ``temperature`` (float > 0, default 1: logits are divided by
+    it)."""
+
+    temperature: float
+
+
+class TargetKwargs(ScaledKwargs, total=False):
+    """:class:`ScaledKwargs` and ``ignore_index`` (int, default :data:`IGNORE_INDEX`)."""
+
+    ignore_index: int
+
+
+class StatsKwargs(TargetKwargs, total=False):
+    """The options of the per-token statistics: :class:`TargetKwargs`, ``label_smoothing``
+    (float in [0, 1), default 0) and ``batch_invariant`` (False, True or ``"tp"``)."""
+
+    label_smoothing: float
+    batch_invariant: bool | str
+
+
+class LinearHeadKwargs(TypedDict, total=False):
+    """The fused LM head's own keywords (see
+    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`): ``sequence_parallel`` (bool,
+    ``hidden`` is this rank's sequence shard) and ``accumulate_into_main_grad`` (bool, dW added
+    into ``weight.main_grad``)."""
+
+    sequence_parallel: bool
+    accumulate_into_main_grad: bool
+
+
+class LinearStatsKwargs(StatsKwargs, LinearHeadKwargs, total=False):
+    """:class:`StatsKwargs` and :class:`LinearHeadKwargs`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -43,19 +43,21 @@ search, the forward pass and the gradient kernel are in :mod:`.sampling_search`,
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import torch
 import torch.distributed as dist
 
 from ._checks import InputTypeError, bits_float, checked_config, first_order_backward, float_bits
 from .engine import flatten_target, logits_chunks, logits_grad
+from .options import TargetKwargs
 from .sampling_search import (
     SampledGrad,
     SamplerConfig,
     grad_coefficient,
     sampled_chunk_grad,
     sampled_pass,
+    sampling_outputs,
     sort_keys,
     value_of,
 )
@@ -113,15 +115,11 @@ class _SamplingLogprobs(torch.autograd.Function):
             logits2d.shape[0], logits.device, tp_group)
         ctx.cfg = cfg
         ctx.save_for_backward(logits, target, *saved)
-        ctx.mark_non_differentiable(outside)
-        ctx.set_materialize_grads(False)
-        return logprobs.view(target.shape), outside.view(target.shape)
+        return sampling_outputs(ctx, logprobs, outside, target.shape)
 
     @staticmethod
     @first_order_backward("vocab_parallel_sampling_logprobs")
     def backward(ctx, grad, _grad_outside):
-        if grad is None:
-            return None, None, None, None
         logits, target, *saved = ctx.saved_tensors
         cfg: SamplerConfig = ctx.cfg
         sc = cfg.stats
@@ -158,15 +156,10 @@ def vocab_parallel_sampling_logprobs(
     target: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
-    validate: bool = True,
+    **options: Unpack[TargetKwargs],
 ) -> SamplingLogprobs:
     """``log q(target)`` under the inference sampler's truncated, renormalised distribution q.
 
@@ -190,9 +183,10 @@ def vocab_parallel_sampling_logprobs(
         logits: this rank's vocabulary shard ``[..., W]`` (bf16, fp16 or fp32); differentiable,
             never modified.
         target: int64 global ids shaped like ``logits.shape[:-1]`` (the sampled tokens).
-        tp_group, vocab_size, vocab_start, ignore_index, chunk_size, validate: as
-            :func:`~megatron_vocabstats.vocab_parallel_stats`.
-        temperature: > 0 (vLLM's greedy temperature 0 has no distribution to score).
+        tp_group, **options: as :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (:class:`~megatron_vocabstats.ops.options.TargetKwargs`: ``vocab_size``,
+            ``vocab_start``, ``chunk_size``, ``validate``, ``temperature``, ``ignore_index``);
+            ``temperature`` > 0 (vLLM's greedy temperature 0 has no distribution to score).
         top_k: keep the k most likely tokens (ties at the k-th value kept); None = off. vLLM's
             ``top_k=-1`` is None here; a k of V or more keeps everything.
         top_p: in (0, 1]; None or 1 = off. A tie on the boundary keeps its highest ids.
@@ -219,6 +213,5 @@ def vocab_parallel_sampling_logprobs(
         RuntimeError: on double backward.
     """
     cfg, _ = sampler_config(logits, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
-                            vocab_size=vocab_size, vocab_start=vocab_start, chunk_size=chunk_size,
-                            temperature=temperature, ignore_index=ignore_index, validate=validate)
+                            **options)
     return SamplingLogprobs(*_SamplingLogprobs.apply(logits, target, cfg, tp_group))

@@ -271,6 +271,14 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
                                drop)
 
 
+def sampling_outputs(ctx, logprobs, outside, shape):
+    """``(logprobs, outside)`` of a sampler Function's forward, viewed as ``shape``: ``outside``
+    marked non-differentiable, output gradients not materialised (backward may see None)."""
+    ctx.mark_non_differentiable(outside)
+    ctx.set_materialize_grads(False)
+    return logprobs.view(shape), outside.view(shape)
+
+
 def grad_coefficient(grad, saved, temperature: float) -> torch.Tensor:
     """``[T]`` fp32 ``g / temperature`` where the target is scored and kept, else 0."""
     return torch.where(saved[3], grad.reshape(-1).float(), 0.0) / temperature

@@ -30,7 +30,7 @@ passes and the gradient kernel are in :mod:`.topk_kernels`, the input checks in
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from . import _comm
 from ._checks import StatsConfig, checked_config, first_order_backward
 from .engine import logits_chunks, logits_grad
+from .options import ScaledKwargs, ShardKwargs
 from .topk_checks import (
     agreement,
     index_problem,
@@ -93,11 +94,7 @@ def vocab_parallel_topk(
     k: int,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    validate: bool = True,
+    **options: Unpack[ScaledKwargs],
 ) -> TopK:
     """Global top-k log-probs and ids of vocab-parallel logits, without gathering the vocabulary.
 
@@ -119,15 +116,12 @@ def vocab_parallel_topk(
             modified; no gradient flows.
         k: how many ids per token, ``1 <= k <= vocab_size``. Must be equal on all ranks.
         tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
-        vocab_size: the real (unpadded) vocabulary size V; ids ``>= V`` are never returned.
-            Default ``W * tp``.
-        vocab_start: this shard's first global id, for unequal shards (as
-            ``vocab_parallel_stats``); every rank then sends k candidates.
-        temperature: logits are divided by it before the softmax (> 0).
-        chunk_size: tokens upcast to fp32 at a time (default as ``vocab_parallel_stats``); results
-            do not depend on it.
-        validate: the host-reading checks of ``vocab_parallel_stats`` (cross-rank agreement of
-            shapes and options, finite logsumexp).
+        **options: :class:`~megatron_vocabstats.ops.options.ScaledKwargs`, as
+            ``vocab_parallel_stats``: ``vocab_size`` (the real V; ids ``>= V`` are never
+            returned; default ``W * tp``), ``vocab_start`` (unequal shards; every rank then sends
+            k candidates), ``temperature`` (logits are divided by it before the softmax),
+            ``chunk_size`` (results do not depend on it) and ``validate`` (the host-reading
+            checks: cross-rank agreement of shapes and options, finite logsumexp).
 
     Returns:
         :class:`TopK` ``(logprobs fp32 [..., k], indices int64 [..., k])``, sorted by descending
@@ -146,12 +140,10 @@ def vocab_parallel_topk(
             for the logits and options (NaN or +inf logits included, with ``validate``); under
             ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
-    return _topk(logits, k, tp_group, normalize=True, vocab_size=vocab_size,
-                 vocab_start=vocab_start, temperature=temperature, chunk_size=chunk_size,
-                 validate=validate)
+    return _topk(logits, k, tp_group, normalize=True, **options)
 
 
-def _topk(logits, k, tp_group, *, normalize: bool, vocab_size, **options) -> TopK:
+def _topk(logits, k, tp_group, *, normalize: bool, vocab_size=None, **options) -> TopK:
     width = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else 0
     vocab = real_vocab(width, tp_group, vocab_size)
     problem = k_problem(k, vocab) if vocab is not None else None
@@ -172,10 +164,7 @@ def vocab_parallel_topk_logits(
     k: int,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
-    validate: bool = True,
+    **options: Unpack[ShardKwargs],
 ) -> TopKLogits:
     """Global top-k of the raw logits and their ids, without gathering the vocabulary.
 
@@ -184,7 +173,8 @@ def vocab_parallel_topk_logits(
         torch.topk(logits.float()[..., :V], k)   # ties: the lowest id first
 
     The same pass as :func:`vocab_parallel_topk` (same candidates, tie rule, arguments, errors and
-    one all-gather) returning the logits instead of their log-probs: e.g. a sampler's top-k
+    one all-gather; its keywords but ``temperature``) returning the logits instead of their
+    log-probs: e.g. a sampler's top-k
     filter, or raw-logit distillation. Logits at or below -1e30 come out -inf; a row holding a
     NaN logit is all NaN (``validate``: an error). Not differentiable.
 
@@ -192,9 +182,7 @@ def vocab_parallel_topk_logits(
         :class:`TopKLogits` ``(logits fp32 [..., k], indices int64 [..., k])``, equal on every
         rank.
     """
-    return TopKLogits(*_topk(logits, k, tp_group, normalize=False, vocab_size=vocab_size,
-                             vocab_start=vocab_start, temperature=1.0, chunk_size=chunk_size,
-                             validate=validate))
+    return TopKLogits(*_topk(logits, k, tp_group, normalize=False, temperature=1.0, **options))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,8 +204,6 @@ class _TopKLogprobs(torch.autograd.Function):
     @staticmethod
     @first_order_backward("vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
-        if grad is None:
-            return None, None, None, None, None
         logits, indices, valid, lse = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
         logits2d = logits.reshape(-1, cfg.layout.width)
@@ -232,11 +218,7 @@ def vocab_parallel_topk_logprobs(
     *,
     tp_group: dist.ProcessGroup | None = None,
     mask: torch.Tensor | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    validate: bool = True,
+    **options: Unpack[ScaledKwargs],
 ) -> torch.Tensor:
     """Log-probs at given global ids, normalised over the full vocabulary, from vocab-parallel
     logits.
@@ -258,7 +240,7 @@ def vocab_parallel_topk_logprobs(
         mask: optional, shaped like ``logits.shape[:-1]``; rows where it is 0 get log-prob 0 and
             exactly zero gradient whatever their ids or logits hold (padded positions with k
             copies of id 0, all -inf logits). None = every row.
-        vocab_size, vocab_start, temperature, chunk_size, validate: as
+        **options: :class:`~megatron_vocabstats.ops.options.ScaledKwargs`, as
             ``vocab_parallel_stats``; the gradient is divided by the temperature too.
 
     Returns:
@@ -283,9 +265,7 @@ def vocab_parallel_topk_logprobs(
             ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
-    cfg, valid = picked_config(logits, indices, mask, tp_group, vocab_size=vocab_size,
-                               vocab_start=vocab_start, chunk_size=chunk_size,
-                               temperature=temperature, validate=validate)
+    cfg, valid = picked_config(logits, indices, mask, tp_group, **options)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
 
 
@@ -317,8 +297,6 @@ class _GatherLogits(torch.autograd.Function):
     @staticmethod
     @first_order_backward("vocab_parallel_gather_logits")
     def backward(ctx, grad):
-        if grad is None:
-            return None, None, None, None, None
         local, owned = ctx.saved_tensors
         g = torch.where(owned, grad.reshape(local.shape).float(), 0.0)
         grad_logits = torch.zeros((local.shape[0], ctx.cfg.layout.width), dtype=torch.float32,
@@ -332,9 +310,7 @@ def vocab_parallel_gather_logits(
     *,
     tp_group: dist.ProcessGroup | None = None,
     mask: torch.Tensor | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    validate: bool = True,
+    **options: Unpack[ShardKwargs],
 ) -> torch.Tensor:
     """The logits at global ids from vocab-parallel shards: ``logits_full.gather(-1, indices)``.
 
@@ -350,7 +326,8 @@ def vocab_parallel_gather_logits(
     Args:
         logits: this rank's shard ``[..., W]`` (bf16, fp16 or fp32); never modified.
         indices: integer global ids ``[..., k]`` with the logits' leading shape.
-        tp_group, vocab_size, vocab_start, validate: as :func:`vocab_parallel_stats`.
+        tp_group, **options: as :func:`vocab_parallel_stats`
+            (:class:`~megatron_vocabstats.ops.options.ShardKwargs`).
         mask: optional, shaped like ``logits.shape[:-1]``: rows where it is 0 give 0 and zero
             gradient whatever their ids hold.
 
@@ -364,7 +341,5 @@ def vocab_parallel_gather_logits(
             range with ``validate``, and what ``vocab_parallel_stats`` raises for the logits);
             under ``validate`` and tp > 1 on every rank. RuntimeError on double backward.
     """
-    cfg, valid = picked_config(logits, indices, mask, tp_group, vocab_size=vocab_size,
-                               vocab_start=vocab_start, chunk_size=None, temperature=1.0,
-                               validate=validate)
+    cfg, valid = picked_config(logits, indices, mask, tp_group, temperature=1.0, **options)
     return _GatherLogits.apply(logits, indices, valid, cfg, tp_group)

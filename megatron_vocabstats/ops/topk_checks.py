@@ -104,7 +104,8 @@ def valid_rows(mask, num_tokens: int, device) -> torch.Tensor:
     return mask.reshape(-1) != 0
 
 
-def picked_config(logits, indices, mask, tp_group, *, vocab_size, validate, **options):
+def picked_config(logits, indices, mask, tp_group, *, vocab_size=None, validate=True,
+                  **options):
     """``(StatsConfig, valid rows [T])`` of an op reading the logits at ``indices``: the index
     and mask checks (:func:`index_problem`) raised through the core checks' exchange, with the
     agreement on ``k``, the mask and the ids."""

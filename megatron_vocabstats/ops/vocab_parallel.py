@@ -14,12 +14,13 @@ default tp group of :func:`vocab_parallel_cross_entropy` comes from
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import torch
 import torch.distributed as dist
 
 from ..mcore import default_tp_group
+from . import engine
 from ._checks import (
     StatsConfig,
     check_finite,
@@ -28,17 +29,14 @@ from ._checks import (
     host_checks_enabled,
 )
 from ._math import finite_lse, grad_coefficients, merge_stats, target_in_range
-from .engine import (
-    StatsGrad,
-    flatten_target,
-    function_outputs,
-    gathered_stats,
-    logits_chunks,
-    logits_grad,
-    merge_tokens_per_pass,
-)
+from .options import StatsKwargs
 
-# Names that moved to the engine (ops.engine) and stay importable from here.
+# Moved to the engine (ops.engine); still importable from here.
+flatten_target = engine.flatten_target
+function_outputs = engine.function_outputs
+gathered_stats = engine.gathered_stats
+merge_tokens_per_pass = engine.merge_tokens_per_pass
+
 __all__ = [
     "VocabStats",
     "flatten_target",
@@ -64,8 +62,10 @@ class VocabStats(NamedTuple):
     logprobs: torch.Tensor | None
     entropy: torch.Tensor | None
     logsumexp: torch.Tensor
+
+
 def _flatten(logits, target, cfg: StatsConfig):
-    return (logits.reshape(-1, cfg.layout.width), *flatten_target(target, cfg.ignore_index))
+    return logits.reshape(-1, cfg.layout.width), *engine.flatten_target(target, cfg.ignore_index)
 
 
 def _in_range(target1d, cfg: StatsConfig):
@@ -77,19 +77,20 @@ class _VocabParallelStats(torch.autograd.Function):
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
-        parts = gathered_stats(logits_chunks(logits2d, target1d, valid, cfg, padded=True),
-                               logits2d.shape[0], cfg, tp_group, has_target=has_target,
-                               device=logits.device)
+        chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True)
+        parts = engine.gathered_stats(chunks, logits2d.shape[0], cfg, tp_group,
+                                      has_target=has_target, device=logits.device)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
                              label_smoothing=cfg.label_smoothing if has_target else 0.0,
                              entropy=cfg.entropy != "off", has_target=has_target,
                              batch_invariant=bool(cfg.batch_invariant),
-                             tokens_per_pass=merge_tokens_per_pass(cfg, parts.shape[0]),
+                             tokens_per_pass=engine.merge_tokens_per_pass(cfg, parts.shape[0]),
                              in_range=_in_range(target1d, cfg))
         if host_checks_enabled(cfg.validate, logits.device):
             check_finite(merged.logsumexp, valid, logits2d=logits2d, temperature=cfg.temperature)
 
-        logprobs, entropy, lse = function_outputs(ctx, merged, logits.shape[:-1], cfg.entropy)
+        logprobs, entropy, lse = engine.function_outputs(ctx, merged, logits.shape[:-1],
+                                                         cfg.entropy)
         ctx.cfg = cfg
         ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None)
         return logprobs, entropy, lse
@@ -99,8 +100,6 @@ class _VocabParallelStats(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
         logits, target, lse, ent = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
-        if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
         # exactly 0 (their lse is made finite so that p stays finite).
@@ -108,9 +107,9 @@ class _VocabParallelStats(torch.autograd.Function):
                                             in_range=_in_range(target1d, cfg))
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
-        grad = StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h, valid,
-                         cfg.layout, cfg.label_smoothing)
-        grad_logits = logits_grad(logits2d, target1d, valid, cfg, grad)
+        grad = engine.StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h,
+                                valid, cfg.layout, cfg.label_smoothing)
+        grad_logits = engine.logits_grad(logits2d, target1d, valid, cfg, grad)
         return grad_logits.view(logits.shape), None, None, None
 
 
@@ -258,51 +257,35 @@ def vocab_parallel_logprobs(
     target: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    validate: bool = True,
-    batch_invariant: bool | str = False,
+    **options: Unpack[StatsKwargs],
 ) -> torch.Tensor:
     """Per-token ``log p(target)`` (fp32, nats, shaped like ``target``) from vocab-parallel logits.
 
-    Equals ``vocab_parallel_stats(..., entropy="off").logprobs``: same arguments, shapes, errors
-    and communication (see :func:`vocab_parallel_stats`). Ignored positions give 0.
+    Equals ``vocab_parallel_stats(..., entropy="off").logprobs``: the same keywords
+    (:class:`~megatron_vocabstats.ops.options.StatsKwargs`), shapes, errors and communication
+    (see :func:`vocab_parallel_stats`). Ignored positions give 0.
     """
-    return vocab_parallel_stats(
-        logits, target, tp_group=tp_group, vocab_size=vocab_size, vocab_start=vocab_start,
-        chunk_size=chunk_size,
-        entropy="off", temperature=temperature, ignore_index=ignore_index, validate=validate,
-        batch_invariant=batch_invariant,
-    ).logprobs
+    return vocab_parallel_stats(logits, target, tp_group=tp_group, entropy="off",
+                                **options).logprobs
 
 
 def vocab_parallel_entropy(
     logits: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
-    temperature: float = 1.0,
     differentiable: bool = True,
-    validate: bool = True,
-    batch_invariant: bool | str = False,
+    **options: Unpack[StatsKwargs],
 ) -> torch.Tensor:
     """Per-token entropy ``-sum_j p_j log p_j`` (fp32, nats, shaped like ``logits.shape[:-1]``).
 
     Exact (``H = logZ - E_p[z]``, no sampling), from the shard ``[..., W]`` without gathering it.
     ``differentiable=False`` is the ``"metric"`` mode: no gradient and nothing saved for one.
-    Arguments, errors and communication as in :func:`vocab_parallel_stats` (no target).
+    Keywords (:class:`~megatron_vocabstats.ops.options.StatsKwargs`), errors and communication
+    as in :func:`vocab_parallel_stats` (no target).
     """
-    return vocab_parallel_stats(
-        logits, None, tp_group=tp_group, vocab_size=vocab_size, vocab_start=vocab_start,
-        chunk_size=chunk_size,
-        entropy="grad" if differentiable else "metric", temperature=temperature,
-        validate=validate, batch_invariant=batch_invariant,
-    ).entropy
+    return vocab_parallel_stats(logits, None, tp_group=tp_group,
+                                entropy="grad" if differentiable else "metric",
+                                **options).entropy
 
 
 def vocab_parallel_cross_entropy(
@@ -310,21 +293,16 @@ def vocab_parallel_cross_entropy(
     target: torch.Tensor,
     label_smoothing: float = 0.0,
     tp_group: dist.ProcessGroup | None = None,
-    *,
-    ignore_index: int = -100,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
-    validate: bool = True,
-    batch_invariant: bool | str = False,
+    **options: Unpack[StatsKwargs],
 ) -> torch.Tensor:
     """Drop-in for Megatron's ``tensor_parallel.vocab_parallel_cross_entropy``.
 
     Same positional arguments and result: per-token loss ``-log p(target)``, fp32, shaped like
-    ``target`` (Megatron: logits ``[s, b, V/tp]``, target ``[s, b]``), plus ``ignore_index``
-    (loss and gradient 0 there). Unlike the other ops, and like Megatron, ``tp_group=None`` means
-    Megatron's default tensor-parallel group when ``megatron.core.parallel_state`` is initialised
-    (no tensor parallelism otherwise).
+    ``target`` (Megatron: logits ``[s, b, V/tp]``, target ``[s, b]``), plus the keywords of
+    :func:`vocab_parallel_stats` (:class:`~megatron_vocabstats.ops.options.StatsKwargs`;
+    ``ignore_index``: loss and gradient 0 there). Unlike the other ops,
+    and like Megatron, ``tp_group=None`` means Megatron's default tensor-parallel group when
+    ``megatron.core.parallel_state`` is initialised (no tensor parallelism otherwise).
 
     Label smoothing follows ``docs/numerics.md``: ``(1-eps) * nll + eps * (logZ - mean_j z_j)``
     over the V real columns. Megatron's own version spreads ``eps*K/(K-1)`` with K the local
@@ -334,10 +312,6 @@ def vocab_parallel_cross_entropy(
     """
     if tp_group is None:
         tp_group = default_tp_group()
-    stats = vocab_parallel_stats(
-        vocab_parallel_logits, target, tp_group=tp_group, vocab_size=vocab_size,
-        vocab_start=vocab_start,
-        chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
-        label_smoothing=label_smoothing, validate=validate, batch_invariant=batch_invariant,
-    )
+    stats = vocab_parallel_stats(vocab_parallel_logits, target, tp_group=tp_group,
+                                 entropy="off", label_smoothing=label_smoothing, **options)
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

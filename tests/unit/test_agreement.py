@@ -68,7 +68,7 @@ ALLOWED = {
     "_layout": {"_argtypes"},
     "_grad": {"_layout", "options"},
     "_math": {"_layout", "_grad"},
-    "options": {"_layout"},
+    "options": {"_argtypes", "_layout"},
     "agreement": {"_argtypes", "_comm"},
     "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm"},
     "workspace": set(),
