@@ -30,10 +30,10 @@ is split from per-shard tie counts (the shards hold ascending ids in rank order,
 ranks give up their tied columns first). Communication for tp > 1: one all-gather of ``[2, T]``
 (maxima and target logits), 6 of at most ``[T, 64]`` float64 per active top-k/top-p, one of
 ``[T]`` float64 (the kept mass; ``[3, T]`` with top-p, adding the tie counts); none in backward.
-Counts are exact; the masses are summed in fp32 within a chunk row and in float64 over chunks and
-shards, so a token whose strictly-more-likely mass lies within about 1e-6 relative of ``top_p``
-may fall either way (vLLM's own fp32 cumulative sum has the same resolution), and only there
-may tp sizes differ.
+Counts are exact; the masses ``exp(z - m)`` are rounded to fp32 per column and summed in float64
+(a chunk's buckets, then chunks and shards), so a token whose strictly-more-likely mass lies
+within about 1e-7 relative of ``top_p`` may fall either way (vLLM's own fp32 cumulative sum is
+coarser), and only there may tp sizes differ.
 
 This module holds the autograd Function and the public API (and the filter checks); the radix
 search, the forward pass and the gradient kernel are in :mod:`.sampling_search`, the chunk loop in
@@ -80,7 +80,8 @@ __all__ = [
 class SamplingLogprobs(NamedTuple):
     """``logprobs``: fp32 ``log q(target)`` shaped like ``target`` (nats; -inf where the target
     is outside the kept set, 0 at ``ignore_index``); ``outside``: bool, True where a scored
-    target is outside the kept set."""
+    target is outside the kept set (a target whose logit is -inf included, with or without
+    filters: no sampler draws it), exactly where ``logprobs`` is -inf."""
 
     logprobs: torch.Tensor
     outside: torch.Tensor

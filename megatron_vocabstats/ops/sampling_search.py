@@ -91,7 +91,7 @@ def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> tor
     ``weight(z, keys, rows)`` (fp32, >= 0) over every column of the row (all shards);
     ``_KEY_MIN`` (keep every column) where even the whole row falls short. ``target_of(total)``
     gives the targets from the row totals. Radix search (:data:`_DIGITS`), one all-gather per
-    step; a chunk's buckets are summed in fp32, the chunks and shards in float64.
+    step; the buckets are summed in float64.
 
     Returns ``(t, S(key > t), target, short)``: ``[T]`` int64, float64, float64, bool."""
     lo = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
@@ -107,9 +107,11 @@ def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> tor
             # (the keys are made anew for every pass: reuse them for the bucket index)
             bucket = keys.sub_(lo[rows].unsqueeze(1)).bitwise_right_shift_(shift)
             bucket.clamp_(-1, buckets).add_(1)  # 1..buckets inside, 0 and buckets + 1 not
-            part = torch.zeros((bucket.shape[0], buckets + 2), dtype=torch.float32,
+            # float64 buckets: a scatter-add adds a bucket's columns one after the other, and in
+            # fp32 the error of tens of thousands of equal terms (a bf16 tie) grows to 1e-4.
+            part = torch.zeros((bucket.shape[0], buckets + 2), dtype=torch.float64,
                                device=device)
-            hist[rows] += part.scatter_add_(1, bucket, counted)[:, 1:buckets + 1]
+            hist[rows] += part.scatter_add_(1, bucket, counted.double())[:, 1:buckets + 1]
         hist = _comm.gather_stats(hist, tp_group).sum(dim=0)
         if target is None:
             target = target_of(hist.sum(dim=1))
@@ -255,7 +257,8 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     if host_checks_enabled(sc.validate, device):
         check_finite(lse, valid, temperature=sc.temperature)
     in_range = target_in_range(target1d, sc.layout.vocab_size)
-    inside = target_logit >= thresholds
+    # A -inf (floor) logit has probability 0 under any filter: no sampler draws it.
+    inside = (target_logit >= thresholds) & (target_logit > float("-inf"))
     if drop is not None:
         inside &= (target_logit > thresholds) | ~tie_dropped
     if cfg.min_p:

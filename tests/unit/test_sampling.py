@@ -94,6 +94,45 @@ def test_ties_at_the_boundary_follow_vllm():
             assert bool(out.outside[0]) == (target not in [0, *kept_ties]), (top_p, target)
 
 
+@pytest.mark.parametrize("top_p", [0.85, 0.6])
+def test_a_tie_of_thousands_splits_exactly(top_p):
+    # Half of 65,536 columns tied at bf16 -0.75, half at 0: top-p splits the -0.75 tie by a count
+    # of ceil((goal - above) / p_tie), so the masses must be summed without drift (fp32 bucket
+    # sums of 32,768 equal terms are off by ~2e-4 relative, several whole tokens here).
+    vocab = 65536
+    logits = torch.zeros(1, vocab)
+    logits[0, 1::2] = -0.75
+    logits = logits.bfloat16()
+    target = torch.tensor([vocab - 2])  # the highest id of the largest value: always kept
+    ref, keep = reference_sampling(logits, target, top_p=top_p)
+    leaf = logits.clone().requires_grad_()
+    out = vocab_parallel_sampling_logprobs(leaf, target, top_p=top_p)
+    out.logprobs.sum().backward()
+    assert torch.equal(leaf.grad[0] != 0, keep[0]), int(keep[0].sum())
+    assert (out.logprobs.double() - ref).abs().max() <= 1e-6
+    kept = keep[0].nonzero().flatten()
+    split = kept[logits[0, kept] == logits[0, kept].min()]  # the tie top-p splits
+    lowest = int(split.min())
+    assert lowest >= 2 and split.numel() < vocab // 2
+    targets = torch.tensor([[lowest - 2, lowest, lowest + 2]])  # same value, ids around the cut
+    outside = vocab_parallel_sampling_logprobs(logits.unsqueeze(0).expand(1, 3, vocab),
+                                               targets, top_p=top_p).outside
+    assert outside.tolist() == [[True, False, False]]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=1.0), dict(top_k=50), dict(min_p=0.0)],
+                         ids=["none", "top_p=1", "top_k>=V", "min_p=0"])
+def test_a_minus_inf_target_is_outside_whatever_the_filters(kw):
+    logits = torch.randn(2, 40)
+    logits[:, 5] = float("-inf")
+    leaf = logits.clone().requires_grad_()
+    out = vocab_parallel_sampling_logprobs(leaf, torch.tensor([5, 7]), **kw)
+    assert out.outside.tolist() == [True, False]
+    assert bool(torch.isneginf(out.logprobs[0])) and bool(torch.isfinite(out.logprobs[1]))
+    out.logprobs.masked_fill(out.outside, 0).sum().backward()
+    assert torch.equal(leaf.grad[0], torch.zeros(40))
+
+
 def test_chunk_size_does_not_change_the_bits():
     logits, target = _problem(tokens=(5, 7))
     outs = [vocab_parallel_sampling_logprobs(logits, target, vocab_size=37, top_k=6, top_p=0.85,
