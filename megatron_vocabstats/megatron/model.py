@@ -2,6 +2,9 @@
 
 Each factory takes Megatron's original function and returns the replacement, which runs the
 original unchanged whenever the plugin is inactive (see :data:`.settings.SETTINGS`).
+
+May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`
+and torch.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 ``python -m megatron_vocabstats.profiling`` (``summarize OUT``); ``run`` moved to
 ``python -m examples.gsm8k.profile run ...`` (from the repository root) and here only prints so,
 with exit status 2.
+
+May import: :mod:`megatron_vocabstats.profiling`.
 """
 
 import sys

@@ -1,4 +1,7 @@
-"""``python -m megatron_vocabstats.profiling summarize OUT``: see :mod:`.cli`."""
+"""``python -m megatron_vocabstats.profiling summarize OUT``: see :mod:`.cli`.
+
+May import: :mod:`.cli`.
+"""
 
 import sys
 

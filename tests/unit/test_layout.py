@@ -1,0 +1,102 @@
+"""The package's layout rules (docs/layout.md): short modules that say what they may import, no
+import cycle between the subpackages (lazy imports included), no op module reaching into a
+sibling op module's private names, and a layout document that names every module."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_vocabstats"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+# The op modules of ops/ (the private helpers _math, _checks, ... and the engine are shared by
+# design; these hold Functions and their own math, and may only share through public names).
+OP_MODULES = {"vocab_parallel", "fused_linear", "topk", "topk_kernels", "topk_checks",
+              "fused_topk", "sampling", "sampling_search", "fused_sampling", "linear_checks"}
+
+
+def _name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path):
+    """``(module, names)`` of every import in the file, relative ones resolved, at any depth."""
+    package = _name(path) if path.name == "__init__.py" else _name(path).rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield module, [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+
+
+def _unit(module: str) -> str | None:
+    """The subpackage or top-level module of the package a module belongs to."""
+    parts = module.split(".")
+    if parts[0] != "megatron_vocabstats" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_are_short_and_say_what_they_may_import(path):
+    assert len(path.read_text().splitlines()) < 400
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert "import" in docstring.lower(), "the module docstring says what it may import"
+
+
+def test_no_import_cycle_between_subpackages():
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        here = _unit(_name(path))
+        for module, names in _imports(path):
+            targets = [module] + [f"{module}.{n}" for n in names] if module else []
+            for target in targets:
+                there = _unit(target)
+                if here and there and here != there:
+                    graph.setdefault(here, set()).add(there)
+
+    def reachable(start):
+        seen, stack = set(), [start]
+        while stack:
+            for nxt in graph.get(stack.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    cycles = sorted((a, b) for a in graph for b in graph[a] if a in reachable(b))
+    assert not cycles, (cycles, graph)
+    assert "megatron" not in reachable("ops"), "the ops never import the Megatron integration"
+
+
+@pytest.mark.parametrize("name", sorted(OP_MODULES))
+def test_op_modules_use_only_public_names_of_their_siblings(name):
+    path = PACKAGE / "ops" / f"{name}.py"
+    for module, names in _imports(path):
+        sibling = module.removeprefix("megatron_vocabstats.ops.")
+        if sibling in OP_MODULES:
+            private = [n for n in names if n.startswith("_")]
+            assert not private, f"{name} imports private {private} of ops.{sibling}"
+
+
+def test_layout_document_names_every_module():
+    text = (ROOT / "docs" / "layout.md").read_text()
+    def named(path):
+        if path.name == "__init__.py":  # a package: its folder
+            return path.parent == PACKAGE or f"{path.parent.relative_to(PACKAGE)}/" in text
+        folder = f"{path.parent.relative_to(PACKAGE)}/"
+        return (path.name == "__main__.py" or f"{path.relative_to(PACKAGE)}" in text
+                or (folder in text and f"`{path.name}`" in text))
+
+    missing = [str(p.relative_to(PACKAGE)) for p in MODULES if not named(p)]
+    assert not missing, missing
