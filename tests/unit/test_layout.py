@@ -100,3 +100,22 @@ def test_layout_document_names_every_module():
 
     missing = [str(p.relative_to(PACKAGE)) for p in MODULES if not named(p)]
     assert not missing, missing
+
+
+def test_one_options_object():
+    # StatsOptions (losses, Megatron settings) carries the ops' keywords under their own names:
+    # every field is a key of the ops' keyword set (or the op's own ``entropy``), and every key of
+    # that set is declared once, with its default, by the ops' checks.
+    import dataclasses
+    import inspect
+
+    from megatron_vocabstats import StatsOptions
+    from megatron_vocabstats.ops import _checks
+    from megatron_vocabstats.ops.options import StatsKwargs
+
+    keys = set(StatsKwargs.__annotations__) | {
+        k for base in StatsKwargs.__mro__ for k in getattr(base, "__annotations__", {})}
+    fields = {f.name for f in dataclasses.fields(StatsOptions)}
+    assert fields <= keys | {"entropy"}, fields - keys
+    declared = set(inspect.signature(_checks._check_local).parameters)
+    assert keys <= declared, keys - declared
