@@ -88,3 +88,5 @@ class StatsConfig:
     label_smoothing: float
     validate: bool
     batch_invariant: bool | str = False
+    # The unfused op's backend, resolved (``kernels.resolve_kernel``): "torch" or "triton".
+    kernel: str = "torch"

@@ -77,7 +77,9 @@ class _VocabParallelStats(torch.autograd.Function):
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
-        parts = gathered_stats(logits_chunks(logits2d, target1d, valid, cfg, padded=True),
+        chunks = logits_chunks(logits2d, target1d, valid, cfg, padded=True,
+                               upcast=cfg.kernel == "torch")
+        parts = gathered_stats(chunks,
                                logits2d.shape[0], cfg, tp_group, has_target=has_target,
                                device=logits.device)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
@@ -128,6 +130,7 @@ def vocab_parallel_stats(
     label_smoothing: float = 0.0,
     validate: bool = True,
     batch_invariant: bool | str = False,
+    kernel: str = "auto",
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp from vocab-parallel logits.
 
@@ -201,6 +204,14 @@ def vocab_parallel_stats(
             tokens with temporaries near one fp32 chunk buffer. Values stay within the
             tolerances of ``docs/numerics.md``.
             Must be equal on all ranks.
+        kernel: the backend of the per-chunk statistics and gradient: ``"auto"`` (default:
+            the ``VOCABSTATS_KERNEL`` environment variable, ``torch`` or ``triton``, if set;
+            else ``"triton"`` for CUDA logits when triton imports, ``"torch"`` elsewhere),
+            ``"torch"`` (the reference path) or ``"triton"`` (``ops.kernels.triton_stats``:
+            one read of the logits per pass; CUDA logits, or CPU under Triton's interpreter
+            ``TRITON_INTERPRET=1``). Batch-invariant modes always run the torch path. Both are
+            within the tolerances of ``docs/numerics.md``; their bits differ. The resolved
+            backend must be equal on all ranks (checked with ``validate``).
 
     Returns:
         :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
@@ -249,6 +260,7 @@ def vocab_parallel_stats(
         label_smoothing=label_smoothing,
         validate=validate,
         batch_invariant=batch_invariant,
+        kernel=kernel,
     )
     return VocabStats(*_VocabParallelStats.apply(logits, target, cfg, tp_group))
 
@@ -265,17 +277,19 @@ def vocab_parallel_logprobs(
     ignore_index: int = -100,
     validate: bool = True,
     batch_invariant: bool | str = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Per-token ``log p(target)`` (fp32, nats, shaped like ``target``) from vocab-parallel logits.
 
     Equals ``vocab_parallel_stats(..., entropy="off").logprobs``: same arguments, shapes, errors
-    and communication (see :func:`vocab_parallel_stats`). Ignored positions give 0.
+    and communication (see :func:`vocab_parallel_stats`, ``kernel`` included). Ignored
+    positions give 0.
     """
     return vocab_parallel_stats(
         logits, target, tp_group=tp_group, vocab_size=vocab_size, vocab_start=vocab_start,
         chunk_size=chunk_size,
         entropy="off", temperature=temperature, ignore_index=ignore_index, validate=validate,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, kernel=kernel,
     ).logprobs
 
 
@@ -290,6 +304,7 @@ def vocab_parallel_entropy(
     differentiable: bool = True,
     validate: bool = True,
     batch_invariant: bool | str = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Per-token entropy ``-sum_j p_j log p_j`` (fp32, nats, shaped like ``logits.shape[:-1]``).
 
@@ -301,7 +316,7 @@ def vocab_parallel_entropy(
         logits, None, tp_group=tp_group, vocab_size=vocab_size, vocab_start=vocab_start,
         chunk_size=chunk_size,
         entropy="grad" if differentiable else "metric", temperature=temperature,
-        validate=validate, batch_invariant=batch_invariant,
+        validate=validate, batch_invariant=batch_invariant, kernel=kernel,
     ).entropy
 
 
@@ -317,6 +332,7 @@ def vocab_parallel_cross_entropy(
     chunk_size: int | None = None,
     validate: bool = True,
     batch_invariant: bool | str = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Drop-in for Megatron's ``tensor_parallel.vocab_parallel_cross_entropy``.
 
@@ -339,5 +355,6 @@ def vocab_parallel_cross_entropy(
         vocab_start=vocab_start,
         chunk_size=chunk_size, entropy="off", ignore_index=ignore_index,
         label_smoothing=label_smoothing, validate=validate, batch_invariant=batch_invariant,
+        kernel=kernel,
     )
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

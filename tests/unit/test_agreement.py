@@ -66,11 +66,11 @@ ALLOWED = {
     "_argtypes": set(),
     "_comm": {"_argtypes"},
     "_layout": {"_argtypes"},
-    "_grad": {"_layout"},
+    "_grad": {"_layout", "options"},  # LOGP_MIN (the docstring of _grad allows it)
     "_math": {"_layout", "_grad"},
     "options": {"_layout"},
     "agreement": {"_argtypes", "_comm"},
-    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm"},
+    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm", "kernels"},
     "workspace": set(),
 }
 

@@ -1,0 +1,219 @@
+"""The Triton kernels of the unfused op (``ops.kernels.triton_stats``) under Triton's CPU
+interpreter, against the float64 reference and the torch path.
+
+Not collected by the suite (no ``test_`` prefix): ``test_triton_kernels.py`` runs this file in a
+subprocess with ``TRITON_INTERPRET=1`` set before triton decorates the kernels, so the
+interpreter never leaks into other tests. Run by hand with::
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/unit/_triton_interp.py
+
+Tolerances are the bounds of ``_reference.py`` (``docs/numerics.md``, "Test tolerances") with
+the kernels' online rescaling counted as merged parts: over nb column blocks a sum is rescaled
+nb - 1 times, each step one exp (``LIBM_ULPS`` u), one product and one add, i.e. at most
+``(nb - 1)(LIBM_ULPS + 2) u``; ``stats_bounds(parts=P)`` allows ``gamma_{P-1} + (LIBM_ULPS + 4)
+u``, which covers it for ``P >= 4 nb - 9`` (:func:`online_parts`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _reference import (
+    LIBM_ULPS,
+    U32,
+    assert_within,
+    gamma,
+    reference_stats,
+    smoothed_logprob_bound,
+    stats_bounds,
+    stats_grad_bound,
+    temperature_dz,
+)
+from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops import _math
+from megatron_vocabstats.ops.kernels import interpreting
+
+if not interpreting():
+    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_kernels.py)",
+                allow_module_level=True)
+
+from megatron_vocabstats.ops.kernels import triton_stats
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def online_parts(width: int, block: int) -> int:
+    """``parts`` of ``stats_bounds`` covering the online rescaling over ``width`` columns."""
+    nb = -(-width // block)
+    return max(nb, 4 * nb - 9)
+
+
+# name -> (rows, width, vocab, temperature, label smoothing, scale, extras)
+CASES = {
+    "plain": (6, 37, 37, 1.0, 0.0, 3.0, ()),
+    "multi_block": (5, 2100, 2100, 1.0, 0.0, 4.0, ()),
+    "padding": (5, 1100, 1030, 1.0, 0.1, 3.0, ()),
+    "neg_inf": (6, 40, 40, 1.0, 0.0, 3.0, ("neg_inf",)),
+    "fp16_max": (4, 1500, 1500, 1.0, 0.0, 1.0, ("huge",)),
+    "ignore_rows": (7, 33, 30, 1.0, 0.0, 3.0, ("ignore",)),
+    "temperature": (5, 1200, 1150, 0.7, 0.0, 3.0, ()),
+    "smoothing_tau": (5, 50, 45, 1.3, 0.2, 3.0, ("ignore",)),
+}
+
+
+def make_case(name, dtype, gen):
+    rows, width, vocab, tau, eps, scale, extras = CASES[name]
+    x = torch.randn(rows, width, generator=gen) * scale
+    if "huge" in extras:  # logits near fp16's largest finite value, 65504
+        x = 65504.0 - x.abs() * 8
+    x = x.to(dtype)
+    if "neg_inf" in extras:
+        x[0, 3] = x[2, 0] = x[2, 39] = float("-inf")
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    if "ignore" in extras:
+        target[1] = target[4] = -100
+    return x, target, vocab, tau, eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mode", ["grad", "metric"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_parity(name, mode, dtype):
+    if "huge" in CASES[name][-1] and dtype == torch.bfloat16:
+        pytest.skip("bf16 rounds 65504 - 8 |x| into a handful of values: covered by fp16")
+    gen = torch.Generator().manual_seed(len(name) * 7 + DTYPES.index(dtype))
+    x, target, vocab, tau, eps = make_case(name, dtype, gen)
+    valid = target != -100
+    width = x.shape[1]
+    w_lp = torch.randn(x.shape[0], generator=gen)
+    w_h = torch.randn(x.shape[0], generator=gen)
+    results = {}
+    for kernel in ("torch", "triton"):
+        leaf = x.clone().requires_grad_()
+        st = vocab_parallel_stats(leaf, target, vocab_size=vocab, temperature=tau,
+                                  label_smoothing=eps, entropy=mode, kernel=kernel)
+        loss = (st.logprobs * w_lp).sum()
+        if mode == "grad":
+            loss = loss + (st.entropy * w_h).sum()
+        loss.backward()
+        results[kernel] = (st, leaf.grad)
+    ref_leaf = x.double().requires_grad_()
+    ref = reference_stats(ref_leaf, target, vocab_size=vocab, temperature=tau,
+                          label_smoothing=eps)
+    ref_loss = (ref[0] * w_lp.double()).sum()
+    if mode == "grad":
+        ref_loss = ref_loss + (ref[1] * w_h.double()).sum()
+    ref_loss.backward()
+
+    z = x.double()[:, :vocab] / tau
+    block = triton_stats.block_columns(width)
+    b = stats_bounds(z, dz=temperature_dz(z, tau), width=width,
+                     parts=online_parts(width, block))
+    st, grad = results["triton"]
+    assert grad.dtype == dtype
+    assert_within(st.logsumexp, ref[2], b.logsumexp, "logsumexp")
+    assert_within(st.entropy[valid], ref[1][valid], b.entropy[valid], "entropy")
+    assert bool((st.entropy[~valid] == 0).all()), "entropy at ignored rows"
+    safe = torch.where(valid, target, 0)
+    bound = smoothed_logprob_bound(b, safe, eps)
+    assert_within(st.logprobs[valid], ref[0][valid], bound[valid], "logprobs")
+    assert bool((st.logprobs[~valid] == 0).all()), "logprobs at ignored rows"
+
+    keep = valid.double() / tau
+    c_h = w_h.double() * keep if mode == "grad" else None
+    gbound = stats_grad_bound(b, ref_leaf.grad[:, :vocab], c_lp=w_lp.double() * keep, c_h=c_h,
+                              target=safe, eps=eps, scaled=tau != 1.0, dtype=dtype)
+    assert_within(grad[:, :vocab][valid], ref_leaf.grad[:, :vocab][valid], gbound[valid],
+                  "gradient")
+    assert bool((grad[:, vocab:] == 0).all()), "gradient at padding columns"
+    assert bool((grad[~valid] == 0).all()), "gradient at ignored rows"
+    # The torch path meets the same bounds; both agree on where the results are infinite.
+    torch_st = results["torch"][0]
+    assert torch.equal(torch.isinf(torch_st.logprobs), torch.isinf(st.logprobs))
+
+
+def _pair_bounds(z64: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds ``[n]`` of the difference of two fp32 evaluations (the kernel's, the torch path's)
+    of a row's ``S = sum_j e^x_j``/``U = sum_j e^x_j x_j`` and of ``A = sum_j x_j`` (``x = z -
+    max z``, before the scale ``c``), first order in u.
+
+    Per term: ``x_j`` is rounded once (relative u, which moves ``e^x_j`` by ``u |x_j|``), exp
+    costs ``LIBM_ULPS`` u, the product ``e^x x`` one u; the W terms are summed (``gamma_W``) and
+    the kernel rescales its partial sums nb - 1 times, each an exp, a product and an add (and for
+    U the ``d s`` correction, whose terms are bounded by ``e^x_j |x_j|``), ``(nb - 1)(LIBM_ULPS +
+    4) u`` relative. The terms of S and U are bounded together by ``e^x (1 + |x|)``; every term of
+    A has one sign, so ``A`` gets ``sum |x| (u + gamma_(W + 2nb))``. Both evaluations meet the
+    bound, so their difference is within twice it.
+    """
+    u = U32
+    width = z64.shape[-1]
+    x = z64 - z64.amax(-1, keepdim=True)
+    weight = x.exp() * (1 + x.abs())
+    rescale = gamma(width + 3 * nb) + (nb - 1) * (LIBM_ULPS + 4) * u
+    d_su = (weight * (u * x.abs() + (LIBM_ULPS + 1) * u)).sum(-1) + rescale * weight.sum(-1)
+    d_a = x.abs().sum(-1) * (u + gamma(width + 2 * nb))
+    return 2 * d_su, 2 * d_a
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_shard_stats_columns(dtype, block):
+    """The five statistics rows against ``_math.chunk_stats`` of the same chunk, many blocks:
+    the max and the target logit bitwise, the sums within their rounding bounds."""
+    gen = torch.Generator().manual_seed(block + DTYPES.index(dtype))
+    n, width, real = 6, 75, 70
+    x = (torch.randn(n, width, generator=gen) * 4).to(dtype)
+    x[1, 5] = float("-inf")
+    x[3, :] = float("-inf")  # a dead row: max -inf, sums 0
+    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=real, vocab_size=real)
+    target = torch.randint(0, real, (n,), generator=gen)
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[4] = False
+    index, owned = _math.local_target_index(target, valid, layout)
+    ours = torch.zeros(_math.NUM_STATS, n)
+    theirs = torch.zeros(_math.NUM_STATS, n)
+    triton_stats.shard_stats(x, index, owned, ours, layout=layout, temperature=1.0,
+                             entropy=True, zsum=True, block_n=block)
+    z = _math.load_chunk(x, torch.empty(n, width), layout, 1.0)
+    _math.chunk_stats(z, torch.empty(n, width), index, owned, theirs, layout=layout,
+                      entropy=True, zsum=True)
+    for row in (_math.STAT_MAX, _math.STAT_TARGET):
+        assert torch.equal(ours[row], theirs[row]), f"stat row {row}"
+    assert bool((ours[_math.STAT_SUMEXP, 3] == 0) & (ours[_math.STAT_ENT, 3] == 0))
+    live = [r for r in range(n) if r not in (1, 3)]  # row 1: the smoothing sum is -inf
+    z64 = x.double()[live, :real].clamp(min=_math.Z_FLOOR)
+    d_su, d_a = _pair_bounds(z64, -(-width // block))
+    for row in (_math.STAT_SUMEXP, _math.STAT_ENT):
+        assert_within(ours[row, live], theirs[row, live], d_su, f"stat row {row}")
+    assert_within(ours[_math.STAT_ZSUM, live], theirs[_math.STAT_ZSUM, live],
+                  d_a * _math.zsum_scale(real), "smoothing sum")
+    assert ours[_math.STAT_ZSUM, 1] == float("-inf")
+
+
+def test_nan_row_stays_nan():
+    x = torch.randn(3, 40)
+    x[1, 7] = float("nan")
+    out = vocab_parallel_stats(x, None, validate=False, kernel="triton")
+    assert bool(torch.isnan(out.logsumexp[1])) and bool(torch.isfinite(out.logsumexp[[0, 2]]).all())
+
+
+def test_batch_invariant_falls_back_to_torch():
+    x = torch.randn(4, 130)
+    target = torch.randint(0, 130, (4,))
+    ours = vocab_parallel_stats(x, target, batch_invariant=True, kernel="triton")
+    theirs = vocab_parallel_stats(x, target, batch_invariant=True, kernel="torch")
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_env_forces_triton(monkeypatch):
+    """``VOCABSTATS_KERNEL=triton`` makes ``kernel="auto"`` run the kernels on CPU here: the
+    results equal an explicit ``kernel="triton"`` bitwise (and differ from torch's bits)."""
+    x = torch.randn(5, 1100) * 3
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "triton")
+    forced = vocab_parallel_stats(x, None)
+    monkeypatch.delenv("VOCABSTATS_KERNEL")
+    explicit = vocab_parallel_stats(x, None, kernel="triton")
+    assert torch.equal(forced.entropy, explicit.entropy)
+    assert torch.equal(forced.logsumexp, explicit.logsumexp)
