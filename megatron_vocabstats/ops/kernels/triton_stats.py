@@ -15,10 +15,11 @@ and ``chunk.owned``.
 Same formulas as the torch path (``docs/numerics.md``), not the same bits: sums are taken per
 block and rescaled (``s <- s e^(m_old - m) + sum_blk e^(z - m)``, ``u <- e^(m_old - m)(u +
 (m_old - m) s) + sum_blk e^(z - m)(z - m)``, ``a <- a + c k (m_old - m) + sum_blk c (z - m)``
-over the k real columns seen), and ``tl.exp`` is Triton's (on NVIDIA GPUs ``ex2.approx`` of a
-pre-scaled argument, not libm's ``expf``). Every term of ``u`` and ``a`` is <= 0, so large
-logits (fp16 65504) neither overflow nor cancel, as in the torch path. Batch-invariant mode is
-not implemented here: ``kernels.resolve_kernel`` sends it to the torch path.
+over the k real columns seen); exp is libdevice's ``expf`` on a GPU (the interpreter's numpy
+exp under ``TRITON_INTERPRET=1``, the only branch the CPU tests run). Every term of ``u`` and
+``a`` is <= 0, so large logits (fp16 65504) neither overflow nor cancel, as in the torch path.
+Batch-invariant mode is not implemented here: ``kernels.resolve_kernel`` sends it to the torch
+path (its fixed block tree).
 
 Supported: logits ``[n, W]`` bf16/fp16/fp32 with any strides, W >= 1, any n (grid dimension 0);
 fp32 statistics; int64 target index. Blocks are powers of two (``BLOCK_N`` <= 1024 columns,
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .._layout import ShardLayout
 from .._math import (
@@ -75,6 +77,18 @@ def _load_z(row_ptr, cols, stride_col, n_cols, real_width, temperature,
 
 
 @triton.jit
+def _exp(x, LIBM: tl.constexpr):
+    """``exp``: libdevice's ``expf`` (within 2 ulp, as torch's CUDA kernels) when ``LIBM``
+    (compiled for a GPU), else ``tl.exp`` (the interpreter's numpy exp; on a GPU it would be
+    ``ex2.approx`` of a rounded ``x log2 e``, whose error grows with ``|x|``)."""
+    if LIBM:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
 def _to_bf16(x):
     """fp32 -> bf16 rounded to nearest even, by integer ops on the bits: the same bits as the GPU's
     ``cvt.rn.bf16.f32`` (NaN stays NaN, overflow gives inf), and in the interpreter, whose own
@@ -88,7 +102,7 @@ def _to_bf16(x):
 def _stats_kernel(logits_ptr, stride_row, stride_col, index_ptr, owned_ptr, out_ptr,
                   stride_stat, stride_tok, n_cols, real_width, temperature, zscale,
                   HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
-                  SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SCALE: tl.constexpr, LIBM: tl.constexpr, BLOCK_N: tl.constexpr):
     """One row's shard statistics: ``out[k, row]`` for k in (max, sum-exp, entropy sum, target
     logit, smoothing sum), each relative to the row's shard maximum (the last one scaled by
     ``zscale``, -inf if a real column is at the floor); rows not asked for are left alone."""
@@ -112,9 +126,9 @@ def _stats_kernel(logits_ptr, stride_row, stride_col, index_ptr, owned_ptr, out_
             t_lanes += tl.where(cols == idx, z, 0.0)
         m_new = tl.maximum(m, tl.max(z, 0))
         d = m - m_new
-        scale = tl.exp(d)
+        scale = _exp(d, LIBM)
         x = z - m_new
-        e = tl.exp(x)
+        e = _exp(x, LIBM)
         if ENTROPY:
             # A part whose scale underflows to 0 adds 0 (never 0 * inf from d * s).
             u = tl.where(scale == 0.0, 0.0, scale * (u + d * s)) + tl.sum(e * x, 0)
@@ -151,7 +165,7 @@ def _grad_kernel(logits_ptr, stride_row, stride_col, out_ptr, stride_out_row, st
                  n_cols, real_width, temperature, uniform_w, hit_w,
                  HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
                  SMOOTH: tl.constexpr, HAS_VALID: tl.constexpr, SCALE: tl.constexpr,
-                 OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+                 OUT_BF16: tl.constexpr, LIBM: tl.constexpr, BLOCK_N: tl.constexpr):
     """One block of one row of ``p (-c_h (log p + H) - c_lp)`` (+ ``c_lp eps / V`` on real
     columns, + ``c_lp (1 - eps)`` at an owned target), 0 on rows not valid, cast once."""
     row = tl.program_id(0).to(tl.int64)
@@ -159,7 +173,7 @@ def _grad_kernel(logits_ptr, stride_row, stride_col, out_ptr, stride_out_row, st
     z = _load_z(logits_ptr + row * stride_row, cols, stride_col, n_cols, real_width,
                 temperature, SCALE)
     logp = z - tl.load(lse_ptr + row)
-    p = tl.exp(logp)
+    p = _exp(logp, LIBM)
     c_lp = tl.load(coef_lp_ptr + row) if HAS_LP else 0.0
     if HAS_H:
         c_h = tl.load(coef_h_ptr + row)
@@ -220,7 +234,7 @@ def shard_stats(logits: torch.Tensor, index, owned, out: torch.Tensor, *, layout
         out, out.stride(0), out.stride(1), width, layout.real_width, float(temperature),
         zsum_scale(layout.vocab_size),
         HAS_TARGET=has_target, ENTROPY=entropy, ZSUM=zsum, SCALE=temperature != 1.0,
-        BLOCK_N=_block(block_n, width))
+        LIBM=logits.is_cuda, BLOCK_N=_block(block_n, width))
 
 
 def stats_grad(logits: torch.Tensor, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index,
@@ -253,7 +267,7 @@ def stats_grad(logits: torch.Tensor, out: torch.Tensor, *, lse, ent, coef_lp, co
         label_smoothing / layout.vocab_size, 1.0 - label_smoothing,
         HAS_LP=has_lp, HAS_H=has_h, HAS_TARGET=has_target, SMOOTH=label_smoothing > 0.0,
         HAS_VALID=valid is not None, SCALE=temperature != 1.0,
-        OUT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block)
+        OUT_BF16=out.dtype == torch.bfloat16, LIBM=logits.is_cuda, BLOCK_N=block)
 
 
 @dataclass(frozen=True, slots=True)
