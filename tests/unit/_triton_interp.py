@@ -129,3 +129,30 @@ def test_env_forces_triton(monkeypatch):
     explicit = vocab_parallel_stats(x, None, kernel="triton")
     assert torch.equal(forced.entropy, explicit.entropy)
     assert torch.equal(forced.logsumexp, explicit.logsumexp)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+def test_strided_logits_equal_contiguous(layout):
+    """Any strides: the kernels read the view itself (same arithmetic, so the same bits as on a
+    contiguous copy), forward and backward."""
+    gen = torch.Generator().manual_seed(11)
+    if layout == "row_slice":  # [7, 37] with row stride 90
+        view = torch.randn(7, 90, generator=gen).bfloat16()[:, 5:42]
+    else:  # [7, 37] with column stride 7
+        view = torch.randn(37, 7, generator=gen).bfloat16().t()
+    target = torch.randint(0, 37, (7,), generator=gen)
+    results = []
+    for x in (view, view.contiguous()):
+        leaf = x.detach().clone() if x.is_contiguous() else x.detach()
+        leaf.requires_grad_()
+        st = vocab_parallel_stats(leaf, target, label_smoothing=0.1, kernel="triton")
+        (st.logprobs.sum() + st.entropy.sum()).backward()
+        results.append((*st, leaf.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_no_tokens():
+    st = vocab_parallel_stats(torch.randn(0, 40, requires_grad=True),
+                              torch.zeros(0, dtype=torch.long), kernel="triton")
+    assert st.logprobs.shape == (0,) and st.entropy.shape == (0,)

@@ -2,7 +2,8 @@
 ``VOCABSTATS_KERNEL``), that the package imports without triton, and the kernels themselves
 under Triton's CPU interpreter: ``_triton_interp.py`` (one subprocess, ``TRITON_INTERPRET=1``
 set before triton decorates the kernels, so the interpreter cannot leak into this process) and
-``dist/triton_cases.py`` (tp 2 on gloo).
+``dist/triton_cases.py`` (tp 2 on gloo); and that they compile for sm_90 without a GPU
+(``_triton_compile.py``, in a subprocess with its own Triton cache).
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ def test_kernels_under_the_interpreter():
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=540)
     assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-4000:]
+
+
+@needs_triton
+def test_kernels_compile_for_sm90(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_triton_compile.py")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=540,
+                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore",
+                               "TRITON_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "compiled 60 kernels for sm_90" in proc.stdout
 
 
 @needs_triton

@@ -57,6 +57,12 @@ from ..options import LOGP_MIN
 # Columns per block: a power of two, at most this many (fewer for narrow shards).
 MAX_BLOCK_N = 1024
 
+# The constants the kernels read, as constexpr globals (a compiled kernel may read no other).
+_FLOOR = tl.constexpr(Z_FLOOR)
+_LOGP_MIN = tl.constexpr(LOGP_MIN)
+_MAX, _SUMEXP, _ENT, _TARGET, _ZSUM = (tl.constexpr(k) for k in (
+    STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM))
+
 
 def block_columns(width: int, max_block: int = MAX_BLOCK_N) -> int:
     """``BLOCK_N`` for a shard of ``width`` columns: the next power of two >= width, at least 16
@@ -68,12 +74,12 @@ def block_columns(width: int, max_block: int = MAX_BLOCK_N) -> int:
 def _load_z(row_ptr, cols, stride_col, n_cols, real_width, temperature,
             SCALE: tl.constexpr):
     """fp32 ``z`` of one block of a row as ``_math.load_chunk`` makes it: ``x / tau`` (IEEE
-    division), below the floor (or padding, or past the row) -> ``Z_FLOOR``; NaN stays NaN."""
+    division), below the floor (or padding, or past the row) -> ``_FLOOR``; NaN stays NaN."""
     x = tl.load(row_ptr + cols * stride_col, mask=cols < n_cols, other=0.0).to(tl.float32)
     if SCALE:
         x = tl.math.div_rn(x, temperature)
-    x = tl.where(x < Z_FLOOR, Z_FLOOR, x)
-    return tl.where(cols < real_width, x, Z_FLOOR)
+    x = tl.where(x < _FLOOR, _FLOOR, x)
+    return tl.where(cols < real_width, x, _FLOOR)
 
 
 @triton.jit
@@ -109,7 +115,7 @@ def _stats_kernel(logits_ptr, stride_row, stride_col, index_ptr, owned_ptr, out_
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_N)
-    m = tl.full((), Z_FLOOR, tl.float32)
+    m = tl.full((), _FLOOR, tl.float32)
     s = tl.zeros((), tl.float32)
     u = tl.zeros((), tl.float32)
     a = tl.zeros((), tl.float32)
@@ -138,25 +144,25 @@ def _stats_kernel(logits_ptr, stride_row, stride_col, index_ptr, owned_ptr, out_
             # start real columns came before this block (all of them, when start < real_width).
             seen = tl.minimum(start, real_width).to(tl.float32)
             a = a + (zscale * seen) * d + tl.sum(tl.where(real, x * zscale, 0.0), 0)
-            floor_lanes = tl.maximum(floor_lanes, (real & (z <= Z_FLOOR)).to(tl.int32))
+            floor_lanes = tl.maximum(floor_lanes, (real & (z <= _FLOOR)).to(tl.int32))
         m = m_new
     t = tl.sum(t_lanes, 0)
     nan = tl.max(nan_lanes, 0)
     floor = tl.max(floor_lanes, 0)
-    live = m > Z_FLOOR
+    live = m > _FLOOR
     bad = nan > 0
     col = out_ptr + row * stride_tok
-    tl.store(col + STAT_MAX * stride_stat,
+    tl.store(col + _MAX * stride_stat,
              tl.where(bad, float("nan"), tl.where(live, m, float("-inf"))))
-    tl.store(col + STAT_SUMEXP * stride_stat, tl.where(bad, float("nan"), tl.where(live, s, 0.0)))
+    tl.store(col + _SUMEXP * stride_stat, tl.where(bad, float("nan"), tl.where(live, s, 0.0)))
     if ENTROPY:
-        tl.store(col + STAT_ENT * stride_stat, tl.where(bad, float("nan"), tl.where(live, u, 0.0)))
+        tl.store(col + _ENT * stride_stat, tl.where(bad, float("nan"), tl.where(live, u, 0.0)))
     if HAS_TARGET:
         own = tl.load(owned_ptr + row) != 0
-        tl.store(col + STAT_TARGET * stride_stat, tl.where(own, t, 0.0))
+        tl.store(col + _TARGET * stride_stat, tl.where(own, t, 0.0))
     if ZSUM:
         a = tl.where(floor > 0, float("-inf"), a)
-        tl.store(col + STAT_ZSUM * stride_stat, tl.where(bad, float("nan"), a))
+        tl.store(col + _ZSUM * stride_stat, tl.where(bad, float("nan"), a))
 
 
 @triton.jit
@@ -177,7 +183,7 @@ def _grad_kernel(logits_ptr, stride_row, stride_col, out_ptr, stride_out_row, st
     c_lp = tl.load(coef_lp_ptr + row) if HAS_LP else 0.0
     if HAS_H:
         c_h = tl.load(coef_h_ptr + row)
-        logp = tl.where(logp < LOGP_MIN, LOGP_MIN, logp)
+        logp = tl.where(logp < _LOGP_MIN, _LOGP_MIN, logp)
         shift = c_h * tl.load(ent_ptr + row)
         if HAS_LP:
             shift = shift + c_lp
