@@ -9,6 +9,7 @@ package never needs triton or a GPU. May import the standard library and torch o
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -21,8 +22,9 @@ KERNEL_CHOICES = ("auto", *KERNELS)
 KERNEL_ENV = "VOCABSTATS_KERNEL"
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (looked up, not imported)."""
+    """Whether the ``triton`` package can be imported (looked up once, not imported)."""
     return importlib.util.find_spec("triton") is not None
 
 
