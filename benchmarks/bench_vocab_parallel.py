@@ -50,12 +50,14 @@ GiB = 1024**3
 BOUND_PER_TOKEN_VECTORS = 48
 
 
-def ours(entropy: str, chunk: int, batch_invariant: bool | str = False):
+def ours(entropy: str, chunk: int, batch_invariant: bool | str = False, kernel: str = "auto",
+         validate: bool = True):
     def make(logits, target, group, vocab):
         def step():
             st = vocab_parallel_stats(logits, target, tp_group=group, vocab_size=vocab,
                                       chunk_size=chunk, entropy=entropy,
-                                      batch_invariant=batch_invariant)
+                                      batch_invariant=batch_invariant, kernel=kernel,
+                                      validate=validate)
             outs = [st.logprobs] + ([st.entropy] if entropy == "grad" else [])
             return lambda: _backward(outs, logits)
 

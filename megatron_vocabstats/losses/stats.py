@@ -35,7 +35,9 @@ class StatsOptions:
     and are validated there. ``validate`` defaults to False here (unlike the op): its checks read
     tensor values on the host once per call, which a training step should not pay; turn it on
     while debugging a data pipeline. ``batch_invariant`` (False, True or ``"tp"``) is passed to a
-    statistics callable only when set, so callables that predate it keep working.
+    statistics callable only when set, so callables that predate it keep working; so is
+    ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``, the unfused op's backend; only when not
+    ``"auto"``, and never for the fused LM head, which has no Triton backend yet).
 
     It is the one options object of the statistics: :func:`token_stats`, :func:`sft_loss` and
     :func:`logprobs_step` use it, and the Megatron settings build it
@@ -50,6 +52,7 @@ class StatsOptions:
     label_smoothing: float = 0.0
     validate: bool = False
     batch_invariant: bool | str = False
+    kernel: str = "auto"
 
     def op_kwargs(self, **extra) -> dict[str, Any]:
         """These options as keyword arguments of the ops, plus ``extra`` (``tp_group``,
@@ -57,14 +60,17 @@ class StatsOptions:
 
         Every field under its own name (the keywords of
         :func:`~megatron_vocabstats.vocab_parallel_stats` and
-        :func:`~megatron_vocabstats.linear_vocab_parallel_stats`), except ``batch_invariant``,
-        left out while it is False (the ops' default), so that statistics callables that predate
-        it keep working: ``vocab_parallel_stats(logits, target, **options.op_kwargs(tp_group=g))``.
+        :func:`~megatron_vocabstats.linear_vocab_parallel_stats`), except ``batch_invariant`` and
+        ``kernel``, left out while they are False / ``"auto"`` (the ops' defaults), so that
+        statistics callables that predate them keep working:
+        ``vocab_parallel_stats(logits, target, **options.op_kwargs(tp_group=g))``.
         Raises ``TypeError`` if ``extra`` names a field.
         """
         kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
         if kwargs["batch_invariant"] is False:
             del kwargs["batch_invariant"]
+        if kwargs["kernel"] == "auto":
+            del kwargs["kernel"]
         clash = sorted(extra.keys() & {f.name for f in fields(self)})
         if clash:
             raise TypeError(f"op_kwargs: {clash} are fields of StatsOptions, not extra keywords")

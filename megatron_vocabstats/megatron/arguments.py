@@ -20,6 +20,7 @@ import logging
 import math
 import warnings
 
+from ..ops.kernels import KERNEL_CHOICES
 from ..ops.options import BATCH_INVARIANT_NAMES
 from . import compat, settings
 
@@ -50,6 +51,7 @@ def check_flag_values(args) -> None:
 
     choices = {"vocab_stats_entropy": settings.ENTROPY_MODES,
                "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG),
+               "vocab_stats_kernel": KERNEL_CHOICES,
                "rollout_correction": settings.ROLLOUT_CORRECTION_MODES,
                "rollout_correction_level": ROLLOUT_LEVELS}
     for name in (*FLAG_TYPES, *choices):
@@ -97,6 +99,10 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "communication; needs --make-vocab-size-divisible-by a multiple of 128 "
                        "under tp > 1; the fused head's logits GEMMs still depend on tp). Bare "
                        "flag = batch.")
+    group.add_argument("--vocab-stats-kernel", choices=KERNEL_CHOICES, default="auto",
+                       help="Backend of the unfused loss path's statistics: auto (Triton kernels "
+                       "on CUDA when triton imports, else torch; VOCABSTATS_KERNEL overrides), "
+                       "torch or triton. Batch-invariant modes and the fused LM head run torch.")
     group.add_argument("--vocab-stats-skip-checks", action="store_true",
                        help="Skip the op's host-side input checks (target range, cross-rank "
                        "agreement, finite results): no host sync in the loss.")
@@ -320,6 +326,7 @@ def config_hook(args) -> settings.PluginSettings:
         validate=not args.vocab_stats_skip_checks,
         token_alignment=alignment,
         batch_invariant=batch_invariant,
+        kernel=getattr(args, "vocab_stats_kernel", "auto"),
         **rollout,
     )
 

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
+from ..ops.kernels import KERNEL_CHOICES
 from ..ops.options import ENTROPY_MODES, check_batch_invariant, check_choice
 from ..ops.sampling import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
@@ -42,7 +43,9 @@ class PluginSettings:
     ``token_alignment``: per-sequence padding multiple derived by the config hook (FP8 recipe x
     2*cp x tp with sequence parallel), for :mod:`megatron_vocabstats.packing`; ``batch_invariant``:
     False, True or "tp", the ops'
-    argument of that name [--vocab-stats-batch-invariant {off,batch,tp}].
+    argument of that name [--vocab-stats-batch-invariant {off,batch,tp}]; ``kernel``: "auto",
+    "torch" or "triton", the unfused op's backend (``vocab_parallel_stats(kernel=...)``; the
+    fused LM head always runs torch) [--vocab-stats-kernel].
 
     Rollout fields (read by the user's forward step through :meth:`sampler_options` and
     :meth:`rollout_correction`, not by the patched call sites; the config hook sets them with or
@@ -73,6 +76,7 @@ class PluginSettings:
     validate: bool = True
     token_alignment: int = 1
     batch_invariant: bool | str = False
+    kernel: str = "auto"
     rollout_temperature: float = 1.0
     rollout_top_k: int | None = None
     rollout_top_p: float = 1.0
@@ -105,6 +109,7 @@ class PluginSettings:
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
         check_batch_invariant(self.batch_invariant)
+        check_choice("kernel", self.kernel, KERNEL_CHOICES)
         check_choice("entropy", self.entropy, ENTROPY_MODES)
         if self.entropy_coef != 0.0 and self.entropy != "grad":
             raise ValueError(
@@ -143,13 +148,15 @@ class PluginSettings:
         """The :class:`~megatron_vocabstats.StatsOptions` of the patched loss path: the chunking
         of the unfused op (``logprobs_chunk_size``) or, with ``fused``, of the fused LM head
         (``lm_head_chunk_size``), and the settings' vocabulary size, entropy mode, label
-        smoothing, checks and batch invariance (temperature 1): the call sites pass
+        smoothing, checks, batch invariance and (unfused only) kernel (temperature 1): the call
+        sites pass
         ``**settings.current().stats_options().op_kwargs(tp_group=...)`` to the op."""
         return StatsOptions(vocab_size=self.vocab_size,
                             chunk_size=self.lm_head_chunk_size if fused
                             else self.logprobs_chunk_size,
                             entropy=self.entropy, label_smoothing=self.label_smoothing,
-                            validate=self.validate, batch_invariant=self.batch_invariant)
+                            validate=self.validate, batch_invariant=self.batch_invariant,
+                            kernel="auto" if fused else self.kernel)
 
     def rollout_correction(self) -> RolloutCorrection | None:
         """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings, None for mode

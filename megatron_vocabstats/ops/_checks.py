@@ -14,7 +14,8 @@ Lives here: :func:`checked_config` (a call's checks and its :class:`StatsConfig`
 given as a tensor or, by a caller that never materialises them, as a :class:`LogitsSpec`), the
 compared columns of its exchange, :func:`check_finite` and the double-backward guards. The
 pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._layout` (the
-shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`) and
+shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
+(the ``kernel`` choice, :func:`~.kernels.resolve_kernel`) and
 :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`); every name that used to be
 defined here is re-exported. May import those modules and :mod:`._comm` (not the op modules).
 """
@@ -46,6 +47,7 @@ from .agreement import (
 from .agreement import agree_field as _agree_field
 from .agreement import as_field as _as_field  # noqa: F401 - re-exported
 from .agreement import target_checksum as _target_checksum
+from .kernels import KERNELS, resolve_kernel
 from .options import (
     BATCH_INVARIANT_MODES,
     BATCH_INVARIANT_NAMES,
@@ -147,7 +149,7 @@ def first_order_backward(op: str):
 
 def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, entropy="grad",
                  temperature=1.0, ignore_index=IGNORE_INDEX, label_smoothing=0.0, validate=True,
-                 batch_invariant=False, vocab_start=None) -> StatsConfig:
+                 batch_invariant=False, vocab_start=None, kernel="torch") -> StatsConfig:
     """This rank's checks of :func:`checked_config` (no collective); ``logits`` a tensor or a
     normalised :class:`LogitsSpec`. The one declaration of the options' defaults (those of
     :func:`~megatron_vocabstats.vocab_parallel_stats`): the wrappers pass on what they are
@@ -196,8 +198,11 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
     layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
     if tp == 1 and not layout.even:
         check_contiguous([layout.vocab_start], [layout.width], layout.vocab_size)
+    batch_invariant = _batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even)
     cfg = StatsConfig(
-        batch_invariant=_batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even),
+        batch_invariant=batch_invariant,
+        # Callers without a Triton backend (fused, top-k ops) leave the default: torch.
+        kernel=resolve_kernel(kernel, logits.device, batch_invariant),
         layout=layout,
         chunk_size=int(chunk_size),
         entropy=entropy,
@@ -227,6 +232,7 @@ _AGREEMENT = (
     Field("temperature", show=bits_float),
     Field("label_smoothing", show=bits_float),
     Field("batch_invariant", show=BATCH_INVARIANT_MODES.__getitem__),
+    Field("kernel (resolved)", show=KERNELS.__getitem__),
 )
 
 
@@ -246,6 +252,7 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
         float_bits(cfg.temperature),
         float_bits(cfg.label_smoothing),
         BATCH_INVARIANT_MODES.index(cfg.batch_invariant),
+        KERNELS.index(cfg.kernel),
         *(_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
     ]
     sample = 0

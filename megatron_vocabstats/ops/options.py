@@ -5,9 +5,9 @@ alike. Lives here: :data:`IGNORE_INDEX` (the default ``ignore_index``), :data:`L
 :data:`ENTROPY_MODES`, :data:`BATCH_INVARIANT_MODES` and the flag spellings
 :data:`BATCH_INVARIANT_NAMES`, :func:`check_batch_invariant`, :data:`LOGITS_DTYPES`,
 :data:`MIN_TEMPERATURE`, the auto chunk size (:data:`CHUNK_BYTES`, :func:`auto_chunk_size`),
-the keyword sets the op wrappers take as
-``**options`` (:class:`ShardKwargs` and its extensions, ``TypedDict`` s for ``Unpack``) and
-:class:`StatsConfig`, the frozen options of one call (built by ``_checks.checked_config``).
+the keyword sets the op wrappers take as ``**options`` (:class:`ShardKwargs` and its extensions
+up to :class:`VocabStatsKwargs`, ``TypedDict`` s for ``Unpack``) and :class:`StatsConfig`, the
+frozen options of one call (built by ``_checks.checked_config``).
 May import :mod:`._argtypes` and :mod:`._layout` only (and torch).
 """
 
@@ -116,6 +116,14 @@ class StatsKwargs(TargetKwargs, total=False):
     batch_invariant: bool | str
 
 
+class VocabStatsKwargs(StatsKwargs, total=False):
+    """:class:`StatsKwargs` and ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``: the backend of
+    the unfused op's per-chunk statistics and gradient, see ``ops.kernels.resolve_kernel``); the
+    keywords of :func:`~megatron_vocabstats.vocab_parallel_stats` and its wrappers."""
+
+    kernel: str
+
+
 class LinearHeadKwargs(TypedDict, total=False):
     """The fused LM head's own keywords (see
     :func:`~megatron_vocabstats.linear_vocab_parallel_stats`): ``sequence_parallel`` (bool,
@@ -142,3 +150,5 @@ class StatsConfig:
     label_smoothing: float
     validate: bool
     batch_invariant: bool | str = False
+    # The unfused op's backend, resolved (``kernels.resolve_kernel``): "torch" or "triton".
+    kernel: str = "torch"

@@ -29,7 +29,7 @@ from ._checks import (
     host_checks_enabled,
 )
 from ._math import finite_lse, grad_coefficients, merge_stats, target_in_range
-from .options import StatsKwargs
+from .options import VocabStatsKwargs
 
 # Moved to the engine (ops.engine); still importable from here.
 flatten_target = engine.flatten_target
@@ -77,7 +77,8 @@ class _VocabParallelStats(torch.autograd.Function):
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
-        chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True)
+        chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True,
+                                      upcast=cfg.kernel == "torch")
         parts = engine.gathered_stats(chunks, logits2d.shape[0], cfg, tp_group,
                                       has_target=has_target, device=logits.device)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
@@ -127,6 +128,7 @@ def vocab_parallel_stats(
     label_smoothing: float = 0.0,
     validate: bool = True,
     batch_invariant: bool | str = False,
+    kernel: str = "auto",
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp from vocab-parallel logits.
 
@@ -200,6 +202,15 @@ def vocab_parallel_stats(
             tokens with temporaries near one fp32 chunk buffer. Values stay within the
             tolerances of ``docs/numerics.md``.
             Must be equal on all ranks.
+        kernel: the backend of the per-chunk statistics and gradient: ``"auto"`` (default:
+            the ``VOCABSTATS_KERNEL`` environment variable, ``torch`` or ``triton``, if set;
+            else ``"torch"``: Triton for CUDA logits once the kernels have passed the GPU
+            check, ``ops.kernels.AUTO_TRITON_ON_CUDA``),
+            ``"torch"`` (the reference path) or ``"triton"`` (``ops.kernels.triton_stats``:
+            one read of the logits per pass; CUDA logits, or CPU under Triton's interpreter
+            ``TRITON_INTERPRET=1``). Batch-invariant modes always run the torch path. Both are
+            within the tolerances of ``docs/numerics.md``; their bits differ. The resolved
+            backend must be equal on all ranks (checked with ``validate``).
 
     Returns:
         :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
@@ -248,6 +259,7 @@ def vocab_parallel_stats(
         label_smoothing=label_smoothing,
         validate=validate,
         batch_invariant=batch_invariant,
+        kernel=kernel,
     )
     return VocabStats(*_VocabParallelStats.apply(logits, target, cfg, tp_group))
 
@@ -257,12 +269,12 @@ def vocab_parallel_logprobs(
     target: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    **options: Unpack[StatsKwargs],
+    **options: Unpack[VocabStatsKwargs],
 ) -> torch.Tensor:
     """Per-token ``log p(target)`` (fp32, nats, shaped like ``target``) from vocab-parallel logits.
 
     Equals ``vocab_parallel_stats(..., entropy="off").logprobs``: the same keywords
-    (:class:`~megatron_vocabstats.ops.options.StatsKwargs`), shapes, errors and communication
+    (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), shapes, errors and communication
     (see :func:`vocab_parallel_stats`). Ignored positions give 0.
     """
     return vocab_parallel_stats(logits, target, tp_group=tp_group, entropy="off",
@@ -274,13 +286,13 @@ def vocab_parallel_entropy(
     *,
     tp_group: dist.ProcessGroup | None = None,
     differentiable: bool = True,
-    **options: Unpack[StatsKwargs],
+    **options: Unpack[VocabStatsKwargs],
 ) -> torch.Tensor:
     """Per-token entropy ``-sum_j p_j log p_j`` (fp32, nats, shaped like ``logits.shape[:-1]``).
 
     Exact (``H = logZ - E_p[z]``, no sampling), from the shard ``[..., W]`` without gathering it.
     ``differentiable=False`` is the ``"metric"`` mode: no gradient and nothing saved for one.
-    Keywords (:class:`~megatron_vocabstats.ops.options.StatsKwargs`), errors and communication
+    Keywords (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), errors and communication
     as in :func:`vocab_parallel_stats` (no target).
     """
     return vocab_parallel_stats(logits, None, tp_group=tp_group,
@@ -293,13 +305,13 @@ def vocab_parallel_cross_entropy(
     target: torch.Tensor,
     label_smoothing: float = 0.0,
     tp_group: dist.ProcessGroup | None = None,
-    **options: Unpack[StatsKwargs],
+    **options: Unpack[VocabStatsKwargs],
 ) -> torch.Tensor:
     """Drop-in for Megatron's ``tensor_parallel.vocab_parallel_cross_entropy``.
 
     Same positional arguments and result: per-token loss ``-log p(target)``, fp32, shaped like
     ``target`` (Megatron: logits ``[s, b, V/tp]``, target ``[s, b]``), plus the keywords of
-    :func:`vocab_parallel_stats` (:class:`~megatron_vocabstats.ops.options.StatsKwargs`;
+    :func:`vocab_parallel_stats` (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`;
     ``ignore_index``: loss and gradient 0 there). Unlike the other ops,
     and like Megatron, ``tp_group=None`` means Megatron's default tensor-parallel group when
     ``megatron.core.parallel_state`` is initialised (no tensor parallelism otherwise).

@@ -208,9 +208,28 @@ def speed_table(report: dict) -> tuple[str, list[Row]]:
             ratios.append(f"{r['time_ms'] / b:.2f}" if b else "n/a")
         lines.append(f"{head} {r['time_ms']:.2f} | {ratios[0]} | {ratios[1]} | "
                      f"{r['peak_bytes'] / GiB:.2f} |")
+    lines += _bandwidth_lines(rows)
     if not summary:
         summary.append(Row("speed", "bf16 speed table", f"ok ({len(rows)} rows)"))
     return "\n".join(lines), summary
+
+
+def _bandwidth_lines(rows: list[dict]) -> list[str]:
+    """Forward/backward ms, achieved TB/s and the ratio to the one-read floor (``speed.py``'s
+    ``bandwidth``) of the rows that carry them; none for older reports."""
+    split = [r for r in rows if not r.get("skipped") and "fwd_ms" in (r.get("extra") or {})]
+    if not split:
+        return []
+    lines = ["", "Forward / backward against the bandwidth floor (fwd reads 2 B per logit, bwd "
+             "reads and writes 4 B):", "",
+             "| T | provider | mode | fwd ms | bwd ms | fwd TB/s | bwd TB/s | floor ms | "
+             "/ floor |", "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in split:
+        x = r["extra"]
+        lines.append(f"| {r['tokens']} | {r['provider']} | {r['mode']} | {x['fwd_ms']:.2f} | "
+                     f"{x['bwd_ms']:.2f} | {x['fwd_tbps']:.2f} | {x['bwd_tbps']:.2f} | "
+                     f"{x['floor_ms']:.2f} | {x['vs_floor']:.2f} |")
+    return lines
 
 
 def read_results(out: str) -> tuple[str, list[Row]]:

@@ -12,6 +12,13 @@ The driver launches one torchrun worker (``benchmarks/_runner.launch``) and writ
 ``{"skipped": reason}`` and launches nothing. Timing and peak memory are the benchmarks' own
 (``benchmarks/_runner.measure``: median wall time over ``--iters`` after ``--warmup`` runs,
 ``torch.cuda.max_memory_allocated``). A provider that raises gets its error in the row.
+
+Our rows run the torch path (``ours``, ``kernel="torch"``) and the Triton kernels
+(``ours_triton``, ``kernel="triton"``, issue 13). Each of them also gets forward and backward
+times of their own (CUDA events, ``validate=False``, median over ``--iters``), the achieved
+bandwidth of the bytes a one-read kernel must move (forward: read the bf16 logits once, 2 B per
+logit; backward: read them and write the gradient, 4 B) and the ratio of forward + backward to
+that floor at ``--peak-tbps`` (H200: 4.8 TB/s), in the row's ``extra``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from dataclasses import asdict
 
@@ -54,11 +62,15 @@ def megatron_fused(logits, target, group, vocab):
     return step
 
 
+KERNEL_OF = {"ours": "torch", "ours_triton": "triton"}
+ENTROPY_OF = {"logprob": "off", "logprob+entropy": "grad"}
+
+
 def providers(chunk: int):
     """``(name, mode, make)``; ``make(logits, target, group, vocab)`` returns a benchmark step."""
     return [
-        ("ours", "logprob", ours("off", chunk)),
-        ("ours", "logprob+entropy", ours("grad", chunk)),
+        *((name, mode, ours(ENTROPY_OF[mode], chunk, kernel=kernel))
+          for name, kernel in KERNEL_OF.items() for mode in ENTROPY_OF),
         ("megatron", "logprob", megatron),
         ("megatron_fused", "logprob", megatron_fused),
     ]
@@ -67,11 +79,13 @@ def providers(chunk: int):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file for the suite's table")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--iters", type=int, default=10, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed iterations first (Megatron's fused op compiles in them)")
+    parser.add_argument("--peak-tbps", type=float, default=4.8,
+                        help="memory bandwidth of the floor, TB/s (H200: 4.8)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("tokens", "iters"):
@@ -83,22 +97,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def split_times(make, logits, target, group, vocab, *, iters: int, warmup: int):
+    """Median forward and backward ms of ``make``'s step (CUDA events around each half)."""
+    step = make(logits, target, group, vocab)
+    fwd, bwd = [], []
+    for i in range(warmup + iters):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events[0].record()
+        backward = step()
+        events[1].record()
+        backward()
+        events[2].record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            fwd.append(events[0].elapsed_time(events[1]))
+            bwd.append(events[1].elapsed_time(events[2]))
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def bandwidth(tokens: int, vocab: int, fwd_ms: float, bwd_ms: float, peak_tbps: float) -> dict:
+    """Achieved TB/s of the one-read floor's bytes and the ratio of fwd + bwd to that floor."""
+    fwd_bytes, bwd_bytes = 2 * tokens * vocab, 4 * tokens * vocab
+    floor_ms = (fwd_bytes + bwd_bytes) / (peak_tbps * 1e9)
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tbps": fwd_bytes / (fwd_ms * 1e9),
+            "bwd_tbps": bwd_bytes / (bwd_ms * 1e9), "floor_ms": floor_ms,
+            "vs_floor": (fwd_ms + bwd_ms) / floor_ms}
+
+
 def worker(args) -> None:
     exit_with_launcher()
     group = init_worker()
     chunk = auto_chunk_size(args.vocab, device())
     rows = []
     for tokens in args.tokens:
-        gen = torch.Generator().manual_seed(tokens)
-        logits = ((torch.randn(tokens, args.vocab, generator=gen) * 2).bfloat16()
-                  .to(device()).requires_grad_())
-        target = torch.randint(0, args.vocab, (tokens,), generator=gen).to(device())
+        gen = torch.Generator(device()).manual_seed(tokens)  # on the device: 1.2e9 at T=8192
+        logits = ((torch.randn(tokens, args.vocab, generator=gen, device=device()) * 2)
+                  .bfloat16().requires_grad_())
+        target = torch.randint(0, args.vocab, (tokens,), generator=gen, device=device())
         for name, mode, make in providers(chunk):
             row = Measurement(provider=name, mode=mode, tokens=tokens, tp=1)
             try:
                 row.peak_bytes, row.time_ms, _, _ = measure(
                     make(logits, target, group, args.vocab), group=group,
                     inputs=(logits, target), iters=args.iters, warmup=args.warmup)
+                if name in KERNEL_OF:
+                    fast = ours(ENTROPY_OF[mode], chunk, kernel=KERNEL_OF[name], validate=False)
+                    row.extra = bandwidth(tokens, args.vocab, *split_times(
+                        fast, logits, target, group, args.vocab, iters=args.iters,
+                        warmup=args.warmup), args.peak_tbps)
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 row.skipped = f"error: {type(exc).__name__}: {exc}"
                 logits.grad = None
@@ -118,10 +164,12 @@ def main(argv=None) -> int:
         report = {"skipped": "needs a CUDA device"}
     else:
         script_args = ["--out", args.out, "--tokens", *map(str, args.tokens), "--vocab",
-                       str(args.vocab), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+                       str(args.vocab), "--iters", str(args.iters), "--warmup", str(args.warmup),
+                       "--peak-tbps", str(args.peak_tbps)]
         rows = launch(os.path.abspath(__file__), 1, script_args)
         report = {"config": f"V={args.vocab}, tp=1, median of {args.iters} after {args.warmup} "
-                            f"warm-up, {torch.cuda.get_device_name()}",
+                            f"warm-up, floor at {args.peak_tbps} TB/s, "
+                            f"{torch.cuda.get_device_name()}",
                   "rows": [asdict(r) for r in rows]}
     with open(args.out, "w") as f:
         json.dump(report, f)

@@ -70,7 +70,7 @@ ALLOWED = {
     "_math": {"_layout", "_grad"},
     "options": {"_argtypes", "_layout"},
     "agreement": {"_argtypes", "_comm"},
-    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm"},
+    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm", "kernels"},
     "workspace": set(),
 }
 

@@ -245,13 +245,28 @@ def test_fused_bound_holds_the_cpu_peaks_and_excludes_the_unfused_pair():
 def test_speed_arguments():
     speed = _suite.load_module(os.path.join(GPU_DIR, "speed.py"), "gpu_speed")
     args = speed.parse_args(["--out", "x.json"])
-    assert (args.tokens, args.vocab, args.iters, args.warmup) == ([2048, 8192], 151_936, 10, 3)
+    assert (args.tokens, args.vocab, args.iters, args.warmup) == ([4096, 8192], 151_936, 10, 3)
+    assert args.peak_tbps == 4.8
     for bad in (["--tokens", "0"], ["--iters", "-1"], ["--vocab", "0"], ["--warmup", "-1"], []):
         with pytest.raises(SystemExit):
             speed.parse_args(bad + (["--out", "x"] if bad else []))
     assert [p[:2] for p in speed.providers(8)] == [
-        ("ours", "logprob"), ("ours", "logprob+entropy"), ("megatron", "logprob"),
-        ("megatron_fused", "logprob")]
+        ("ours", "logprob"), ("ours", "logprob+entropy"), ("ours_triton", "logprob"),
+        ("ours_triton", "logprob+entropy"), ("megatron", "logprob"), ("megatron_fused", "logprob")]
+
+
+def test_speed_bandwidth_floor_and_its_table():
+    """The one-read floor of issue 13 (6 B per logit: 1.56 ms at T=8192, V=151,936, 4.8 TB/s)
+    and the suite's forward/backward table of the rows that carry it."""
+    speed = _suite.load_module(os.path.join(GPU_DIR, "speed.py"), "gpu_speed")
+    x = speed.bandwidth(8192, 151_936, 0.6, 1.2, 4.8)
+    assert abs(x["floor_ms"] - 1.5557) < 1e-3
+    assert abs(x["fwd_tbps"] - 2 * 8192 * 151_936 / 0.6e9) < 1e-9
+    assert abs(x["vs_floor"] - 1.8 / x["floor_ms"]) < 1e-12
+    rows = [dict(SPEED["rows"][0], provider="ours_triton", extra=x)]
+    text, _ = _suite.speed_table({"config": "c", "rows": rows})
+    assert "| 2048 | ours_triton | logprob | 0.60 | 1.20 | 4.15 | 4.15 | 1.56 | 1.16 |" in text
+    assert "/ floor" not in _suite.speed_table(SPEED)[0]  # older reports: no second table
 
 
 def test_speed_without_cuda_writes_a_skip(tmp_path, monkeypatch):

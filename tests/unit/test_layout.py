@@ -111,7 +111,7 @@ def test_one_options_object():
 
     from megatron_vocabstats import StatsOptions
     from megatron_vocabstats.ops import _checks
-    from megatron_vocabstats.ops.options import StatsKwargs
+    from megatron_vocabstats.ops.options import VocabStatsKwargs as StatsKwargs
 
     keys = set(StatsKwargs.__annotations__) | {
         k for base in StatsKwargs.__mro__ for k in getattr(base, "__annotations__", {})}

@@ -274,6 +274,32 @@ def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
     assert seen["batch_invariant"] == "tp" and loss.shape == (1, 4)
 
 
+def test_kernel_flag_reaches_the_settings_and_the_unfused_op(patch, monkeypatch):
+    from megatron_vocabstats.megatron import model
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--vocab-stats-kernel", "torch"], monkeypatch)
+    config_hook(args)
+    assert settings.current().kernel == "torch"
+    assert settings.current().stats_options().kernel == "torch"
+    assert settings.current().stats_options(fused=True).kernel == "auto"  # no fused backend
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        settings.update(kernel="cuda")
+    seen = {}
+    original = model.vocab_parallel_stats
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "vocab_parallel_stats", recording)
+    fake = torch.nn.Module()
+    fake.tp_group = None
+    loss = LanguageModule.compute_language_model_loss(fake, torch.randint(0, 32, (1, 4)),
+                                                      torch.randn(4, 1, 32))
+    assert seen["kernel"] == "torch" and loss.shape == (1, 4)
+
+
 def test_full_cuda_graph_reset_drops_the_workspace(patch):
     from megatron_vocabstats.megatron import compat
     from megatron_vocabstats.ops.workspace import WORKSPACE
@@ -340,6 +366,7 @@ def test_bad_flag_values_stop_megatron_parser(patch, monkeypatch, capsys, flag, 
      "--vocab-stats-label-smoothing must be a number in [0, 1)"),
     ("vocab_stats_entropy", "yes", "--vocab-stats-entropy must be one of"),
     ("vocab_stats_batch_invariant", "maybe", "--vocab-stats-batch-invariant must be one of"),
+    ("vocab_stats_kernel", "cuda", "--vocab-stats-kernel must be one of"),
 ])
 def test_config_hook_refuses_values_set_without_the_parser(patch, monkeypatch, switch, name,
                                                            value, message):

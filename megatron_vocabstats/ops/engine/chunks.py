@@ -8,10 +8,15 @@
   ``_math.merge_stats``; :func:`merge_tokens_per_pass` sizes that merge;
 * :func:`logits_grad`: the backward loop of an op on logits, around its
   :class:`~.kernel.ChunkGrad`;
-* small helpers every Function shares (:func:`flatten_target`, :func:`function_outputs`).
+* small helpers every Function shares (:func:`flatten_target`, :func:`function_outputs`);
+* the Triton backend (``cfg.kernel == "triton"``, :mod:`..kernels.triton_stats`, imported only
+  then): :func:`logits_chunks` with ``upcast=False`` hands the kernels the logits as they are,
+  and :func:`gathered_stats` / :func:`logits_grad` swap the torch :class:`~.kernel.ShardStats` /
+  :class:`~.kernel.StatsGrad` for their Triton twins.
 
 May import: ``torch``, :mod:`.._math`, :mod:`.._checks` (``StatsConfig``), :mod:`.._comm`,
-:mod:`..workspace` and :mod:`.kernel`; never an op module nor ``megatron_vocabstats.megatron``.
+:mod:`..workspace`, :mod:`.kernel` and (lazily) :mod:`..kernels.triton_stats`; never an op
+module nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,13 @@ from .._math import (
     rebase_zsum_,
 )
 from ..workspace import WORKSPACE
-from .kernel import Chunk, ChunkGrad, ShardStats
+from .kernel import Chunk, ChunkGrad, ShardStats, StatsGrad
+
+
+def _triton():
+    from ..kernels import triton_stats  # imports triton: only once the backend was chosen
+
+    return triton_stats
 
 
 def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
@@ -48,7 +59,8 @@ def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
     return logprobs, entropy, lse
 
 
-def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool = False):
+def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool = False,
+                  upcast: bool = True):
     """Yield a :class:`~.kernel.Chunk` ``(rows, z, scratch, index, owned, logits)`` per chunk,
     reusing two fp32 ``[chunk, W]`` buffers.
 
@@ -57,9 +69,17 @@ def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool =
     ``logits2d[rows]``. The buffers come from the workspace cache (:mod:`..workspace`) and go back
     to it when the generator finishes or is closed. ``padded``: buffers of
     :func:`~.._math.padded_width` columns (whole blocks, for :func:`~.._math.block_stats` in
-    batch-invariant mode).
+    batch-invariant mode). ``upcast=False`` (the Triton kernels, which read the logits
+    themselves): one chunk of all rows with ``z`` and ``scratch`` None, no buffer taken.
     """
     num_tokens = logits2d.shape[0]
+    if not upcast:
+        rows = slice(0, num_tokens)
+        index = owned = None
+        if target1d is not None:
+            index, owned = local_target_index(target1d, valid, cfg.layout)
+        yield Chunk(rows, None, None, index, owned, logits2d)
+        return
     width = padded_width(cfg.layout.width, bool(cfg.batch_invariant) and padded)
     shape = (min(cfg.chunk_size, max(num_tokens, 1)), width)
     leases = [WORKSPACE.take(shape, torch.float32, logits2d.device) for _ in range(2)]
@@ -107,7 +127,10 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
         counted = zsum and not cfg.layout.even
         stats = torch.zeros((NUM_STATS, num_tokens + counted), dtype=torch.float32,
                             device=device)
-        stats_of = ShardStats(**opts, batch_invariant=bool(cfg.batch_invariant))
+        if cfg.kernel == "triton":
+            stats_of = _triton().TritonShardStats(**opts, temperature=cfg.temperature)
+        else:
+            stats_of = ShardStats(**opts, batch_invariant=bool(cfg.batch_invariant))
         for chunk in chunks:
             stats_of(chunk, stats[:, chunk.rows])
         if counted:
@@ -148,8 +171,13 @@ def flatten_target(target, ignore_index: int):
 def logits_grad(logits2d, target1d, valid, cfg: StatsConfig, grad: ChunkGrad) -> torch.Tensor:
     """The backward of an op on logits: ``grad`` of every chunk of ``logits2d`` ``[T, W]``
     (recomputed by :func:`logits_chunks`) written into one preallocated ``[T, W]``
-    tensor of the logits' dtype, which is returned. No collective."""
+    tensor of the logits' dtype, which is returned. No collective. With ``cfg.kernel ==
+    "triton"`` a :class:`~.kernel.StatsGrad` runs as the Triton kernel, on the logits as they
+    are (other :class:`~.kernel.ChunkGrad` objects always on the torch chunks)."""
     grad_logits = torch.empty_like(logits2d)
-    for chunk in logits_chunks(logits2d, target1d, valid, cfg):
+    upcast = not (cfg.kernel == "triton" and type(grad) is StatsGrad)
+    if not upcast:
+        grad = _triton().TritonStatsGrad(grad, cfg.temperature)
+    for chunk in logits_chunks(logits2d, target1d, valid, cfg, upcast=upcast):
         grad(chunk, grad_logits[chunk.rows])
     return grad_logits

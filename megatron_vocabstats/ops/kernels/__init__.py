@@ -1,0 +1,77 @@
+"""Kernel backends behind the engine's per-chunk seam (:mod:`..engine.kernel`), and their choice.
+
+Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
+argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``)
+and :func:`resolve_kernel`. The Triton kernels themselves live in :mod:`.triton_stats`, which
+imports ``triton``: nothing here does (``importlib.util.find_spec`` only), so importing the
+package never needs triton or a GPU. May import the standard library and torch only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+# Resolved backends (``StatsConfig.kernel``) and the values the ops accept.
+KERNELS = ("torch", "triton")
+KERNEL_CHOICES = ("auto", *KERNELS)
+# Forces the backend of kernel="auto" (for tests and A/B runs): "torch" or "triton".
+KERNEL_ENV = "VOCABSTATS_KERNEL"
+# Whether "auto" takes Triton for CUDA logits. Off until the kernels have passed the GPU parity
+# step of tests/gpu/run.sh on a device (they are tested on CPU under Triton's interpreter and
+# compiled for sm_90 offline, never run on a GPU yet): an untested default must not reach the
+# users' GPUs. kernel="triton" or VOCABSTATS_KERNEL=triton opts in.
+AUTO_TRITON_ON_CUDA = False
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (looked up once, not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to a true value, as
+    ``triton.knobs`` reads it when the kernels are decorated)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_kernel(kernel, device: torch.device, batch_invariant) -> str:
+    """The backend (one of :data:`KERNELS`) of one call of the unfused op.
+
+    ``kernel``: ``"auto"`` (the :data:`KERNEL_ENV` value if set, else ``"triton"`` for CUDA
+    logits when triton imports and :data:`AUTO_TRITON_ON_CUDA` is on, ``"torch"`` otherwise),
+    ``"torch"`` or ``"triton"``.
+    ``batch_invariant`` (``True``/``"tp"``) always resolves to ``"torch"``: the Triton kernels
+    do not implement the block statistics of batch-invariant mode, which stays on the torch
+    path's fixed reduction tree.
+
+    Raises ``ValueError`` naming the argument for a value not in :data:`KERNEL_CHOICES` (or a bad
+    :data:`KERNEL_ENV`), and for ``"triton"`` (given or forced) without the triton package or
+    with logits that are not on CUDA outside the interpreter (``TRITON_INTERPRET=1``).
+    """
+    if not isinstance(kernel, str) or kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    source = f"kernel={kernel!r}"
+    if kernel == "auto":
+        forced = os.environ.get(KERNEL_ENV, "")
+        if forced:
+            if forced not in KERNELS:
+                raise ValueError(f"{KERNEL_ENV} must be one of {KERNELS} (or unset), got "
+                                 f"{forced!r}")
+            kernel, source = forced, f"{KERNEL_ENV}={forced}"
+        else:
+            kernel = ("triton" if AUTO_TRITON_ON_CUDA and device.type == "cuda"
+                      and triton_available() else "torch")
+    if batch_invariant or kernel == "torch":
+        return "torch"
+    if not triton_available():
+        raise ValueError(f"{source} needs the triton package, which is not installed; pass "
+                         "kernel='torch' (or 'auto')")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"{source} needs logits on a CUDA device (got {device.type}), or "
+                         "Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+    return "triton"

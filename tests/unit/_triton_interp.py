@@ -1,0 +1,158 @@
+"""The Triton kernels of the unfused op (``ops.kernels.triton_stats``) under Triton's CPU
+interpreter, against the float64 reference and the torch path.
+
+Not collected by the suite (no ``test_`` prefix): ``test_triton_kernels.py`` runs this file in a
+subprocess with ``TRITON_INTERPRET=1`` set before triton decorates the kernels, so the
+interpreter never leaks into other tests. Run by hand with::
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/unit/_triton_interp.py
+
+Tolerances are the bounds of ``_reference.py`` (``docs/numerics.md``, "Test tolerances"), the
+online rescaling counted as in ``_triton_parity.online_parts``; the op-level parity check is
+``_triton_parity.check_op_parity`` (shared with the GPU suite).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _reference import (
+    LIBM_ULPS,
+    U32,
+    assert_within,
+    gamma,
+)
+from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops import _math
+from megatron_vocabstats.ops.kernels import interpreting
+
+if not interpreting():
+    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_kernels.py)",
+                allow_module_level=True)
+
+import _triton_parity
+from megatron_vocabstats.ops.kernels import triton_stats
+
+DTYPES = _triton_parity.DTYPES
+online_parts = _triton_parity.online_parts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mode", ["grad", "metric"])
+@pytest.mark.parametrize("name", sorted(_triton_parity.CASES))
+def test_op_parity(name, mode, dtype):
+    _triton_parity.check_op_parity(name, mode, dtype, torch.device("cpu"))
+
+
+def _pair_bounds(z64: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds ``[n]`` of the difference of two fp32 evaluations (the kernel's, the torch path's)
+    of a row's ``S = sum_j e^x_j``/``U = sum_j e^x_j x_j`` and of ``A = sum_j x_j`` (``x = z -
+    max z``, before the scale ``c``), first order in u.
+
+    Per term: ``x_j`` is rounded once (relative u, which moves ``e^x_j`` by ``u |x_j|``), exp
+    costs ``LIBM_ULPS`` u, the product ``e^x x`` one u; the W terms are summed (``gamma_W``) and
+    the kernel rescales its partial sums nb - 1 times, each an exp, a product and an add (and for
+    U the ``d s`` correction, whose terms are bounded by ``e^x_j |x_j|``), ``(nb - 1)(LIBM_ULPS +
+    4) u`` relative. The terms of S and U are bounded together by ``e^x (1 + |x|)``; every term of
+    A has one sign, so ``A`` gets ``sum |x| (u + gamma_(W + 2nb))``. Both evaluations meet the
+    bound, so their difference is within twice it.
+    """
+    u = U32
+    width = z64.shape[-1]
+    x = z64 - z64.amax(-1, keepdim=True)
+    weight = x.exp() * (1 + x.abs())
+    rescale = gamma(width + 3 * nb) + (nb - 1) * (LIBM_ULPS + 4) * u
+    d_su = (weight * (u * x.abs() + (LIBM_ULPS + 1) * u)).sum(-1) + rescale * weight.sum(-1)
+    d_a = x.abs().sum(-1) * (u + gamma(width + 2 * nb))
+    return 2 * d_su, 2 * d_a
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_shard_stats_columns(dtype, block):
+    """The five statistics rows against ``_math.chunk_stats`` of the same chunk, many blocks:
+    the max and the target logit bitwise, the sums within their rounding bounds."""
+    gen = torch.Generator().manual_seed(block + DTYPES.index(dtype))
+    n, width, real = 6, 75, 70
+    x = (torch.randn(n, width, generator=gen) * 4).to(dtype)
+    x[1, 5] = float("-inf")
+    x[3, :] = float("-inf")  # a dead row: max -inf, sums 0
+    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=real, vocab_size=real)
+    target = torch.randint(0, real, (n,), generator=gen)
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[4] = False
+    index, owned = _math.local_target_index(target, valid, layout)
+    ours = torch.zeros(_math.NUM_STATS, n)
+    theirs = torch.zeros(_math.NUM_STATS, n)
+    triton_stats.shard_stats(x, index, owned, ours, layout=layout, temperature=1.0,
+                             entropy=True, zsum=True, block_n=block)
+    z = _math.load_chunk(x, torch.empty(n, width), layout, 1.0)
+    _math.chunk_stats(z, torch.empty(n, width), index, owned, theirs, layout=layout,
+                      entropy=True, zsum=True)
+    for row in (_math.STAT_MAX, _math.STAT_TARGET):
+        assert torch.equal(ours[row], theirs[row]), f"stat row {row}"
+    assert bool((ours[_math.STAT_SUMEXP, 3] == 0) & (ours[_math.STAT_ENT, 3] == 0))
+    live = [r for r in range(n) if r not in (1, 3)]  # row 1: the smoothing sum is -inf
+    z64 = x.double()[live, :real].clamp(min=_math.Z_FLOOR)
+    d_su, d_a = _pair_bounds(z64, -(-width // block))
+    for row in (_math.STAT_SUMEXP, _math.STAT_ENT):
+        assert_within(ours[row, live], theirs[row, live], d_su, f"stat row {row}")
+    assert_within(ours[_math.STAT_ZSUM, live], theirs[_math.STAT_ZSUM, live],
+                  d_a * _math.zsum_scale(real), "smoothing sum")
+    assert ours[_math.STAT_ZSUM, 1] == float("-inf")
+
+
+def test_nan_row_stays_nan():
+    x = torch.randn(3, 40)
+    x[1, 7] = float("nan")
+    out = vocab_parallel_stats(x, None, validate=False, kernel="triton")
+    assert bool(torch.isnan(out.logsumexp[1])) and bool(torch.isfinite(out.logsumexp[[0, 2]]).all())
+
+
+def test_batch_invariant_falls_back_to_torch():
+    x = torch.randn(4, 130)
+    target = torch.randint(0, 130, (4,))
+    ours = vocab_parallel_stats(x, target, batch_invariant=True, kernel="triton")
+    theirs = vocab_parallel_stats(x, target, batch_invariant=True, kernel="torch")
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_env_forces_triton(monkeypatch):
+    """``VOCABSTATS_KERNEL=triton`` makes ``kernel="auto"`` run the kernels on CPU here: the
+    results equal an explicit ``kernel="triton"`` bitwise (and differ from torch's bits)."""
+    x = torch.randn(5, 1100) * 3
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "triton")
+    forced = vocab_parallel_stats(x, None)
+    monkeypatch.delenv("VOCABSTATS_KERNEL")
+    explicit = vocab_parallel_stats(x, None, kernel="triton")
+    assert torch.equal(forced.entropy, explicit.entropy)
+    assert torch.equal(forced.logsumexp, explicit.logsumexp)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+def test_strided_logits_equal_contiguous(layout):
+    """Any strides: the kernels read the view itself (same arithmetic, so the same bits as on a
+    contiguous copy), forward and backward."""
+    gen = torch.Generator().manual_seed(11)
+    if layout == "row_slice":  # [7, 37] with row stride 90
+        view = torch.randn(7, 90, generator=gen).bfloat16()[:, 5:42]
+    else:  # [7, 37] with column stride 7
+        view = torch.randn(37, 7, generator=gen).bfloat16().t()
+    target = torch.randint(0, 37, (7,), generator=gen)
+    results = []
+    for x in (view, view.contiguous()):
+        leaf = x.detach().clone() if x.is_contiguous() else x.detach()
+        leaf.requires_grad_()
+        st = vocab_parallel_stats(leaf, target, label_smoothing=0.1, kernel="triton")
+        (st.logprobs.sum() + st.entropy.sum()).backward()
+        results.append((*st, leaf.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_no_tokens():
+    st = vocab_parallel_stats(torch.randn(0, 40, requires_grad=True),
+                              torch.zeros(0, dtype=torch.long), kernel="triton")
+    assert st.logprobs.shape == (0,) and st.entropy.shape == (0,)

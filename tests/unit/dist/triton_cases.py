@@ -1,0 +1,114 @@
+"""Multi-process cases of the Triton kernels under Triton's interpreter (tp 2 on gloo); run by
+tests/unit/test_triton_kernels.py.
+
+Run as a script (its own process), it turns the interpreter on (``TRITON_INTERPRET=1``) before
+the first case imports the kernels (importing the package does not import triton); imported for
+its case names (by the pytest side) it changes nothing. Every rank builds the same full
+logits, keeps its shard, and compares the Triton path with the torch path and the float64
+reference within the bounds of ``_reference.py`` (the online rescaling counted as in
+``_triton_interp.online_parts``, plus the tp shards as merged parts).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import Cases, Skip, main
+from _reference import (
+    assert_within,
+    reference_stats,
+    smoothed_logprob_bound,
+    stats_bounds,
+    stats_grad_bound,
+    temperature_dz,
+)
+from megatron_vocabstats import vocab_parallel_stats
+
+CASES = Cases()
+
+
+def _shards(group, *, width, vocab, dtype, tokens=6):
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(7)
+    full = (torch.randn(tokens, width * tp, generator=gen) * 3).to(dtype)
+    full[0, 1] = float("-inf")
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+    target[2] = -100
+    return full, full[:, rank * width:(rank + 1) * width].clone(), target
+
+
+def _parity(group, dtype, *, width, vocab, tau, eps):
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    if tp == 1:
+        raise Skip("needs tp >= 2")
+    full, shard, target = _shards(group, width=width, vocab=vocab, dtype=dtype)
+    valid = target != -100
+    w_lp = torch.linspace(-1, 2, target.numel())
+    w_h = torch.linspace(1, -0.5, target.numel())
+    leaf = shard.clone().requires_grad_()
+    st = vocab_parallel_stats(leaf, target, tp_group=group, vocab_size=vocab, temperature=tau,
+                              label_smoothing=eps, kernel="triton")
+    ((st.logprobs * w_lp).sum() + (st.entropy * w_h).sum()).backward()
+    ref_leaf = full.double().requires_grad_()
+    ref = reference_stats(ref_leaf, target, vocab_size=vocab, temperature=tau,
+                          label_smoothing=eps)
+    ((ref[0] * w_lp.double()).sum() + (ref[1] * w_h.double()).sum()).backward()
+    z = full.double()[:, :vocab] / tau
+    nb = -(-width // 1024)  # triton_stats.block_columns: one block up to 1024 columns
+    parts = tp * max(nb, 4 * nb - 9)
+    b = stats_bounds(z, dz=temperature_dz(z, tau), width=width, parts=parts)
+    assert_within(st.logsumexp, ref[2], b.logsumexp, "logsumexp")
+    assert_within(st.entropy[valid], ref[1][valid], b.entropy[valid], "entropy")
+    safe = torch.where(valid, target, 0)
+    assert_within(st.logprobs[valid], ref[0][valid],
+                  smoothed_logprob_bound(b, safe, eps)[valid], "logprobs")
+    keep = valid.double() / tau
+    grad_ref = ref_leaf.grad[:, :vocab]
+    bound = stats_grad_bound(b, grad_ref, c_lp=w_lp.double() * keep, c_h=w_h.double() * keep,
+                             target=safe, eps=eps, scaled=tau != 1.0, dtype=dtype)
+    # This rank's real columns of the full gradient and bound.
+    lo, hi = rank * width, min((rank + 1) * width, vocab)
+    mine = leaf.grad[:, :max(hi - lo, 0)]
+    assert_within(mine[valid], grad_ref[:, lo:hi][valid], bound[:, lo:hi][valid], "gradient")
+    assert bool((leaf.grad[:, max(hi - lo, 0):] == 0).all()), "gradient at padding columns"
+    assert bool((leaf.grad[~valid] == 0).all()), "gradient at ignored rows"
+    # Identical on every rank.
+    gathered = [torch.empty_like(st.logsumexp) for _ in range(tp)]
+    dist.all_gather(gathered, st.logsumexp, group=group)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+@CASES.register
+def tp_parity_fp32_padding_smoothing(group):
+    _parity(group, torch.float32, width=40, vocab=71, tau=1.0, eps=0.1)
+
+
+@CASES.register
+def tp_parity_bf16_multi_block_temperature(group):
+    _parity(group, torch.bfloat16, width=1100, vocab=2150, tau=0.8, eps=0.0)
+
+
+@CASES.register
+def tp_kernels_must_agree(group):
+    """A rank on the torch path and one on the Triton path: the agreement check names it."""
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    if tp == 1:
+        raise Skip("needs tp >= 2")
+    _, shard, target = _shards(group, width=40, vocab=80, dtype=torch.float32)
+    try:
+        vocab_parallel_stats(shard, target, tp_group=group,
+                             kernel="triton" if rank == 0 else "torch")
+    except ValueError as exc:
+        assert "kernel (resolved) differs" in str(exc), str(exc)
+    else:
+        raise AssertionError("mixed kernels were not rejected")
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+    main(CASES)

@@ -1,0 +1,125 @@
+"""The Triton backend of the unfused op (``ops.kernels``): its selection (``kernel=`` and
+``VOCABSTATS_KERNEL``), that the package imports without triton, and the kernels themselves
+under Triton's CPU interpreter: ``_triton_interp.py`` (one subprocess, ``TRITON_INTERPRET=1``
+set before triton decorates the kernels, so the interpreter cannot leak into this process) and
+``dist/triton_cases.py`` (tp 2 on gloo); and that they compile for sm_90 without a GPU
+(``_triton_compile.py``, in a subprocess with its own Triton cache).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import HERE, check_case
+from dist.triton_cases import CASES
+from megatron_vocabstats import vocab_parallel_entropy, vocab_parallel_stats
+from megatron_vocabstats.ops import kernels
+from megatron_vocabstats.ops.kernels import KERNEL_ENV, resolve_kernel, triton_available
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _no_forcing(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **env})
+
+
+def test_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernel("auto", cpu, False) == "torch"
+    assert resolve_kernel("torch", cuda, False) == "torch"
+    # Off until the kernels pass the GPU parity step (kernels.AUTO_TRITON_ON_CUDA).
+    assert resolve_kernel("auto", cuda, False) == (
+        "triton" if kernels.AUTO_TRITON_ON_CUDA and triton_available() else "torch")
+    assert resolve_kernel("auto", cuda, True) == "torch"  # batch-invariant: the torch tree
+    assert resolve_kernel("triton", cuda, "tp") == "torch"
+
+
+@pytest.mark.parametrize("bad", ["Triton", "cuda", None, 1])
+def test_bad_kernel_names_the_argument(bad):
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        vocab_parallel_stats(torch.randn(2, 5), None, kernel=bad)
+
+
+@needs_triton
+def test_triton_on_cpu_without_interpreter():
+    with pytest.raises(ValueError, match=r"kernel='triton' needs logits on a CUDA device"):
+        vocab_parallel_entropy(torch.randn(2, 5), kernel="triton")
+
+
+def test_environment_variable(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{KERNEL_ENV} must be one of"):
+        vocab_parallel_stats(torch.randn(2, 5), None)
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    x = torch.randn(3, 9)
+    assert torch.equal(vocab_parallel_stats(x, None).entropy,
+                       vocab_parallel_stats(x, None, kernel="torch").entropy)
+    if triton_available():
+        monkeypatch.setenv(KERNEL_ENV, "triton")
+        with pytest.raises(ValueError, match=f"{KERNEL_ENV}=triton needs logits on a CUDA"):
+            vocab_parallel_stats(x, None)
+        # An explicit kernel wins over the variable.
+        vocab_parallel_stats(x, None, kernel="torch")
+
+
+def test_package_imports_without_triton():
+    """With triton unimportable the package imports and runs, and kernel='triton' says why."""
+    proc = _run(
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, megatron_vocabstats as m\n"
+        "print(m.vocab_parallel_stats(torch.randn(2, 5), None).entropy.shape)\n"
+        "try:\n"
+        "    m.vocab_parallel_stats(torch.randn(2, 5), None, kernel='triton')\n"
+        "except ValueError as e:\n"
+        "    print(e)\n", PYTHONPATH=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "torch.Size([2])" in proc.stdout
+    assert "kernel='triton' needs the triton package" in proc.stdout, proc.stdout
+
+
+def test_import_does_not_import_triton():
+    proc = _run("import sys, megatron_vocabstats\nprint('triton' in sys.modules)",
+                PYTHONPATH=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("False"), proc.stderr[-4000:]
+
+
+@needs_triton
+def test_kernels_under_the_interpreter():
+    """``_triton_interp.py`` in one subprocess with ``TRITON_INTERPRET=1``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           os.path.join(HERE, "_triton_interp.py")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-4000:]
+
+
+@needs_triton
+def test_kernels_compile_for_sm90(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "_triton_compile.py")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=540,
+                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore",
+                               "TRITON_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "compiled 60 kernels for sm_90" in proc.stdout
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tp2_under_the_interpreter(name):
+    check_case("triton_cases.py", 2, name)
