@@ -6,7 +6,7 @@ statistics, the backward loops, the fused LM head's GEMMs and ``main_grad`` cont
 per-chunk seam (``engine.kernel``: statistics and gradient of a chunk). The op modules
 (``vocab_parallel``, ``topk``, ``sampling`` and their fused ``fused_*`` variants) hold their
 autograd Functions and public API; op-specific math and checks sit beside them
-(``topk_kernels``, ``topk_checks``, ``sampling_search``, ``linear_checks``). No op module imports
+(``topk_math``, ``topk_checks``, ``sampling_search``, ``linear_checks``). No op module imports
 a private name of another, and nothing here imports ``megatron_vocabstats.megatron``.
 """
 

@@ -320,7 +320,7 @@ def merge_stats(
     ``log p_y`` without smoothing). Positions with ``valid`` False get logprob and entropy 0. A row
     with no live column anywhere gets logsumexp -inf and NaN logprob and entropy.
     With label smoothing the parts' smoothing rows must be relative to the merged maximum
-    (:func:`rebase_zsum_`, as ``vocab_parallel.gathered_stats`` leaves them).
+    (:func:`rebase_zsum_`, as ``engine.chunks.gathered_stats`` leaves them).
     ``in_range``: :func:`target_in_range` of the targets; valid rows where it is False get a NaN
     logprob (an id outside the vocabulary, not rejected when ``validate`` is off).
     ``batch_invariant``: sum over the first dimension with :func:`tree_sum_` (which makes the

@@ -16,7 +16,7 @@ gradient-accumulation fusion (``weight.main_grad``).
 This module holds the autograd Function and the public API; the chunk loop, the buffers, the
 weight-gradient GEMMs, the recompute backward and the forward-gradient mode are the engine's
 (:mod:`.engine`); the input checks live in :mod:`.linear_checks`. May import: :mod:`._checks`,
-:mod:`._math`, :mod:`.engine`, :mod:`.linear_checks` and the public names of
+:mod:`._math`, :mod:`.options`, :mod:`.engine`, :mod:`.linear_checks` and the public names of
 :mod:`.vocab_parallel`.
 """
 
@@ -51,7 +51,7 @@ from .engine import (
     wgrad_mode,
 )
 from .linear_checks import checked_linear_config
-from .options import LinearStatsKwargs, StatsKwargs
+from .options import LinearStatsKwargs, StatsKwargs, check_keywords
 from .vocab_parallel import VocabStats
 
 __all__ = [
@@ -267,6 +267,7 @@ def linear_vocab_parallel_stats(
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are scaled in place by the first).
     """
+    check_keywords("linear_vocab_parallel_stats", options, StatsKwargs)
     cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,
                                 sequence_parallel=sequence_parallel,
                                 accumulate_into_main_grad=accumulate_into_main_grad,
@@ -296,6 +297,7 @@ def linear_vocab_parallel_cross_entropy(
     (:class:`~megatron_vocabstats.ops.options.LinearStatsKwargs`), errors and communication
     apply.
     """
+    check_keywords("linear_vocab_parallel_cross_entropy", options, LinearStatsKwargs)
     stats = linear_vocab_parallel_stats(hidden, weight, target, tp_group=tp_group,
                                         entropy="off", grad_weights=loss_weights, **options)
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

@@ -3,8 +3,9 @@ path: every pass of the threshold search recomputes each chunk's logits ``hidden
 ``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
 per pass (14 in forward with top-k and top-p, one in backward).
 
-May import: :mod:`._checks`, :mod:`.engine`, :mod:`.linear_checks`, :mod:`.sampling_search` and
-the public names of :mod:`.sampling`; never ``megatron_vocabstats.megatron``.
+May import: :mod:`._checks`, :mod:`.engine`, :mod:`.linear_checks`, :mod:`.options`,
+:mod:`.sampling_search` and the public names of :mod:`.sampling`; never
+``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .engine import (
     recompute_backward,
 )
 from .linear_checks import checked_linear_config
-from .options import TargetKwargs
+from .options import TargetKwargs, check_keywords
 from .sampling import SamplingLogprobs, sampler_config
 from .sampling_search import (
     SampledGrad,
@@ -100,6 +101,7 @@ def linear_vocab_parallel_sampling_logprobs(
     in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's chunk buffers,
     chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
     """
+    check_keywords("linear_vocab_parallel_sampling_logprobs", options, TargetKwargs)
     def check(_logits, target_, group, **kwargs):
         return checked_linear_config(hidden, weight, target_, None, group,
                                      sequence_parallel=sequence_parallel,

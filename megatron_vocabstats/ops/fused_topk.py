@@ -2,7 +2,7 @@
 
 Each chunk's logits ``hidden_chunk @ weight.T`` exist only in the fused LM head's ``[chunk, W]``
 buffer (``engine.ChunkBuffers`` / ``engine.linear_chunks``); the per-chunk math and the merge are
-those of :mod:`megatron_vocabstats.ops.topk` (:mod:`.topk_kernels`), and backward recomputes each
+those of :mod:`megatron_vocabstats.ops.topk` (:mod:`.topk_math`), and backward recomputes each
 chunk's logits and turns the logits gradient into ``dX`` and ``dW`` right away
 (``engine.recompute_backward``), so no ``[T, V/tp]`` tensor exists and the workspace does not grow
 with the sequence length.
@@ -11,7 +11,8 @@ log-probs. Sequence parallelism and gradient-accumulation fusion (``weight.main_
 ``ColumnParallelLinear``'s contract through the fused head's own helpers.
 
 May import: :mod:`._checks`, :mod:`._comm`, :mod:`.engine`, :mod:`.linear_checks`,
-:mod:`.topk_kernels` and :mod:`.topk_checks`; never ``megatron_vocabstats.megatron``.
+:mod:`.topk_math`, :mod:`.topk_checks` and :mod:`.options`; never
+``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from .engine import (
     recompute_backward,
 )
 from .linear_checks import checked_linear_config, lead_shape
-from .options import ScaledKwargs
+from .options import ScaledKwargs, check_keywords
 from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows
-from .topk_kernels import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
+from .topk_math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
 
 
 def _linear_config(hidden, weight, tp_group, **options) -> LinearStatsConfig:
@@ -137,6 +138,7 @@ def linear_vocab_parallel_topk_logprobs(
             raises for ``indices``/``mask``; under ``validate`` and tp > 1 on every rank,
             including ``k``, ``indices`` or ``mask`` that differ across the ranks.
     """
+    check_keywords("linear_vocab_parallel_topk_logprobs", options, ScaledKwargs)
     lead = lead_shape(hidden, sequence_parallel, _comm.group_rank_size(tp_group)[1])
     problem = None
     if lead is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
@@ -171,6 +173,7 @@ def linear_vocab_parallel_topk(
     ``linear_vocab_parallel_stats`` raises; under ``validate`` and tp > 1 on every rank,
     including a ``k`` that differs across the ranks.
     """
+    check_keywords("linear_vocab_parallel_topk", options, ScaledKwargs)
     problem = None
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         vocab = real_vocab(weight.shape[0], tp_group, options.get("vocab_size"))

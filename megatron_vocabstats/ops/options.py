@@ -80,6 +80,17 @@ def batch_invariant_mode(value, width: int, tp: int, even: bool = True):
     return value
 
 
+def check_keywords(op: str, options: dict, allowed: type) -> None:
+    """``TypeError`` (as Python's own for an undeclared keyword) naming the first keyword of
+    ``options`` that the ``TypedDict`` ``allowed`` does not declare, and the ones it does: the
+    check of the wrappers that take ``**options: Unpack[allowed]``."""
+    unknown = sorted(options.keys() - allowed.__optional_keys__ - allowed.__required_keys__)
+    if unknown:
+        takes = ", ".join(sorted(allowed.__optional_keys__ | allowed.__required_keys__))
+        raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r} (its "
+                        f"options: {takes})")
+
+
 class ShardKwargs(TypedDict, total=False):
     """The keywords every op takes besides its tensors and ``tp_group``, documented in full at
     :func:`~megatron_vocabstats.vocab_parallel_stats`: ``vocab_size`` (int | None, the real V),

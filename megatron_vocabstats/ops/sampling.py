@@ -37,7 +37,8 @@ coarser), and only there may tp sizes differ.
 
 This module holds the autograd Function and the public API (and the filter checks); the radix
 search, the forward pass and the gradient kernel are in :mod:`.sampling_search`, the chunk loop in
-:mod:`.engine`. May import those and :mod:`._checks`; never ``megatron_vocabstats.megatron``.
+:mod:`.engine`. May import those, :mod:`._checks` and :mod:`.options`; never
+``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.distributed as dist
 
 from ._checks import InputTypeError, bits_float, checked_config, first_order_backward, float_bits
 from .engine import flatten_target, logits_chunks, logits_grad
-from .options import TargetKwargs
+from .options import TargetKwargs, check_keywords
 from .sampling_search import (
     SampledGrad,
     SamplerConfig,
@@ -213,6 +214,7 @@ def vocab_parallel_sampling_logprobs(
         TypeError: a filter of the wrong Python type (``InputTypeError``, also a ``ValueError``).
         RuntimeError: on double backward.
     """
+    check_keywords("vocab_parallel_sampling_logprobs", options, TargetKwargs)
     cfg, _ = sampler_config(logits, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
                             **options)
     return SamplingLogprobs(*_SamplingLogprobs.apply(logits, target, cfg, tp_group))

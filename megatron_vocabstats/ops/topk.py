@@ -22,10 +22,10 @@ Under ``validate`` on tp > 1 the ranks also agree on ``k``, ``indices`` and ``ma
 before any result is used: a differing ``k`` would otherwise fail inside the gather, differing ids
 or masks would give silently wrong sums.
 
-This module holds the autograd Functions and the public API; the candidate/merge math, the
-passes and the gradient kernel are in :mod:`.topk_kernels`, the input checks in
-:mod:`.topk_checks`, the chunk loop in :mod:`.engine`. May import those, :mod:`._checks` and
-:mod:`._comm`; never ``megatron_vocabstats.megatron``.
+This module holds the autograd Functions and the public API; the candidate/merge math, the passes
+and the gradient kernel are in :mod:`.topk_math`, the input checks in :mod:`.topk_checks`, the
+chunk loop in :mod:`.engine`. May import those, :mod:`._checks`, :mod:`._comm` and :mod:`.options`;
+never ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import _comm
 from ._checks import StatsConfig, checked_config, first_order_backward
 from .engine import logits_chunks, logits_grad
-from .options import ScaledKwargs, ShardKwargs
+from .options import ScaledKwargs, ShardKwargs, check_keywords
 from .topk_checks import (
     agreement,
     index_problem,
@@ -47,7 +47,7 @@ from .topk_checks import (
     real_vocab,
     valid_rows,
 )
-from .topk_kernels import (
+from .topk_math import (
     TopK,
     TopKConfig,
     TopKGrad,
@@ -58,7 +58,7 @@ from .topk_kernels import (
     topk_pass,
 )
 
-# Names that moved to topk_kernels / topk_checks and stay importable from here.
+# Names that moved to topk_math / topk_checks and stay importable from here.
 __all__ = [
     "TopK",
     "TopKConfig",
@@ -140,6 +140,7 @@ def vocab_parallel_topk(
             for the logits and options (NaN or +inf logits included, with ``validate``); under
             ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
+    check_keywords("vocab_parallel_topk", options, ScaledKwargs)
     return _topk(logits, k, tp_group, normalize=True, **options)
 
 
@@ -182,6 +183,7 @@ def vocab_parallel_topk_logits(
         :class:`TopKLogits` ``(logits fp32 [..., k], indices int64 [..., k])``, equal on every
         rank.
     """
+    check_keywords("vocab_parallel_topk_logits", options, ShardKwargs)
     return TopKLogits(*_topk(logits, k, tp_group, normalize=False, temperature=1.0, **options))
 
 
@@ -265,6 +267,7 @@ def vocab_parallel_topk_logprobs(
             ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
+    check_keywords("vocab_parallel_topk_logprobs", options, ScaledKwargs)
     cfg, valid = picked_config(logits, indices, mask, tp_group, **options)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
 
@@ -341,5 +344,6 @@ def vocab_parallel_gather_logits(
             range with ``validate``, and what ``vocab_parallel_stats`` raises for the logits);
             under ``validate`` and tp > 1 on every rank. RuntimeError on double backward.
     """
+    check_keywords("vocab_parallel_gather_logits", options, ShardKwargs)
     cfg, valid = picked_config(logits, indices, mask, tp_group, temperature=1.0, **options)
     return _GatherLogits.apply(logits, indices, valid, cfg, tp_group)

@@ -6,10 +6,10 @@ them after a single all-gather; the backward recomputes each chunk and writes it
 preallocated tensor of the logits' dtype, with no collective.
 
 This module holds the Function and the public API; the chunk loop, the buffers and the gathered
-statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import:
-:mod:`._checks`, :mod:`._math` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
-default tp group of :func:`vocab_parallel_cross_entropy` comes from
-``megatron_vocabstats.mcore``, which only reads the third-party ``megatron.core``).
+statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import: :mod:`._checks`,
+:mod:`._math`, :mod:`.options` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
+default tp group of :func:`vocab_parallel_cross_entropy` comes from ``megatron_vocabstats.mcore``,
+which only reads the third-party ``megatron.core``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ._checks import (
     host_checks_enabled,
 )
 from ._math import finite_lse, grad_coefficients, merge_stats, target_in_range
-from .options import VocabStatsKwargs
+from .options import VocabStatsKwargs, check_keywords
 
 # Moved to the engine (ops.engine); still importable from here.
 flatten_target = engine.flatten_target
@@ -277,6 +277,7 @@ def vocab_parallel_logprobs(
     (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), shapes, errors and communication
     (see :func:`vocab_parallel_stats`). Ignored positions give 0.
     """
+    check_keywords("vocab_parallel_logprobs", options, VocabStatsKwargs)
     return vocab_parallel_stats(logits, target, tp_group=tp_group, entropy="off",
                                 **options).logprobs
 
@@ -295,6 +296,7 @@ def vocab_parallel_entropy(
     Keywords (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), errors and communication
     as in :func:`vocab_parallel_stats` (no target).
     """
+    check_keywords("vocab_parallel_entropy", options, VocabStatsKwargs)
     return vocab_parallel_stats(logits, None, tp_group=tp_group,
                                 entropy="grad" if differentiable else "metric",
                                 **options).entropy
@@ -322,6 +324,7 @@ def vocab_parallel_cross_entropy(
 
     Raises: as :func:`vocab_parallel_stats`.
     """
+    check_keywords("vocab_parallel_cross_entropy", options, VocabStatsKwargs)
     if tp_group is None:
         tp_group = default_tp_group()
     stats = vocab_parallel_stats(vocab_parallel_logits, target, tp_group=tp_group,

@@ -35,7 +35,7 @@ from megatron_vocabstats import (
     vocab_parallel_stats,
 )
 from megatron_vocabstats.losses import selected_tokens, token_stats
-from megatron_vocabstats.ops.engine import wgrad as fused_linear  # the wgrad probe's home
+from megatron_vocabstats.ops.engine import wgrad
 from megatron_vocabstats.testing import HostSyncError, forbid_host_sync
 
 MODES = [False, True, "tp"]
@@ -125,11 +125,11 @@ def test_fused_op_never_syncs(dtype, batch_invariant):
 
 def test_fused_op_wgrad_probe_is_skipped_during_capture(monkeypatch):
     # The CUDA probe reads a value on the host; during a capture it must not run at all.
-    monkeypatch.setattr(fused_linear, "_WGRAD_MODES", {})
-    monkeypatch.setattr(fused_linear, "capturing", lambda: True)
-    monkeypatch.setattr(fused_linear, "_probe_wgrad_mode", lambda device_type: 1 / 0)
-    assert fused_linear._wgrad_mode("cuda") == "upcast"
-    assert fused_linear._WGRAD_MODES == {}
+    monkeypatch.setattr(wgrad, "_WGRAD_MODES", {})
+    monkeypatch.setattr(wgrad, "capturing", lambda: True)
+    monkeypatch.setattr(wgrad, "_probe_wgrad_mode", lambda device_type: 1 / 0)
+    assert wgrad._wgrad_mode("cuda") == "upcast"
+    assert wgrad._WGRAD_MODES == {}
 
 
 def test_packing_step_functions_never_sync():

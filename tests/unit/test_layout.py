@@ -14,7 +14,7 @@ PACKAGE = ROOT / "megatron_vocabstats"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 # The op modules of ops/ (the private helpers _math, _checks, ... and the engine are shared by
 # design; these hold Functions and their own math, and may only share through public names).
-OP_MODULES = {"vocab_parallel", "fused_linear", "topk", "topk_kernels", "topk_checks",
+OP_MODULES = {"vocab_parallel", "fused_linear", "topk", "topk_math", "topk_checks",
               "fused_topk", "sampling", "sampling_search", "fused_sampling", "linear_checks"}
 
 
@@ -119,3 +119,22 @@ def test_one_options_object():
     assert fields <= keys | {"entropy"}, fields - keys
     declared = set(inspect.signature(_checks._check_local).parameters)
     assert keys <= declared, keys - declared
+
+
+@pytest.mark.parametrize("call, bad", [
+    ("vocab_parallel_topk", "label_smoothing"),
+    ("vocab_parallel_topk_logits", "temperature"),
+    ("vocab_parallel_logprobs", "bogus"),
+    ("linear_vocab_parallel_stats", "kernel"),  # the fused head has no Triton backend
+    ("vocab_parallel_sampling_logprobs", "entropy"),
+])
+def test_wrappers_name_an_undeclared_keyword(call, bad):
+    import torch
+
+    import megatron_vocabstats as mv
+
+    logits, target = torch.randn(3, 8), torch.tensor([1, 2, 3])
+    args = {"vocab_parallel_topk": (logits, 2), "vocab_parallel_topk_logits": (logits, 2),
+            "linear_vocab_parallel_stats": (torch.randn(3, 4), torch.randn(8, 4), target)}
+    with pytest.raises(TypeError, match=rf"{call}\(\) got an unexpected keyword argument '{bad}'"):
+        getattr(mv, call)(*args.get(call, (logits, target)), **{bad: 1})

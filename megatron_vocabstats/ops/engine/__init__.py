@@ -23,7 +23,8 @@ backward loop), :mod:`.linear` (the fused head's config, buffers, chunk GEMMs an
 :mod:`.wgrad` (weight/input gradients of a chunk), :mod:`.recompute` (the fused backward and the
 forward-gradient mode).
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm` and :mod:`..workspace`;
+May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`.._checks`, :mod:`.._comm`,
+:mod:`..options`, :mod:`..workspace` and, lazily, :mod:`..kernels.triton_stats`;
 never an op module of ``ops/`` nor the ``megatron_vocabstats.megatron`` subpackage.
 """
 

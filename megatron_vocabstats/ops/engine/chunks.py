@@ -64,7 +64,8 @@ def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool =
     """Yield a :class:`~.kernel.Chunk` ``(rows, z, scratch, index, owned, logits)`` per chunk,
     reusing two fp32 ``[chunk, W]`` buffers.
 
-    ``z`` is the chunk upcast to fp32 (temperature applied, padding at -inf); ``index``/``owned``
+    ``z`` is the chunk upcast to fp32 (temperature applied, values below ``Z_FLOOR`` and padding
+    columns at ``Z_FLOOR``); ``index``/``owned``
     locate each row's target in this shard (None without targets); ``logits`` is
     ``logits2d[rows]``. The buffers come from the workspace cache (:mod:`..workspace`) and go back
     to it when the generator finishes or is closed. ``padded``: buffers of

@@ -11,9 +11,13 @@ collectives and the weight-gradient GEMMs; an op plugs in two things per chunk, 
   the engine makes the logits gradient (unfused ops, :func:`.chunks.logits_grad`) or ``dX``/``dW``
   (fused LM head, :func:`.recompute.recompute_backward`).
 
-This is where a kernel backend (e.g. Triton) plugs in later: a kernel receives the
-:class:`Chunk` below and an output tensor, and must leave the bits the torch kernels here leave.
-Both callables may overwrite ``chunk.z`` and ``chunk.scratch``.
+This is where a kernel backend plugs in: a kernel receives the :class:`Chunk` below and an output
+tensor, and must stay within the error bounds of ``docs/numerics.md`` (not the same bits). Both
+callables may overwrite ``chunk.z`` and ``chunk.scratch``. Today's one other backend, the Triton
+kernels of the unfused op (``ops/kernels/triton_stats.py``), is chosen by ``cfg.kernel`` inside
+:func:`.chunks.gathered_stats` and :func:`.chunks.logits_grad`, which then hand it chunks with
+``z`` and ``scratch`` None (it reads the logits itself); a backend object resolved once into the
+config is the next step when a second one comes.
 
 May import: ``torch`` and :mod:`.._math`; nothing else of the package (the rest of the engine
 imports it).
@@ -34,7 +38,8 @@ class Chunk(NamedTuple):
 
     ``rows``: the chunk's token rows (a slice of the flattened ``[T]`` tokens, ``n`` rows).
     ``z``: fp32 ``[n, W]`` (``[n, padded W]`` for block statistics), the logits upcast by
-    ``_math.load_chunk`` (temperature applied, padding columns at the floor); may be overwritten.
+    ``_math.load_chunk`` (temperature applied, padding columns at the floor); may be overwritten;
+    None (with ``scratch``) for a backend that reads ``logits`` itself (the Triton kernels).
     ``scratch``: an fp32 buffer of at least ``z``'s size; may be overwritten.
     ``index``/``owned``: ``[n]`` int64 local column of each row's target in this shard and
     whether this shard owns it (``_math.local_target_index``); None without targets.
@@ -43,8 +48,8 @@ class Chunk(NamedTuple):
     """
 
     rows: slice
-    z: torch.Tensor
-    scratch: torch.Tensor
+    z: torch.Tensor | None
+    scratch: torch.Tensor | None
     index: torch.Tensor | None
     owned: torch.Tensor | None
     logits: torch.Tensor

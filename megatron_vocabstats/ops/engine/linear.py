@@ -2,7 +2,7 @@
 ever holding ``[T, W]``.
 
 * :func:`auto_linear_chunk_size` / :data:`CPU_LINEAR_CHUNK_BYTES`: the fused ops' chunk policy;
-* :class:`LinearStatsConfig`: the validated options of one fused call (``_checks.StatsConfig``
+* :class:`LinearStatsConfig`: the validated options of one fused call (``options.StatsConfig``
   plus sequence parallelism, main_grad fusion, forward-gradient mode, which gradients);
 * :class:`ChunkBuffers`: the reused workspace buffers of one pass over the chunks;
 * :func:`chunk_logits` / :func:`linear_chunks`: one chunk's logits GEMM and the iterator of

@@ -1,4 +1,4 @@
-"""Triton kernels of the unfused op behind the engine's per-chunk seam (issue 13, part 1a).
+"""Triton kernels of the unfused op behind the engine's per-chunk seam.
 
 * :func:`shard_stats`: a chunk's shard statistics (the ``[NUM_STATS, n]`` of
   ``_math.chunk_stats``) in one read of the logits in their own dtype, one program per row,
@@ -29,7 +29,8 @@ padding columns (local id >= ``real_width``) as the floor; a row with a NaN logi
 statistics; ``+inf`` gives NaN as in the torch path.
 
 Imports ``triton`` at import time: only :mod:`..engine.chunks` imports this module, lazily, once
-``kernels.resolve_kernel`` chose ``"triton"``. May import :mod:`.._math` (constants) and torch.
+``kernels.resolve_kernel`` chose ``"triton"``. May import triton, torch, :mod:`.._layout`,
+:mod:`.._math` (constants) and :mod:`..options`.
 """
 
 from __future__ import annotations
