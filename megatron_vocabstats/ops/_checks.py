@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import _comm
 from ._argtypes import INT64_RANGE as _INT64
-from ._argtypes import InputTypeError, check_int64, check_integer, check_real
+from ._argtypes import InputTypeError, check_choice, check_int64, check_integer, check_real
 from ._layout import BLOCK, ShardLayout, check_contiguous, shard_layout
 from ._layout import MAX_ID as _MAX_ID  # noqa: F401 - re-exported
 from .agreement import (
@@ -181,8 +181,7 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         chunk_size = auto_chunk_size(logits.shape[-1], logits.device)
     if check_integer("chunk_size", chunk_size) <= 0:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    if not isinstance(entropy, str) or entropy not in ENTROPY_MODES:
-        raise ValueError(f"entropy must be one of {ENTROPY_MODES}, got {entropy!r}")
+    check_choice("entropy", entropy, ENTROPY_MODES)
     temperature = check_real("temperature", temperature)
     if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
         raise ValueError(

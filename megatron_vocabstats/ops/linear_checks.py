@@ -120,7 +120,7 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     lead = lead_shape(hidden, sequence_parallel, tp)
     problem = linear_problem(hidden, weight, target, grad_weights, lead_shape=lead,
                              sequence_parallel=sequence_parallel, tp=tp,
-                             entropy=options.get("entropy", "grad"),
+                             entropy=options["entropy"],
                              accumulate_into_main_grad=accumulate_into_main_grad)
     if problem is None and local_error is not None:
         problem = local_error

@@ -19,13 +19,9 @@ from _reference import (
     temperature_dz,
 )
 from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops.kernels import block_columns
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def block_columns(width: int) -> int:
-    """``triton_stats.block_columns`` (restated: this module imports no triton)."""
-    return max(16, min(1024, 1 << (max(width, 1) - 1).bit_length()))
 
 
 def online_parts(width: int, block: int) -> int:

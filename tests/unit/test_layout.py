@@ -138,3 +138,4 @@ def test_wrappers_name_an_undeclared_keyword(call, bad):
             "linear_vocab_parallel_stats": (torch.randn(3, 4), torch.randn(8, 4), target)}
     with pytest.raises(TypeError, match=rf"{call}\(\) got an unexpected keyword argument '{bad}'"):
         getattr(mv, call)(*args.get(call, (logits, target)), **{bad: 1})
+

@@ -255,7 +255,8 @@ def test_batch_invariant_flag_reaches_the_settings(patch, monkeypatch, argv, mod
         settings.update(batch_invariant="yes")
 
 
-def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
+def _record_op_keywords(monkeypatch) -> dict:
+    """Let the patched call sites' ``vocab_parallel_stats`` record the keywords they pass."""
     from megatron_vocabstats.megatron import model
 
     seen = {}
@@ -266,6 +267,11 @@ def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(model, "vocab_parallel_stats", recording)
+    return seen
+
+
+def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
+    seen = _record_op_keywords(monkeypatch)
     patch.apply(batch_invariant="tp")
     fake = torch.nn.Module()
     fake.tp_group = None
@@ -275,7 +281,6 @@ def test_batch_invariant_setting_reaches_the_op(patch, monkeypatch):
 
 
 def test_kernel_flag_reaches_the_settings_and_the_unfused_op(patch, monkeypatch):
-    from megatron_vocabstats.megatron import model
     from megatron_vocabstats.megatron.arguments import config_hook
 
     _, args = _parse(["--vocab-parallel-stats", "--vocab-stats-kernel", "torch"], monkeypatch)
@@ -285,14 +290,7 @@ def test_kernel_flag_reaches_the_settings_and_the_unfused_op(patch, monkeypatch)
     assert settings.current().stats_options(fused=True).kernel == "auto"  # no fused backend
     with pytest.raises(ValueError, match="kernel must be one of"):
         settings.update(kernel="cuda")
-    seen = {}
-    original = model.vocab_parallel_stats
-
-    def recording(*args, **kwargs):
-        seen.update(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(model, "vocab_parallel_stats", recording)
+    seen = _record_op_keywords(monkeypatch)
     fake = torch.nn.Module()
     fake.tp_group = None
     loss = LanguageModule.compute_language_model_loss(fake, torch.randint(0, 32, (1, 4)),

@@ -1,10 +1,11 @@
 """Kernel backends behind the engine's per-chunk seam (:mod:`..engine.kernel`), and their choice.
 
 Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
-argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``)
-and :func:`resolve_kernel`. The Triton kernels themselves live in :mod:`.triton_stats`, which
-imports ``triton``: nothing here does (``importlib.util.find_spec`` only), so importing the
-package never needs triton or a GPU. May import the standard library and torch only.
+argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``),
+:func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`). The Triton
+kernels themselves live in :mod:`.triton_stats`, which imports ``triton``: nothing here does
+(``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU. May
+import :mod:`.._argtypes`, the standard library and torch only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ import importlib.util
 import os
 
 import torch
+
+from .._argtypes import check_choice
+
+# Columns per block of the Triton kernels: a power of two, at most this many (fewer for narrow
+# shards).
+MAX_BLOCK_N = 1024
+
+
+def block_columns(width: int, max_block: int = MAX_BLOCK_N) -> int:
+    """``BLOCK_N`` of the Triton kernels for a shard of ``width`` columns: the next power of two
+    >= width, at least 16 and at most ``max_block`` (a power of two). Here, not in
+    :mod:`.triton_stats`, so that the tests' error bounds can read it without triton."""
+    return max(16, min(max_block, 1 << (max(width, 1) - 1).bit_length()))
+
 
 # Resolved backends (``StatsConfig.kernel``) and the values the ops accept.
 KERNELS = ("torch", "triton")
@@ -53,8 +68,7 @@ def resolve_kernel(kernel, device: torch.device, batch_invariant) -> str:
     :data:`KERNEL_ENV`), and for ``"triton"`` (given or forced) without the triton package or
     with logits that are not on CUDA outside the interpreter (``TRITON_INTERPRET=1``).
     """
-    if not isinstance(kernel, str) or kernel not in KERNEL_CHOICES:
-        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    check_choice("kernel", kernel, KERNEL_CHOICES)
     source = f"kernel={kernel!r}"
     if kernel == "auto":
         forced = os.environ.get(KERNEL_ENV, "")

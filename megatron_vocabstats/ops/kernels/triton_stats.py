@@ -54,21 +54,13 @@ from .._math import (
     zsum_scale,
 )
 from ..options import LOGP_MIN
-
-# Columns per block: a power of two, at most this many (fewer for narrow shards).
-MAX_BLOCK_N = 1024
+from . import MAX_BLOCK_N, block_columns
 
 # The constants the kernels read, as constexpr globals (a compiled kernel may read no other).
 _FLOOR = tl.constexpr(Z_FLOOR)
 _LOGP_MIN = tl.constexpr(LOGP_MIN)
 _MAX, _SUMEXP, _ENT, _TARGET, _ZSUM = (tl.constexpr(k) for k in (
     STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM))
-
-
-def block_columns(width: int, max_block: int = MAX_BLOCK_N) -> int:
-    """``BLOCK_N`` for a shard of ``width`` columns: the next power of two >= width, at least 16
-    and at most ``max_block`` (a power of two)."""
-    return max(16, min(max_block, triton.next_power_of_2(max(width, 1))))
 
 
 @triton.jit

@@ -27,7 +27,9 @@ from _reference import (
     stats_grad_bound,
     temperature_dz,
 )
+from _triton_parity import online_parts
 from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops.kernels import block_columns
 
 CASES = Cases()
 
@@ -59,8 +61,7 @@ def _parity(group, dtype, *, width, vocab, tau, eps):
                           label_smoothing=eps)
     ((ref[0] * w_lp.double()).sum() + (ref[1] * w_h.double()).sum()).backward()
     z = full.double()[:, :vocab] / tau
-    nb = -(-width // 1024)  # triton_stats.block_columns: one block up to 1024 columns
-    parts = tp * max(nb, 4 * nb - 9)
+    parts = tp * online_parts(width, block_columns(width))
     b = stats_bounds(z, dz=temperature_dz(z, tau), width=width, parts=parts)
     assert_within(st.logsumexp, ref[2], b.logsumexp, "logsumexp")
     assert_within(st.entropy[valid], ref[1][valid], b.entropy[valid], "entropy")
