@@ -36,8 +36,8 @@ class StatsOptions:
     tensor values on the host once per call, which a training step should not pay; turn it on
     while debugging a data pipeline. ``batch_invariant`` (False, True or ``"tp"``) is passed to a
     statistics callable only when set, so callables that predate it keep working; so is
-    ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``, the unfused op's backend; only when not
-    ``"auto"``, and never for the fused LM head, which has no Triton backend yet).
+    ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``, the backend of the unfused op and of
+    the fused LM head; only when not ``"auto"``).
 
     It is the one options object of the statistics: :func:`token_stats`, :func:`sft_loss` and
     :func:`logprobs_step` use it, and the Megatron settings build it

@@ -100,9 +100,10 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "under tp > 1; the fused head's logits GEMMs still depend on tp). Bare "
                        "flag = batch.")
     group.add_argument("--vocab-stats-kernel", choices=KERNEL_CHOICES, default="auto",
-                       help="Backend of the unfused loss path's statistics: auto (Triton kernels "
-                       "on CUDA when triton imports, else torch; VOCABSTATS_KERNEL overrides), "
-                       "torch or triton. Batch-invariant modes and the fused LM head run torch.")
+                       help="Backend of the loss statistics, unfused and in the fused LM head "
+                       "(--lm-head-chunk-size): auto (torch until the Triton kernels have passed "
+                       "the GPU suite, see README; VOCABSTATS_KERNEL overrides), torch or "
+                       "triton (CUDA).")
     group.add_argument("--vocab-stats-skip-checks", action="store_true",
                        help="Skip the op's host-side input checks (target range, cross-rank "
                        "agreement, finite results): no host sync in the loss.")

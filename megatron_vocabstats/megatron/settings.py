@@ -44,8 +44,9 @@ class PluginSettings:
     2*cp x tp with sequence parallel), for :mod:`megatron_vocabstats.packing`; ``batch_invariant``:
     False, True or "tp", the ops'
     argument of that name [--vocab-stats-batch-invariant {off,batch,tp}]; ``kernel``: "auto",
-    "torch" or "triton", the unfused op's backend (``vocab_parallel_stats(kernel=...)``; the
-    fused LM head always runs torch) [--vocab-stats-kernel].
+    "torch" or "triton", the backend of the unfused op and of the fused LM head
+    (``vocab_parallel_stats(kernel=...)``, ``linear_vocab_parallel_stats(kernel=...)``)
+    [--vocab-stats-kernel].
 
     Rollout fields (read by the user's forward step through :meth:`sampler_options` and
     :meth:`rollout_correction`, not by the patched call sites; the config hook sets them with or
@@ -148,7 +149,7 @@ class PluginSettings:
         """The :class:`~megatron_vocabstats.StatsOptions` of the patched loss path: the chunking
         of the unfused op (``logprobs_chunk_size``) or, with ``fused``, of the fused LM head
         (``lm_head_chunk_size``), and the settings' vocabulary size, entropy mode, label
-        smoothing, checks, batch invariance and (unfused only) kernel (temperature 1): the call
+        smoothing, checks, batch invariance and kernel (temperature 1): the call
         sites pass
         ``**settings.current().stats_options().op_kwargs(tp_group=...)`` to the op."""
         return StatsOptions(vocab_size=self.vocab_size,
@@ -156,7 +157,7 @@ class PluginSettings:
                             else self.logprobs_chunk_size,
                             entropy=self.entropy, label_smoothing=self.label_smoothing,
                             validate=self.validate, batch_invariant=self.batch_invariant,
-                            kernel="auto" if fused else self.kernel)
+                            kernel=self.kernel)
 
     def rollout_correction(self) -> RolloutCorrection | None:
         """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings, None for mode

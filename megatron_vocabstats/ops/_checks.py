@@ -200,8 +200,8 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
     batch_invariant = _batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even)
     cfg = StatsConfig(
         batch_invariant=batch_invariant,
-        # Callers without a Triton backend (fused, top-k ops) leave the default: torch.
-        kernel=resolve_kernel(kernel, logits.device, batch_invariant),
+        # Callers without a Triton backend (top-k, sampling ops) leave the default: torch.
+        kernel=resolve_kernel(kernel, logits.device),
         layout=layout,
         chunk_size=int(chunk_size),
         entropy=entropy,

@@ -38,6 +38,7 @@ from .engine import (
     StatsGrad,
     accumulate_wgrad,
     auto_linear_chunk_size,
+    backend_of,
     flatten_target,
     forward_with_grads,
     full_hidden,
@@ -48,6 +49,7 @@ from .engine import (
     recompute_backward,
     reduce_hidden_grad,
     scaled_forward_grads,
+    tile_chunks,
     wgrad_mode,
 )
 from .linear_checks import checked_linear_config
@@ -82,20 +84,26 @@ class _LinearVocabParallelStats(torch.autograd.Function):
             label_smoothing=sc.label_smoothing if has_target else 0.0,
             entropy=sc.entropy != "off", has_target=has_target,
             batch_invariant=bool(sc.batch_invariant))
-        bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
-                            batch_invariant=bool(sc.batch_invariant))
+        tiles = backend_of(sc).tiles
+        # The statistics of a backend that computes the logits itself take no buffer at all.
+        bufs = None if tiles and not cfg.forward_grad else ChunkBuffers(
+            hidden2d, sc.layout.width, sc.chunk_size, batch_invariant=bool(sc.batch_invariant),
+            tiles=tiles)
         try:
             if cfg.forward_grad:
                 merged, dx2d, acc = forward_with_grads(hidden2d, weight, target1d, valid,
                                                        grad_weights, bufs, cfg, tp_group, merge)
             else:
-                chunks = linear_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True)
+                chunks = (tile_chunks(hidden2d, weight, target1d, valid, sc, hidden2d.shape[0])
+                          if tiles else
+                          linear_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True))
                 parts = gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
                                        has_target=has_target, device=hidden.device)
                 merged = merge(parts, valid,
                                tokens_per_pass=merge_tokens_per_pass(sc, parts.shape[0]))
         finally:
-            bufs.release()
+            if bufs is not None:
+                bufs.release()
         del bufs, total, hidden2d
         if host_checks_enabled(sc.validate, hidden.device):
             check_finite(merged.logsumexp, valid)
@@ -147,6 +155,7 @@ def linear_vocab_parallel_stats(
     entropy: str = "grad",
     grad_weights: torch.Tensor | None = None,
     accumulate_into_main_grad: bool = False,
+    kernel: str = "auto",
     **options: Unpack[StatsKwargs],
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp of ``hidden @ W.T`` without the logits.
@@ -222,7 +231,8 @@ def linear_vocab_parallel_stats(
             ordinary gradient in the weight dtype.
         batch_invariant: as :func:`~megatron_vocabstats.vocab_parallel_stats` (``True`` or
             ``"tp"``), and the logits themselves are computed as matmuls of exactly 64 rows
-            (``INVARIANT_ROWS``) from a reused, zero-padded copy of the rows, so that every GEMM
+            (``INVARIANT_ROWS``; on the Triton backend the kernel's fixed tiles do the same) from
+            a reused, zero-padded copy of the rows, so that every GEMM
             has one shape whatever the token count, ``chunk_size`` or the row's position: a
             row's outputs are then bitwise invariant to them as far as the GEMM computes each
             row independently of the others with a fixed kernel for a fixed shape (checked on
@@ -233,6 +243,16 @@ def linear_vocab_parallel_stats(
             chunk partly on zero rows), chunk buffers rounded up to whole 64-row blocks even
             for few tokens, one ``[chunk, H]`` copy per chunk. Gradients are not covered
             (``dW`` sums over all tokens).
+        kernel: the backend, as for :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (``"auto"``, ``"torch"``, ``"triton"``). ``"triton"``
+            (``ops.kernels.triton_stats``, CUDA or ``TRITON_INTERPRET=1``): forward computes
+            each tile of logits with ``tl.dot`` (fp32 accumulation, rounded once to the model
+            dtype as the GEMM is) and folds it into the statistics without storing it, in one
+            launch over all tokens: no ``[chunk, W]`` buffer at all; backward recomputes each
+            tile the same way and writes the chunk's logits gradient once in the model dtype
+            (one ``[chunk, W]`` buffer, no fp32 ones), from which cuBLAS makes ``dX`` and
+            ``dW``. Same tolerances; a logit may round one ulp away from the torch path's
+            (another accumulation order), so the bits differ.
 
     Returns:
         :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp)``, fp32,
@@ -271,7 +291,7 @@ def linear_vocab_parallel_stats(
     cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,
                                 sequence_parallel=sequence_parallel,
                                 accumulate_into_main_grad=accumulate_into_main_grad,
-                                entropy=entropy, **options)
+                                entropy=entropy, kernel=kernel, **options)
     return VocabStats(*_LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
                                                        tp_group))
 

@@ -129,8 +129,9 @@ class StatsKwargs(TargetKwargs, total=False):
 
 class VocabStatsKwargs(StatsKwargs, total=False):
     """:class:`StatsKwargs` and ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``: the backend of
-    the unfused op's per-chunk statistics and gradient, see ``ops.kernels.resolve_kernel``); the
-    keywords of :func:`~megatron_vocabstats.vocab_parallel_stats` and its wrappers."""
+    the core statistics and gradient per chunk, see ``ops.kernels.resolve_kernel``); the
+    keywords of :func:`~megatron_vocabstats.vocab_parallel_stats`,
+    :func:`~megatron_vocabstats.linear_vocab_parallel_stats` and their wrappers."""
 
     kernel: str
 
@@ -145,8 +146,8 @@ class LinearHeadKwargs(TypedDict, total=False):
     accumulate_into_main_grad: bool
 
 
-class LinearStatsKwargs(StatsKwargs, LinearHeadKwargs, total=False):
-    """:class:`StatsKwargs` and :class:`LinearHeadKwargs`."""
+class LinearStatsKwargs(VocabStatsKwargs, LinearHeadKwargs, total=False):
+    """:class:`VocabStatsKwargs` and :class:`LinearHeadKwargs`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,5 +162,5 @@ class StatsConfig:
     label_smoothing: float
     validate: bool
     batch_invariant: bool | str = False
-    # The unfused op's backend, resolved (``kernels.resolve_kernel``): "torch" or "triton".
+    # The core statistics' backend, resolved (``kernels.resolve_kernel``): "torch" or "triton".
     kernel: str = "torch"

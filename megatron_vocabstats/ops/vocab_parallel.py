@@ -78,7 +78,7 @@ class _VocabParallelStats(torch.autograd.Function):
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
         chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True,
-                                      upcast=cfg.kernel == "torch")
+                                      upcast=not engine.backend_of(cfg).tiles)
         parts = engine.gathered_stats(chunks, logits2d.shape[0], cfg, tp_group,
                                       has_target=has_target, device=logits.device)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
@@ -208,7 +208,8 @@ def vocab_parallel_stats(
             check, ``ops.kernels.AUTO_TRITON_ON_CUDA``),
             ``"torch"`` (the reference path) or ``"triton"`` (``ops.kernels.triton_stats``:
             one read of the logits per pass; CUDA logits, or CPU under Triton's interpreter
-            ``TRITON_INTERPRET=1``). Batch-invariant modes always run the torch path. Both are
+            ``TRITON_INTERPRET=1``). Every batch-invariant mode runs on both (the kernels keep a
+            row's reduction order fixed; "tp" takes their per-block statistics). Both are
             within the tolerances of ``docs/numerics.md``; their bits differ. The resolved
             backend must be equal on all ranks (checked with ``validate``).
 

@@ -43,8 +43,7 @@ def test_auto_is_triton_on_cuda(monkeypatch):
 
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     monkeypatch.setattr(kernels, "AUTO_TRITON_ON_CUDA", True)
-    assert resolve_kernel("auto", CUDA, False) == "triton"
-    assert resolve_kernel("auto", CUDA, True) == "torch"
+    assert resolve_kernel("auto", CUDA) == "triton"
 
 
 def test_cuda_graph_replays_the_eager_bits():

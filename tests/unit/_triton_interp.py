@@ -110,13 +110,29 @@ def test_nan_row_stays_nan():
     assert bool(torch.isnan(out.logsumexp[1])) and bool(torch.isfinite(out.logsumexp[[0, 2]]).all())
 
 
-def test_batch_invariant_falls_back_to_torch():
-    x = torch.randn(4, 130)
-    target = torch.randint(0, 130, (4,))
-    ours = vocab_parallel_stats(x, target, batch_invariant=True, kernel="triton")
-    theirs = vocab_parallel_stats(x, target, batch_invariant=True, kernel="torch")
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize("batch_invariant", [True, "tp"])
+@pytest.mark.parametrize("name", ["padding", "multi_block", "smoothing_tau", "neg_inf"])
+def test_batch_invariant_parity(name, batch_invariant):
+    """Batch-invariant modes run the kernels (per-row pass, or "tp"'s per-block statistics)
+    within the float64 bounds."""
+    _triton_parity.check_op_parity(name, "grad", torch.bfloat16, torch.device("cpu"),
+                                   batch_invariant=batch_invariant)
+
+
+@pytest.mark.parametrize("batch_invariant", [True, "tp"])
+def test_batch_invariant_rows_do_not_depend_on_the_batch(batch_invariant):
+    """A row's outputs are the same bits alone, among other rows, at another position and with
+    another chunk size."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(12, 300, generator=gen) * 3).bfloat16()
+    target = torch.randint(0, 290, (12,), generator=gen)
+    opts = dict(vocab_size=290, label_smoothing=0.1, batch_invariant=batch_invariant,
+                kernel="triton")
+    full = vocab_parallel_stats(x, target, **opts)
+    for rows, chunk in ((slice(5, 9), 3), (slice(7, 8), 1)):
+        part = vocab_parallel_stats(x[rows], target[rows], chunk_size=chunk, **opts)
+        for a, b in zip(full, part):
+            assert torch.equal(a[rows], b)
 
 
 def test_env_forces_triton(monkeypatch):

@@ -19,6 +19,7 @@ from _reference import (
     temperature_dz,
 )
 from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops._layout import BLOCK
 from megatron_vocabstats.ops.kernels import block_columns
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,9 +63,11 @@ def make_case(name, dtype, gen):
     return x, target, vocab, tau, eps
 
 
-def check_op_parity(name, mode, dtype, device: torch.device):
+def check_op_parity(name, mode, dtype, device: torch.device, batch_invariant=False):
     """``vocab_parallel_stats`` with ``kernel="triton"`` on ``device`` (CPU: the interpreter)
-    against float64 (values and gradient within the bounds), and the torch path's infinities."""
+    against float64 (values and gradient within the bounds), and the torch path's infinities.
+    ``batch_invariant="tp"``: the kernel's per-block statistics (blocks of 128 columns, merged
+    as parts)."""
     if "huge" in CASES[name][-1] and dtype == torch.bfloat16:
         pytest.skip("bf16 rounds 65504 - 8 |x| into a handful of values: covered by fp16")
     gen = torch.Generator().manual_seed(len(name) * 7 + DTYPES.index(dtype))
@@ -77,7 +80,8 @@ def check_op_parity(name, mode, dtype, device: torch.device):
     for kernel in ("torch", "triton"):
         leaf = x.to(device, copy=True).requires_grad_()
         st = vocab_parallel_stats(leaf, target.to(device), vocab_size=vocab, temperature=tau,
-                                  label_smoothing=eps, entropy=mode, kernel=kernel)
+                                  label_smoothing=eps, entropy=mode, kernel=kernel,
+                                  batch_invariant=batch_invariant)
         loss = (st.logprobs * w_lp.to(device)).sum()
         if mode == "grad":
             loss = loss + (st.entropy * w_h.to(device)).sum()
@@ -93,7 +97,7 @@ def check_op_parity(name, mode, dtype, device: torch.device):
     ref_loss.backward()
 
     z = x.double()[:, :vocab] / tau
-    block = block_columns(width)
+    block = BLOCK if batch_invariant == "tp" else block_columns(width)
     b = stats_bounds(z, dz=temperature_dz(z, tau), width=width,
                      parts=online_parts(width, block))
     st, grad = results["triton"]

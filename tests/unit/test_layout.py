@@ -125,7 +125,8 @@ def test_one_options_object():
     ("vocab_parallel_topk", "label_smoothing"),
     ("vocab_parallel_topk_logits", "temperature"),
     ("vocab_parallel_logprobs", "bogus"),
-    ("linear_vocab_parallel_stats", "kernel"),  # the fused head has no Triton backend
+    ("linear_vocab_parallel_stats", "bogus"),
+    ("vocab_parallel_topk", "kernel"),  # top-k has no Triton backend
     ("vocab_parallel_sampling_logprobs", "entropy"),
 ])
 def test_wrappers_name_an_undeclared_keyword(call, bad):

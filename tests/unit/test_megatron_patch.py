@@ -287,7 +287,7 @@ def test_kernel_flag_reaches_the_settings_and_the_unfused_op(patch, monkeypatch)
     config_hook(args)
     assert settings.current().kernel == "torch"
     assert settings.current().stats_options().kernel == "torch"
-    assert settings.current().stats_options(fused=True).kernel == "auto"  # no fused backend
+    assert settings.current().stats_options(fused=True).kernel == "torch"
     with pytest.raises(ValueError, match="kernel must be one of"):
         settings.update(kernel="cuda")
     seen = _record_op_keywords(monkeypatch)

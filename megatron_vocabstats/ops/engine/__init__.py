@@ -18,16 +18,18 @@ turns each chunk's gradient into ``dX`` and ``dW``), and the fused head's collec
 :class:`Chunk` (shapes and dtypes documented there) and an output tensor.
 
 Modules: :mod:`.kernel` (the seam: ``Chunk``, ``ChunkStats``, ``ChunkGrad``, the core op's
-``ShardStats``/``StatsGrad``), :mod:`.chunks` (logits chunks, gathered statistics, the unfused
+``ShardStats``/``StatsGrad``), :mod:`.backends` (one backend object per ``cfg.kernel``: torch,
+Triton), :mod:`.chunks` (logits chunks, gathered statistics, the unfused
 backward loop), :mod:`.linear` (the fused head's config, buffers, chunk GEMMs and chunk policy),
 :mod:`.wgrad` (weight/input gradients of a chunk), :mod:`.recompute` (the fused backward and the
 forward-gradient mode).
 
 May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`.._checks`, :mod:`.._comm`,
-:mod:`..options`, :mod:`..workspace` and, lazily, :mod:`..kernels.triton_stats`;
+:mod:`..options`, :mod:`..workspace` and, lazily (:mod:`.backends`), :mod:`..kernels.triton_stats`;
 never an op module of ``ops/`` nor the ``megatron_vocabstats.megatron`` subpackage.
 """
 
+from .backends import BACKENDS, Backend, backend_of
 from .chunks import (
     flatten_target,
     function_outputs,
@@ -45,8 +47,10 @@ from .linear import (
     auto_linear_chunk_size,
     chunk_logits,
     full_hidden,
+    fused_chunks,
     linear_chunks,
     reduce_hidden_grad,
+    tile_chunks,
 )
 from .recompute import (
     SCALE_RTOL,
@@ -64,12 +68,13 @@ from .wgrad import (
 )
 
 __all__ = [
+    "BACKENDS", "Backend", "backend_of",
     "Chunk", "ChunkGrad", "ChunkStats", "ShardStats", "StatsGrad",
     "flatten_target", "function_outputs", "gathered_stats", "logits_chunks", "logits_grad",
     "merge_tokens_per_pass",
     "CPU_LINEAR_CHUNK_BYTES", "INVARIANT_ROWS", "ChunkBuffers", "LinearStatsConfig",
-    "auto_linear_chunk_size", "chunk_logits", "full_hidden", "linear_chunks",
-    "reduce_hidden_grad",
+    "auto_linear_chunk_size", "chunk_logits", "full_hidden", "fused_chunks", "linear_chunks",
+    "reduce_hidden_grad", "tile_chunks",
     "SCALE_RTOL", "forward_with_grads", "recompute_backward", "scaled_forward_grads",
     "upstream_scale",
     "accumulate_wgrad", "finish_weight_grad", "input_grads_of_chunk", "weight_grad_buffer",

@@ -3,20 +3,20 @@
 * :func:`logits_chunks`: the tokens of a ``[T, W]`` logits shard in chunks of ``chunk_size``
   rows, each upcast into one of two reused fp32 ``[chunk, W]`` workspace buffers, as
   :class:`~.kernel.Chunk` objects;
-* :func:`gathered_stats`: every chunk's statistics (:class:`~.kernel.ShardStats`, the core op's
-  :class:`~.kernel.ChunkStats`) gathered over the shards in one all-gather, ready for
+* :func:`gathered_stats`: every chunk's statistics (the core op's :class:`~.kernel.ChunkStats`
+  of ``cfg.kernel``'s backend) gathered over the shards in one all-gather, ready for
   ``_math.merge_stats``; :func:`merge_tokens_per_pass` sizes that merge;
 * :func:`logits_grad`: the backward loop of an op on logits, around its
   :class:`~.kernel.ChunkGrad`;
-* small helpers every Function shares (:func:`flatten_target`, :func:`function_outputs`);
-* the Triton backend (``cfg.kernel == "triton"``, :mod:`..kernels.triton_stats`, imported only
-  then): :func:`logits_chunks` with ``upcast=False`` hands the kernels the logits as they are,
-  and :func:`gathered_stats` / :func:`logits_grad` swap the torch :class:`~.kernel.ShardStats` /
-  :class:`~.kernel.StatsGrad` for their Triton twins.
+* small helpers every Function shares (:func:`flatten_target`, :func:`function_outputs`).
+
+The statistics and the core gradient come from ``cfg.kernel``'s backend (:mod:`.backends`); for
+one that reads the logits itself (Triton) :func:`logits_chunks` with ``upcast=False`` hands it
+the logits as they are.
 
 May import: ``torch``, :mod:`.._math`, :mod:`.._checks` (``StatsConfig``), :mod:`.._comm`,
-:mod:`..workspace`, :mod:`.kernel` and (lazily) :mod:`..kernels.triton_stats`; never an op
-module nor ``megatron_vocabstats.megatron``.
+:mod:`..workspace`, :mod:`.kernel` and :mod:`.backends`; never an op module nor
+``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -36,13 +36,8 @@ from .._math import (
     rebase_zsum_,
 )
 from ..workspace import WORKSPACE
-from .kernel import Chunk, ChunkGrad, ShardStats, StatsGrad
-
-
-def _triton():
-    from ..kernels import triton_stats  # imports triton: only once the backend was chosen
-
-    return triton_stats
+from .backends import TORCH, backend_of
+from .kernel import Chunk, ChunkGrad, StatsGrad
 
 
 def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
@@ -111,9 +106,11 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
     passes of :func:`merge_tokens_per_pass` tokens.
     """
     zsum = has_target and cfg.label_smoothing > 0.0
-    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum)
+    opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum,
+                temperature=cfg.temperature)
+    kernels = backend_of(cfg)
     if cfg.batch_invariant == "tp":
-        stats_of = ShardStats(**opts, blocks=True)
+        stats_of = kernels.shard_stats(**opts, blocks=True)
         blocks = padded_width(cfg.layout.width, True) // BLOCK
         # Block-major, so that the gathered [tp, nb, NUM_STATS, T] is [tp * nb, ...] as a view.
         stats = torch.zeros((blocks, NUM_STATS, num_tokens), dtype=torch.float32, device=device)
@@ -128,10 +125,7 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
         counted = zsum and not cfg.layout.even
         stats = torch.zeros((NUM_STATS, num_tokens + counted), dtype=torch.float32,
                             device=device)
-        if cfg.kernel == "triton":
-            stats_of = _triton().TritonShardStats(**opts, temperature=cfg.temperature)
-        else:
-            stats_of = ShardStats(**opts, batch_invariant=bool(cfg.batch_invariant))
+        stats_of = kernels.shard_stats(**opts, batch_invariant=bool(cfg.batch_invariant))
         for chunk in chunks:
             stats_of(chunk, stats[:, chunk.rows])
         if counted:
@@ -172,13 +166,12 @@ def flatten_target(target, ignore_index: int):
 def logits_grad(logits2d, target1d, valid, cfg: StatsConfig, grad: ChunkGrad) -> torch.Tensor:
     """The backward of an op on logits: ``grad`` of every chunk of ``logits2d`` ``[T, W]``
     (recomputed by :func:`logits_chunks`) written into one preallocated ``[T, W]``
-    tensor of the logits' dtype, which is returned. No collective. With ``cfg.kernel ==
-    "triton"`` a :class:`~.kernel.StatsGrad` runs as the Triton kernel, on the logits as they
-    are (other :class:`~.kernel.ChunkGrad` objects always on the torch chunks)."""
+    tensor of the logits' dtype, which is returned. No collective. A
+    :class:`~.kernel.StatsGrad` runs on ``cfg.kernel``'s backend (the Triton kernel reads the
+    logits as they are); other :class:`~.kernel.ChunkGrad` objects always on the torch chunks."""
     grad_logits = torch.empty_like(logits2d)
-    upcast = not (cfg.kernel == "triton" and type(grad) is StatsGrad)
-    if not upcast:
-        grad = _triton().TritonStatsGrad(grad, cfg.temperature)
-    for chunk in logits_chunks(logits2d, target1d, valid, cfg, upcast=upcast):
+    kernels = backend_of(cfg) if isinstance(grad, StatsGrad) else TORCH
+    grad = kernels.stats_grad(grad, cfg.temperature)
+    for chunk in logits_chunks(logits2d, target1d, valid, cfg, upcast=not kernels.tiles):
         grad(chunk, grad_logits[chunk.rows])
     return grad_logits

@@ -13,11 +13,11 @@ collectives and the weight-gradient GEMMs; an op plugs in two things per chunk, 
 
 This is where a kernel backend plugs in: a kernel receives the :class:`Chunk` below and an output
 tensor, and must stay within the error bounds of ``docs/numerics.md`` (not the same bits). Both
-callables may overwrite ``chunk.z`` and ``chunk.scratch``. Today's one other backend, the Triton
-kernels of the unfused op (``ops/kernels/triton_stats.py``), is chosen by ``cfg.kernel`` inside
-:func:`.chunks.gathered_stats` and :func:`.chunks.logits_grad`, which then hand it chunks with
-``z`` and ``scratch`` None (it reads the logits itself); a backend object resolved once into the
-config is the next step when a second one comes.
+callables may overwrite ``chunk.z`` and ``chunk.scratch``. The backends (:mod:`.backends`, one
+object per ``cfg.kernel``) make the core op's objects below into what runs; the Triton one
+(``ops/kernels/triton_stats.py``) takes chunks with ``z`` and ``scratch`` None: it reads
+``chunk.logits``, or, in the fused LM head, computes them tile by tile from ``chunk.hidden`` and
+``chunk.weight`` (``chunk.logits`` None).
 
 May import: ``torch`` and :mod:`.._math`; nothing else of the package (the rest of the engine
 imports it).
@@ -44,7 +44,10 @@ class Chunk(NamedTuple):
     ``index``/``owned``: ``[n]`` int64 local column of each row's target in this shard and
     whether this shard owns it (``_math.local_target_index``); None without targets.
     ``logits``: the chunk's logits ``[n, W]`` in their storage dtype: a view of the op's logits
-    (unfused) or the fused LM head's GEMM buffer, which the gradient may overwrite.
+    (unfused) or the fused LM head's GEMM buffer, which the gradient may overwrite; None for a
+    fused chunk whose logits a kernel computes itself (:func:`.linear.tile_chunks`).
+    ``hidden``/``weight``: that fused chunk's hidden rows ``[n, H]`` and the weight shard
+    ``[W, H]`` (model dtype); None otherwise.
     """
 
     rows: slice
@@ -52,7 +55,9 @@ class Chunk(NamedTuple):
     scratch: torch.Tensor | None
     index: torch.Tensor | None
     owned: torch.Tensor | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
 
 
 class ChunkStats(Protocol):

@@ -7,12 +7,14 @@ ever holding ``[T, W]``.
 * :class:`ChunkBuffers`: the reused workspace buffers of one pass over the chunks;
 * :func:`chunk_logits` / :func:`linear_chunks`: one chunk's logits GEMM and the iterator of
   :class:`~.kernel.Chunk` objects over the hidden states (:data:`INVARIANT_ROWS` rows per GEMM
-  in batch-invariant mode);
+  in batch-invariant mode); :func:`tile_chunks`: the chunks without GEMM of a backend that
+  computes the logits itself (Triton's ``tl.dot`` tiles), and :func:`fused_chunks`, the one of
+  the two that ``cfg.kernel``'s backend takes;
 * :func:`full_hidden` / :func:`reduce_hidden_grad`: ``ColumnParallelLinear``'s collectives for
   the input and its gradient (sequence-parallel gather / reduce-scatter, or all-reduce).
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm`, :mod:`..workspace` and
-:mod:`.kernel`; never an op module nor ``megatron_vocabstats.megatron``.
+May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm`, :mod:`..workspace`,
+:mod:`.kernel` and :mod:`.backends`; never an op module nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .. import _comm
 from .._checks import StatsConfig, auto_chunk_size
 from .._math import load_chunk, local_target_index, padded_width
 from ..workspace import WORKSPACE
+from .backends import backend_of
 from .kernel import Chunk
 
 # CPU auto chunking: tokens per chunk from the bytes of one fp32 [chunk, W] buffer. Unlike the
@@ -78,16 +81,20 @@ class ChunkBuffers:
     ``logits``: model dtype ``[chunk, W]``, the chunk's logits and then its logits gradient;
     ``z``/``scratch``: fp32 ``[chunk, W]`` for the core math; ``z_blocks``/``scratch_blocks``: the
     same memory as ``[chunk, padded W]`` for :func:`~.._math.block_stats` (the same tensors unless
-    ``batch_invariant`` and W is not a multiple of 128); ``h32``: fp32 ``[chunk, H]``, made on
-    first use by the upcast weight-gradient path. With ``batch_invariant`` the rows (the chunk,
-    or fewer tokens) are rounded up to a multiple of :data:`INVARIANT_ROWS`. All come from the
-    workspace cache (:mod:`..workspace`); :meth:`release` gives them back.
+    ``batch_invariant`` and W is not a multiple of 128); ``h32``/``grad32``: fp32 ``[chunk, H]``
+    / ``[chunk, W]``, for the upcast weight-gradient path (``grad32`` is ``z`` when there is one,
+    else made on first use). ``tiles`` (a backend that computes the logits itself,
+    ``Backend.tiles``): only ``logits``, which then holds the gradient alone (no ``z``/``scratch``,
+    no batch-invariant GEMM rows). With
+    ``batch_invariant`` the rows (the chunk, or fewer tokens) are rounded up to a multiple of
+    :data:`INVARIANT_ROWS`. All come from the workspace cache (:mod:`..workspace`);
+    :meth:`release` gives them back.
     """
 
     def __init__(self, hidden2d: torch.Tensor, width: int, chunk: int, *,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, tiles: bool = False):
         rows = min(chunk, max(hidden2d.shape[0], 1))
-        if batch_invariant:
+        if batch_invariant and not tiles:
             # Whole INVARIANT_ROWS blocks of the rows a chunk can hold, never of the full
             # chunk_size: a few tokens must not pay for a [chunk, W] buffer. The GEMM views
             # (chunk_logits) have the same shape and strides whatever the buffer's row count.
@@ -96,7 +103,8 @@ class ChunkBuffers:
         device, self._hidden = hidden2d.device, hidden2d.shape[1]
         self._leases = [WORKSPACE.take((rows, width), hidden2d.dtype, device)]
         self.logits = self._leases[0].tensor
-        for name in ("z", "scratch"):
+        self.z = self.scratch = self.z_blocks = self.scratch_blocks = None
+        for name in () if tiles else ("z", "scratch"):
             lease = WORKSPACE.take((rows * wide,), torch.float32, device)
             self._leases.append(lease)
             setattr(self, name, lease.tensor[: rows * width].view(rows, width))
@@ -104,8 +112,9 @@ class ChunkBuffers:
         self._rows = rows
         self._h32 = self._hpad = None
 
-    def _extra(self, dtype) -> torch.Tensor:
-        lease = WORKSPACE.take((self._rows, self._hidden), dtype, self.logits.device)
+    def _extra(self, dtype, columns: int | None = None) -> torch.Tensor:
+        shape = (self._rows, self._hidden if columns is None else columns)
+        lease = WORKSPACE.take(shape, dtype, self.logits.device)
         self._leases.append(lease)
         return lease.tensor
 
@@ -113,6 +122,11 @@ class ChunkBuffers:
         if self._h32 is None:
             self._h32 = self._extra(torch.float32)
         return self._h32[:n]
+
+    def grad32(self, n: int) -> torch.Tensor:
+        if self.z is None:
+            self.z = self._extra(torch.float32, self.logits.shape[1])
+        return self.z[:n]
 
     def padded_rows(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` ([n, H]) copied into a reused ``[chunk, H]`` buffer whose other rows are 0."""
@@ -165,6 +179,32 @@ def linear_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: Chu
             index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
         yield Chunk(rows, load_chunk(logits, zbuf, cfg.layout, cfg.temperature), scratch, index,
                     owned, logits)
+
+
+def tile_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, rows_per_chunk: int):
+    """Yield a :class:`~.kernel.Chunk` per ``rows_per_chunk`` tokens for a backend that computes
+    the logits itself (``Backend.tiles``): ``logits``, ``z`` and ``scratch`` None, ``hidden`` the
+    chunk's rows of ``hidden2d``, ``weight`` the shard; ``index``/``owned`` as in
+    :func:`linear_chunks`. No buffer, no GEMM."""
+    num_tokens = hidden2d.shape[0]
+    for start in range(0, num_tokens, max(rows_per_chunk, 1)):
+        rows = slice(start, min(start + rows_per_chunk, num_tokens))
+        index = owned = None
+        if target1d is not None:
+            index, owned = local_target_index(target1d[rows], valid[rows], cfg.layout)
+        yield Chunk(rows, None, None, index, owned, None, hidden2d[rows], weight)
+
+
+def fused_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: ChunkBuffers, *,
+                 padded: bool = False, tiles: bool | None = None):
+    """The chunks of one pass of the fused head: :func:`linear_chunks` (the engine's GEMM per
+    chunk), or :func:`tile_chunks` of ``cfg.chunk_size`` rows when ``tiles`` (default: whether
+    ``cfg.kernel``'s backend computes the logits itself)."""
+    if tiles is None:
+        tiles = backend_of(cfg).tiles
+    if tiles:
+        return tile_chunks(hidden2d, weight, target1d, valid, cfg, cfg.chunk_size)
+    return linear_chunks(hidden2d, weight, target1d, valid, cfg, bufs, padded=padded)
 
 
 def full_hidden(hidden, cfg: LinearStatsConfig, tp_group) -> torch.Tensor:

@@ -21,10 +21,17 @@ import torch
 
 from .. import _comm
 from .._checks import host_checks_enabled
-from .._math import MergedStats, chunk_grad, finite_lse, grad_coefficients, load_chunk
+from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk
+from .backends import TORCH, backend_of
 from .chunks import gathered_stats
-from .kernel import ChunkGrad
-from .linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks, reduce_hidden_grad
+from .kernel import ChunkGrad, StatsGrad
+from .linear import (
+    ChunkBuffers,
+    LinearStatsConfig,
+    full_hidden,
+    fused_chunks,
+    reduce_hidden_grad,
+)
 from .wgrad import finish_weight_grad, input_grads_of_chunk, weight_grad_buffer
 
 
@@ -39,24 +46,29 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
     Returns ``(MergedStats, dX or None, dW sums or None)``.
     """
     sc = cfg.stats
+    kernels = backend_of(sc)
     coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature)
     names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
     out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
     acc = weight_grad_buffer(weight, None) if cfg.grad_weight else None
-    for chunk in linear_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True):
-        rows, logits, index, owned = chunk.rows, chunk.logits, chunk.index, chunk.owned
+    for chunk in fused_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True):
+        rows = chunk.rows
         n = rows.stop - rows.start
-        parts = gathered_stats([chunk._replace(rows=slice(0, n))], n, sc, tp_group,
-                               has_target=True, device=hidden2d.device)
+        local = chunk._replace(rows=slice(0, n))  # the chunk's own [n] vectors below
+        parts = gathered_stats([local], n, sc, tp_group, has_target=True,
+                               device=hidden2d.device)
         part = merge(parts, valid[rows])
         for name in names:
             out[name][rows] = getattr(part, name)
-        z = load_chunk(logits, bufs.z, sc.layout, sc.temperature)
-        chunk_grad(z, bufs.scratch, logits, lse=finite_lse(part.logsumexp, valid[rows]), ent=None,
-                   coef_lp=coef_lp[rows], coef_h=None, index=index, owned=owned,
-                   valid=valid[rows], layout=sc.layout, label_smoothing=sc.label_smoothing)
-        input_grads_of_chunk(logits, hidden2d[rows], weight,
+        if not kernels.tiles:  # the statistics overwrote z
+            local = local._replace(z=load_chunk(chunk.logits, bufs.z, sc.layout, sc.temperature),
+                                   scratch=bufs.scratch)
+        grad = StatsGrad(finite_lse(part.logsumexp, valid[rows]), None, coef_lp[rows], None,
+                         valid[rows], sc.layout, sc.label_smoothing)
+        g = bufs.logits[:n]
+        kernels.stats_grad(grad, sc.temperature)(local, g)
+        input_grads_of_chunk(g, hidden2d[rows], weight,
                              dx2d[rows] if dx2d is not None else None, acc, bufs)
     return MergedStats(**{name: out.get(name) for name in ("logsumexp", "logprobs", "entropy")}), \
         dx2d, acc
@@ -122,10 +134,13 @@ def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, 
                        main_grad, grad: ChunkGrad) -> tuple:
     """``(grad_hidden, grad_weight)`` of a fused op by recomputing each chunk's logits.
 
-    ``grad`` (the op's :class:`~.kernel.ChunkGrad`) is called as ``grad(chunk, chunk.logits)``:
-    it turns the chunk's logits (model dtype ``[n, W]``, in ``chunk.logits``; ``chunk.z`` their
-    fp32 upcast, ``chunk.scratch`` an fp32 ``[chunk, W]`` buffer) into their gradient in place;
-    each chunk's gradient then becomes ``dX = g @ W`` and ``dW += g.T @ h`` right away.
+    ``grad`` (the op's :class:`~.kernel.ChunkGrad`) is called as ``grad(chunk, out)`` with
+    ``out`` the chunk buffer (model dtype ``[n, W]``): it turns the chunk's logits (in
+    ``chunk.logits``, which is ``out``; ``chunk.z`` their fp32 upcast, ``chunk.scratch`` an fp32
+    ``[chunk, W]`` buffer) into their gradient in place, or, for a :class:`~.kernel.StatsGrad` on
+    a backend that computes the logits itself (Triton), writes the gradient of a chunk without
+    logits (:func:`.linear.tile_chunks`) into ``out``; each chunk's gradient then becomes
+    ``dX = g @ W`` and ``dW += g.T @ h`` right away (cuBLAS).
     ``hidden`` is this rank's (sequence-parallel) shard; ``target1d``/``valid`` the flattened
     targets (None without); ``main_grad`` the weight's ``main_grad`` under gradient-accumulation
     fusion, else None. ``None`` for a gradient ``cfg`` does not ask for.
@@ -135,12 +150,16 @@ def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, 
     hidden2d = total.reshape(-1, total.shape[-1])
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
     acc = weight_grad_buffer(weight, main_grad) if cfg.grad_weight else None
+    kernels = backend_of(sc) if isinstance(grad, StatsGrad) else TORCH
+    grad = kernels.stats_grad(grad, sc.temperature)
     bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
-                         batch_invariant=bool(sc.batch_invariant))
+                        batch_invariant=bool(sc.batch_invariant), tiles=kernels.tiles)
     try:
-        for chunk in linear_chunks(hidden2d, weight, target1d, valid, sc, bufs):
-            grad(chunk, chunk.logits)
-            input_grads_of_chunk(chunk.logits, hidden2d[chunk.rows], weight,
+        for chunk in fused_chunks(hidden2d, weight, target1d, valid, sc, bufs,
+                                  tiles=kernels.tiles):
+            g = bufs.logits[:chunk.rows.stop - chunk.rows.start]
+            grad(chunk, g)
+            input_grads_of_chunk(g, hidden2d[chunk.rows], weight,
                                  dx2d[chunk.rows] if dx2d is not None else None, acc, bufs)
     finally:
         bufs.release()

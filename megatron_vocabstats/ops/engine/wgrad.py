@@ -63,7 +63,7 @@ def _probe_wgrad_mode(device_type: str) -> str:
 def accumulate_wgrad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor,
                       bufs: ChunkBuffers) -> None:
     """``acc += grad.T @ h`` accumulated in fp32 (``acc`` fp32 ``[W, H]``; ``grad`` ``[n, W]`` and
-    ``h`` ``[n, H]`` in the model dtype). Clobbers ``bufs.z``."""
+    ``h`` ``[n, H]`` in the model dtype). Clobbers ``bufs.grad32``."""
     if grad.dtype == acc.dtype:
         acc.addmm_(grad.t(), h)
         return
@@ -74,7 +74,7 @@ def accumulate_wgrad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor,
         acc.add_(torch.mm(grad.t(), h, out_dtype=acc.dtype))
     else:
         n = grad.shape[0]
-        acc.addmm_(bufs.z[:n].copy_(grad).t(), bufs.h32(n).copy_(h))
+        acc.addmm_(bufs.grad32(n).copy_(grad).t(), bufs.h32(n).copy_(h))
 
 
 def input_grads_of_chunk(grad, h, weight, dx_rows, acc, bufs: ChunkBuffers) -> None:

@@ -5,7 +5,8 @@ argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``ke
 :func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`). The Triton
 kernels themselves live in :mod:`.triton_stats`, which imports ``triton``: nothing here does
 (``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU. May
-import :mod:`.._argtypes`, the standard library and torch only.
+import :mod:`.._argtypes`, the standard library and torch only (``triton_stats`` and
+``triton_tiles``, the kernels, import triton and are imported only once chosen).
 """
 
 from __future__ import annotations
@@ -54,15 +55,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def resolve_kernel(kernel, device: torch.device, batch_invariant) -> str:
-    """The backend (one of :data:`KERNELS`) of one call of the unfused op.
+def resolve_kernel(kernel, device: torch.device) -> str:
+    """The backend (one of :data:`KERNELS`) of one call of the unfused op or the fused LM head.
 
     ``kernel``: ``"auto"`` (the :data:`KERNEL_ENV` value if set, else ``"triton"`` for CUDA
     logits when triton imports and :data:`AUTO_TRITON_ON_CUDA` is on, ``"torch"`` otherwise),
-    ``"torch"`` or ``"triton"``.
-    ``batch_invariant`` (``True``/``"tp"``) always resolves to ``"torch"``: the Triton kernels
-    do not implement the block statistics of batch-invariant mode, which stays on the torch
-    path's fixed reduction tree.
+    ``"torch"`` or ``"triton"``. Every batch-invariant mode runs on either backend (the Triton
+    kernels keep a row's reduction order fixed, ``triton_stats``).
 
     Raises ``ValueError`` naming the argument for a value not in :data:`KERNEL_CHOICES` (or a bad
     :data:`KERNEL_ENV`), and for ``"triton"`` (given or forced) without the triton package or
@@ -80,7 +79,7 @@ def resolve_kernel(kernel, device: torch.device, batch_invariant) -> str:
         else:
             kernel = ("triton" if AUTO_TRITON_ON_CUDA and device.type == "cuda"
                       and triton_available() else "torch")
-    if batch_invariant or kernel == "torch":
+    if kernel == "torch":
         return "torch"
     if not triton_available():
         raise ValueError(f"{source} needs the triton package, which is not installed; pass "

@@ -106,8 +106,10 @@ def assert_close(actual, expected, *, rtol, atol, what, scale=None):
 
 
 def run_and_check(group, *, dtype=torch.float32, sequence_parallel=False, forward_grad=False,
-                  entropy="grad", chunk_size=4, seed=0, tokens=None, ignore=(0,), **options):
-    """Run the op on this rank's shards and check it against the float64 reference."""
+                  entropy="grad", chunk_size=4, seed=0, tokens=None, ignore=(0,),
+                  kernel="torch", batch_invariant=False, **options):
+    """Run the op on this rank's shards and check it against the float64 reference (``kernel``
+    and ``batch_invariant`` go to the op only: the reference is the same)."""
     rank, tp = rank_size(group)
     tokens = tokens or ((3 * tp, 2) if sequence_parallel else (5, 3))
     vocab = options.pop("vocab_size", 101)
@@ -124,7 +126,8 @@ def run_and_check(group, *, dtype=torch.float32, sequence_parallel=False, forwar
     st = linear_vocab_parallel_stats(
         h_leaf, w_leaf, target, tp_group=group, sequence_parallel=sequence_parallel,
         vocab_size=vocab, chunk_size=chunk_size, entropy=entropy,
-        grad_weights=w_lp if forward_grad else None, **options)
+        grad_weights=w_lp if forward_grad else None, kernel=kernel,
+        batch_invariant=batch_invariant, **options)
     # With grad_weights the upstream gradient is c * w_lp; c = -0.37 tests its scaling.
     c = -0.37 if forward_grad else 1.0
     objective = (st.logprobs * w_lp).sum() * c

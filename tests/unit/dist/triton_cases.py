@@ -28,6 +28,7 @@ from _reference import (
     temperature_dz,
 )
 from _triton_parity import online_parts
+from fused_linear_cases import run_and_check as fused_run_and_check
 from megatron_vocabstats import vocab_parallel_stats
 from megatron_vocabstats.ops.kernels import block_columns
 
@@ -108,6 +109,31 @@ def tp_kernels_must_agree(group):
         assert "kernel (resolved) differs" in str(exc), str(exc)
     else:
         raise AssertionError("mixed kernels were not rejected")
+
+
+@CASES.register
+def tp_fused_bf16_temperature_smoothing(group):
+    fused_run_and_check(group, dtype=torch.bfloat16, temperature=0.9, label_smoothing=0.1,
+                        kernel="triton")
+
+
+@CASES.register
+def tp_fused_sequence_parallel_forward_grad(group):
+    fused_run_and_check(group, sequence_parallel=True, forward_grad=True, kernel="triton")
+
+
+@CASES.register
+def tp_invariant_mode_gives_the_bits_of_tp1(group):
+    """``batch_invariant="tp"`` on the kernels: the shards' per-block statistics merged over tp
+    give the bits of one process on the full logits."""
+    if dist.get_world_size(group) == 1:
+        raise Skip("needs tp >= 2")
+    full, shard, target = _shards(group, width=256, vocab=500, dtype=torch.bfloat16)
+    opts = dict(vocab_size=500, label_smoothing=0.1, batch_invariant="tp", kernel="triton")
+    sharded = vocab_parallel_stats(shard, target, tp_group=group, **opts)
+    alone = vocab_parallel_stats(full, target, **opts)
+    for a, b in zip(sharded, alone):
+        assert torch.equal(a, b)
 
 
 if __name__ == "__main__":
