@@ -114,6 +114,37 @@ def measure(step: Callable[[], Callable[[], None]], *, group, inputs, iters: int
     return peak, statistics.median(times), len(fwd_calls), len(bwd_calls)
 
 
+def split_times(step: Callable[[], Callable[[], None]], *, iters: int,
+                warmup: int) -> tuple[float, float]:
+    """Median forward and backward ms of ``step`` (``step()`` runs the forward and returns the
+    backward closure): CUDA events around each half on a GPU, ``time.perf_counter`` on CPU
+    (for smoke runs), over ``iters`` runs after ``warmup`` untimed ones. One process: no
+    barriers (use it on tp = 1)."""
+    cuda = device().type == "cuda"
+    fwd, bwd = [], []
+    for i in range(warmup + iters):
+        if cuda:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
+            backward = step()
+            marks[1].record()
+            backward()
+            marks[2].record()
+            torch.cuda.synchronize()
+            times = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
+        else:
+            t0 = time.perf_counter()
+            backward = step()
+            t1 = time.perf_counter()
+            backward()
+            times = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        del backward
+        if i >= warmup:
+            fwd.append(times[0])
+            bwd.append(times[1])
+    return statistics.median(fwd), statistics.median(bwd)
+
+
 def launch(script: str, tp: int, args: list[str]) -> list[Measurement]:
     """Driver side: run ``script`` under torchrun on ``tp`` local ranks; rank 0's measurements."""
     with tempfile.TemporaryDirectory() as tmp:

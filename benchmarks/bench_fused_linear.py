@@ -52,6 +52,7 @@ from _runner import (
     measure,
     write_worker_rows,
 )
+from bench_vocab_parallel import megatron_ce
 from megatron_vocabstats import vocab_parallel_stats
 from megatron_vocabstats.ops.fused_linear import (
     auto_linear_chunk_size,
@@ -64,13 +65,16 @@ BASELINE = "megatron_pair"
 
 
 class Inputs:
-    """The tensors every provider of one configuration shares."""
+    """The tensors every provider of one configuration shares: ``hidden`` (bf16 leaf), the given
+    ``weight`` (shard), ``target`` and a loss ``mask`` (10% prompt tokens). ``layer`` (Megatron's
+    ``ColumnParallelLinear`` holding ``weight``) computes the unfused pairs' logits; None: a
+    plain ``hidden @ weight.T``."""
 
-    def __init__(self, layer, tokens: int, hidden_size: int, vocab: int, seed: int):
+    def __init__(self, weight, tokens: int, hidden_size: int, vocab: int, seed: int, layer=None):
         gen = torch.Generator().manual_seed(seed)
         dev = device()
         self.layer = layer
-        self.weight = layer.weight
+        self.weight = weight
         self.hidden = (torch.randn(tokens, hidden_size, generator=gen).to(torch.bfloat16)
                        .to(dev).requires_grad_())
         self.target = torch.randint(0, vocab, (tokens,), generator=gen).to(dev)
@@ -79,6 +83,11 @@ class Inputs:
 
     def tensors(self):
         return self.hidden, self.weight, self.target, self.mask
+
+    def logits(self):
+        if self.layer is None:
+            return self.hidden @ self.weight.T
+        return self.layer(self.hidden)[0]
 
     def input_and_grad_bytes(self) -> int:
         h, w, t, m = self.tensors()
@@ -92,40 +101,49 @@ def _backward(loss, inputs: Inputs):
     inputs.weight.grad = None
 
 
-def megatron_pair(inputs: Inputs, group, chunk):
-    from megatron.core import tensor_parallel
+def pair(ce_of):
+    """The unfused pair of the LM head's logits (``Inputs.logits``) and the per-token loss
+    ``ce_of(group)(logits, target)`` (``bench_vocab_parallel.megatron_ce`` and the like)."""
+    def make(inputs: Inputs, group, chunk):
+        ce = ce_of(group)
 
-    fn = tensor_parallel.vocab_parallel_cross_entropy
-    kwargs = {"tp_group": group} if "tp_group" in inspect.signature(fn).parameters else {}
+        def step():
+            logits = inputs.logits()
+            loss = (ce(logits, inputs.target) * inputs.mask).sum()
+            del logits
+            return lambda: _backward(loss, inputs)
 
-    def step():
-        logits, _ = inputs.layer(inputs.hidden)
-        loss = (fn(logits, inputs.target, **kwargs) * inputs.mask).sum()
-        del logits
-        return lambda: _backward(loss, inputs)
+        return step
 
-    return step
+    return make
+
+
+def _ours_ce(group, vocab):
+    def ce(logits, target):
+        return -vocab_parallel_stats(logits, target, tp_group=group, vocab_size=vocab,
+                                     entropy="off").logprobs
+
+    return ce
 
 
 def unfused_ours(inputs: Inputs, group, chunk):
-    def step():
-        logits, _ = inputs.layer(inputs.hidden)
-        st = vocab_parallel_stats(logits, inputs.target, tp_group=group, vocab_size=inputs.vocab,
-                                  entropy="off")
-        loss = -(st.logprobs * inputs.mask).sum()
-        del logits, st
-        return lambda: _backward(loss, inputs)
-
-    return step
+    return pair(lambda g: _ours_ce(g, inputs.vocab))(inputs, group, chunk)
 
 
-def fused(entropy: str, batch_invariant: bool = False):
+def _kernel_kwargs(kernel: str | None) -> dict:
+    # None: the op's default, without naming the keyword (older releases have none).
+    return {} if kernel is None else {"kernel": kernel}
+
+
+def fused(entropy: str, batch_invariant: bool = False, kernel: str | None = None,
+          validate: bool = True):
     def make(inputs: Inputs, group, chunk):
         def step():
             st = linear_vocab_parallel_stats(inputs.hidden, inputs.weight, inputs.target,
                                              tp_group=group, vocab_size=inputs.vocab,
                                              chunk_size=chunk, entropy=entropy,
-                                             batch_invariant=batch_invariant)
+                                             batch_invariant=batch_invariant, validate=validate,
+                                             **_kernel_kwargs(kernel))
             loss = -(st.logprobs * inputs.mask).sum()
             if entropy == "grad":
                 loss = loss + 0.01 * (st.entropy * inputs.mask).sum()
@@ -136,23 +154,27 @@ def fused(entropy: str, batch_invariant: bool = False):
     return make
 
 
-def fused_fwd_grad(inputs: Inputs, group, chunk):
-    def step():
-        loss = linear_vocab_parallel_cross_entropy(
-            inputs.hidden, inputs.weight, inputs.target, tp_group=group, vocab_size=inputs.vocab,
-            chunk_size=chunk, loss_weights=inputs.mask)
-        loss = (loss * inputs.mask).sum()
-        return lambda: _backward(loss, inputs)
+def fused_fwd_grad(kernel: str | None = None, validate: bool = True):
+    def make(inputs: Inputs, group, chunk):
+        def step():
+            loss = linear_vocab_parallel_cross_entropy(
+                inputs.hidden, inputs.weight, inputs.target, tp_group=group,
+                vocab_size=inputs.vocab, chunk_size=chunk, loss_weights=inputs.mask,
+                validate=validate, **_kernel_kwargs(kernel))
+            loss = (loss * inputs.mask).sum()
+            return lambda: _backward(loss, inputs)
 
-    return step
+        return step
+
+    return make
 
 
 PROVIDERS = {
-    (BASELINE, "logprob"): megatron_pair,
+    (BASELINE, "logprob"): pair(megatron_ce),
     ("unfused_ours", "logprob"): unfused_ours,
     ("fused", "logprob"): fused("off"),
     ("fused", "logprob+entropy"): fused("grad"),
-    ("fused_fwd_grad", "logprob"): fused_fwd_grad,
+    ("fused_fwd_grad", "logprob"): fused_fwd_grad(),
     ("fused_batch_invariant", "logprob"): fused("off", batch_invariant=True),
 }
 # Run only when named in --providers.
@@ -204,7 +226,7 @@ def worker(args) -> None:
     for hidden in args.hidden:
         layer = build_layer(hidden, width * tp, group)
         for tokens in args.tokens:
-            inputs = Inputs(layer, tokens, hidden, args.vocab, seed=tokens)
+            inputs = Inputs(layer.weight, tokens, hidden, args.vocab, seed=tokens, layer=layer)
             for (name, mode), chunk in runs:
                 row = Measurement(provider=name, mode=mode, tokens=tokens, tp=tp)
                 row.extra.update(hidden=hidden, chunk=chunk if name.startswith("fused") else 0)

@@ -66,7 +66,9 @@ def ours(entropy: str, chunk: int, batch_invariant: bool | str = False, kernel: 
     return make
 
 
-def megatron(logits, target, group, vocab):
+def megatron_ce(group):
+    """Megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` as ``ce(logits, target)`` (the
+    per-token loss) on ``group``; releases before 0.19 read the global TP group, set up here."""
     import inspect
 
     from megatron.core import tensor_parallel
@@ -77,13 +79,34 @@ def megatron(logits, target, group, vocab):
 
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(dist.get_world_size(group))
-    kwargs = {"tp_group": group} if "tp_group" in inspect.signature(fn).parameters else {}
+        return fn
+    return lambda logits, target: fn(logits, target, tp_group=group)
 
-    def step():
-        loss = fn(logits, target, **kwargs)
-        return lambda: _backward([loss], logits)
 
-    return step
+def megatron_fused_ce(group):
+    """Megatron's fused ``fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy``
+    (torch.compile'd; bf16 logits only, its gradient cast to bf16) as ``ce(logits, target)``."""
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    return lambda logits, target: fused_vocab_parallel_cross_entropy(logits, target, group)
+
+
+def logits_ce(ce_of):
+    """The provider ``make(logits, target, group, vocab)`` of the per-token loss
+    ``ce_of(group)(logits, target)`` (e.g. :func:`megatron_ce`), backward of all its values."""
+    def make(logits, target, group, vocab):
+        ce = ce_of(group)
+
+        def step():
+            loss = ce(logits, target)
+            return lambda: _backward([loss], logits)
+
+        return step
+
+    return make
+
+
+megatron = logits_ce(megatron_ce)
 
 
 class _GatherVocab(torch.autograd.Function):

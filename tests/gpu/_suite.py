@@ -5,8 +5,9 @@ Nothing here needs CUDA; ``tests/unit/test_gpu_suite.py`` tests it on CPU.
 
 The table: ``python tests/gpu/_suite.py OUT`` reads what ``run.sh`` left in ``OUT`` (``steps.tsv``
 with one ``name<TAB>limit_s<TAB>exit code<TAB>seconds`` line per step, a JUnit XML file
-``<name>.xml`` per pytest step, ``speed.json`` from ``tests/gpu/speed.py``), prints the speed table
-and then one row per test function, and exits 1 if any test or step failed (skips are fine).
+``<name>.xml`` per pytest step, ``speed.json`` from ``tests/gpu/speed.py`` with the fused LM-head
+table of ``tests/gpu/speed_fused.py`` under ``"fused"``), prints the speed tables and then one row
+per test function, and exits 1 if any test or step failed (skips are fine).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_fused_linear import estimate_bytes as fused_estimate_bytes  # noqa: E402
 from bench_vocab_parallel import BOUND_PER_TOKEN_VECTORS  # noqa: E402
+
 # The bound benchmarks/bench_vocab_parallel.py holds the core op to (measured 0.995 .. 1.0 of it
 # on CPU, results/vocab_parallel.md); ``rounding``: WORKSPACE_ROUNDING.
 from bench_vocab_parallel import peak_bound as vocab_parallel_peak_bound  # noqa: E402,F401
@@ -40,6 +42,11 @@ GPU_ALLOWANCE_BYTES = 32 * MiB
 # rounded up to its size class: at most 1/8 more than asked.
 WORKSPACE_ROUNDING = 1 / 8
 TIMEOUT_CODES = (124, 137)  # GNU timeout: TERM sent at the limit; KILL after --kill-after
+# Our providers in the speed tables and the ``kernel`` each one runs with.
+OUR_KERNELS = {"ours": "torch", "ours_triton": "triton"}
+# Issue 13's targets for the fused LM head on an H200: (fwd + bwd) within this factor of the matmul
+# floor, and not slower than Liger's fused linear cross-entropy.
+FUSED_FLOOR_TARGET = 1.3
 
 
 def load_module(path: str, name: str):
@@ -179,15 +186,16 @@ def step_row(step: str, limit: str, code: int, log_tail: str) -> Row | None:
 
 
 def speed_table(report: dict) -> tuple[str, list[Row]]:
-    """The markdown speed table of ``speed.json`` and its summary rows.
+    """The markdown speed tables of ``speed.json`` and their summary rows.
 
     ``report``: ``{"config": str, "rows": [{"provider", "mode", "tokens", "time_ms",
-    "peak_bytes", "skipped"}]}`` or ``{"skipped": why}``. Ratios are against Megatron's native
-    and fused cross-entropy at the same T. A provider of ours that errored fails the suite; one
-    of Megatron's is reported as unavailable.
+    "peak_bytes", "skipped"}], "fused": {...}}`` or ``{"skipped": why}``; ``"fused"`` (absent in
+    older reports) is :func:`fused_table`'s. Ratios are against Megatron's native and fused
+    cross-entropy at the same T. A provider of ours that errored fails the suite; one of
+    Megatron's is reported as unavailable.
     """
     if "skipped" in report:
-        return "", [Row("speed", "bf16 speed table", f"skipped: {report['skipped']}")]
+        return "", [Row("speed", "bf16 speed tables", f"skipped: {report['skipped']}")]
     rows = report["rows"]
     times = {(r["provider"], r["tokens"]): r["time_ms"] for r in rows if not r.get("skipped")}
     lines = [f"Speed, bf16, forward + backward ({report.get('config', '')}):", "",
@@ -197,10 +205,7 @@ def speed_table(report: dict) -> tuple[str, list[Row]]:
     for r in rows:
         head = f"| {r['tokens']} | {r['provider']} | {r['mode']} |"
         if r.get("skipped"):
-            lines.append(f"{head} {r['skipped']} | | | |")
-            if r["provider"] == "ours":
-                summary.append(Row("speed", f"ours {r['mode']} T={r['tokens']}",
-                                   f"FAIL: {_short(r['skipped'])}"))
+            _not_run(r, head, 4, f"ours {r['mode']} T={r['tokens']}", lines, summary)
             continue
         ratios = []
         for base in ("megatron", "megatron_fused"):
@@ -211,7 +216,22 @@ def speed_table(report: dict) -> tuple[str, list[Row]]:
     lines += _bandwidth_lines(rows)
     if not summary:
         summary.append(Row("speed", "bf16 speed table", f"ok ({len(rows)} rows)"))
+    if "fused" in report:
+        fused_lines, fused_summary = fused_table(report["fused"])
+        if fused_lines:
+            lines += ["", *fused_lines]
+        summary += fused_summary
     return "\n".join(lines), summary
+
+
+def _not_run(r: dict, head: str, columns: int, check: str, lines: list[str],
+             summary: list[Row]) -> None:
+    """A speed row that did not run: its reason in the first of ``columns`` cells after
+    ``head``, and a failing summary row ``check`` if it is ours (ours must run; the others may
+    be unavailable)."""
+    lines.append(f"{head} {r['skipped']}" + " |" * columns)
+    if r["provider"] == "ours":
+        summary.append(Row("speed", check, f"FAIL: {_short(r['skipped'])}"))
 
 
 def _bandwidth_lines(rows: list[dict]) -> list[str]:
@@ -230,6 +250,72 @@ def _bandwidth_lines(rows: list[dict]) -> list[str]:
                      f"{x['bwd_ms']:.2f} | {x['fwd_tbps']:.2f} | {x['bwd_tbps']:.2f} | "
                      f"{x['floor_ms']:.2f} | {x['vs_floor']:.2f} |")
     return lines
+
+
+FUSED_CHECK = "bf16 fused LM-head table"
+LIGER_BASE = ("liger", "logprob fwd-grad")  # Liger's fused linear cross-entropy, its defaults
+
+
+def fused_table(report: dict) -> tuple[list[str], list[Row]]:
+    """The fused LM-head table (``speed_fused.py``'s report) and its summary rows.
+
+    ``report``: ``{"config", "rows"}`` (rows as in :func:`speed_table`, ``extra`` holding
+    ``hidden`` and, once measured, ``speed_fused.matmul_floor``'s numbers and
+    ``grads_in_forward``), ``{"skipped": why}`` or ``{"failed": why}`` (the worker died). Ratios
+    are against ``megatron`` and Liger's default row (:data:`LIGER_BASE`) at the same T and H;
+    per-phase TFLOP/s are left out where the gradients are computed in forward. A row of
+    ``ours`` that errored, or a failed worker, fails the suite. Closes with issue 13's targets
+    and where ``ours_triton`` stands.
+    """
+    if "skipped" in report:
+        return [], [Row("speed", FUSED_CHECK, f"skipped: {report['skipped']}")]
+    if "failed" in report:
+        return [], [Row("speed", FUSED_CHECK, f"FAIL: {_short(report['failed'])}")]
+    rows = report["rows"]
+    times = {(r["provider"], r["mode"], r["tokens"], r["extra"]["hidden"]): r["time_ms"]
+             for r in rows if not r.get("skipped")}
+    lines = [f"Fused LM head, bf16, forward + backward w.r.t. hidden and weight "
+             f"({report.get('config', '')}); floor: 2 T H W flops forward, 4 T H W backward:",
+             "", "| T | H | provider | mode | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | "
+             "TFLOP/s | / floor | / Megatron | / Liger | peak GiB |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    summary = []
+    for r in rows:
+        hidden = r["extra"]["hidden"]
+        head = f"| {r['tokens']} | {hidden} | {r['provider']} | {r['mode']} |"
+        if r.get("skipped"):
+            _not_run(r, head, 9, f"fused ours {r['mode']} T={r['tokens']} H={hidden}", lines,
+                     summary)
+            continue
+        x = r["extra"]
+        ratios = []
+        for base in (("megatron", "logprob"), LIGER_BASE):
+            b = times.get((*base, r["tokens"], hidden))
+            ratios.append(f"{r['time_ms'] / b:.2f}" if b else "n/a")
+        rates = (["n/a", "n/a"] if x["grads_in_forward"]
+                 else [f"{x['fwd_tflops']:.0f}", f"{x['bwd_tflops']:.0f}"])
+        lines.append(f"{head} {x['fwd_ms']:.2f} | {x['bwd_ms']:.2f} | {rates[0]} | {rates[1]} | "
+                     f"{x['tflops']:.0f} | {x['vs_floor']:.2f} | {ratios[0]} | {ratios[1]} | "
+                     f"{r['peak_bytes'] / GiB:.2f} |")
+    lines += ["", _fused_targets(rows, times)]
+    if not summary:
+        summary.append(Row("speed", FUSED_CHECK, f"ok ({len(rows)} rows)"))
+    return lines, summary
+
+
+def _fused_targets(rows: list[dict], times: dict) -> str:
+    """One line: issue 13's targets and the fastest measured ``ours_triton`` row against them."""
+    line = (f"Targets (issue 13, H200): fwd + bwd <= {FUSED_FLOOR_TARGET} x the floor, and not "
+            "slower than Liger (/ Liger <= 1).")
+    ours = [r for r in rows if r["provider"] == "ours_triton" and not r.get("skipped")]
+    if not ours:
+        return line + " No ours_triton row was measured."
+    best = min(ours, key=lambda r: r["time_ms"])
+    liger = times.get((*LIGER_BASE, best["tokens"], best["extra"]["hidden"]))
+    vs_liger = f"{best['time_ms'] / liger:.2f}" if liger else "n/a"
+    return (line + f" Fastest ours_triton ({best['mode']}, T={best['tokens']}, "
+            f"H={best['extra']['hidden']}): {best['extra']['vs_floor']:.2f} x the floor, "
+            f"{vs_liger} x Liger.")
 
 
 def read_results(out: str) -> tuple[str, list[Row]]:

@@ -15,10 +15,15 @@ The driver launches one torchrun worker (``benchmarks/_runner.launch``) and writ
 
 Our rows run the torch path (``ours``, ``kernel="torch"``) and the Triton kernels
 (``ours_triton``, ``kernel="triton"``, issue 13). Each of them also gets forward and backward
-times of their own (CUDA events, ``validate=False``, median over ``--iters``), the achieved
-bandwidth of the bytes a one-read kernel must move (forward: read the bf16 logits once, 2 B per
-logit; backward: read them and write the gradient, 4 B) and the ratio of forward + backward to
-that floor at ``--peak-tbps`` (H200: 4.8 TB/s), in the row's ``extra``.
+times of their own (``_runner.split_times``: CUDA events, ``validate=False``, median over
+``--iters``), the achieved bandwidth of the bytes a one-read kernel must move (forward: read the
+bf16 logits once, 2 B per logit; backward: read them and write the gradient, 4 B) and the ratio of
+forward + backward to that floor at ``--peak-tbps`` (H200: 4.8 TB/s), in the row's ``extra``.
+
+Then, unless ``--no-fused``, the fused LM-head table of ``tests/gpu/speed_fused.py`` (T = 8192,
+H = 4096, against Megatron's pairs and Liger; same ``--vocab``, ``--iters`` and ``--warmup``) in a
+second torchrun worker, stored under ``"fused"`` of the same JSON (rewritten once the first table
+is in, so that a fused run that fails or times out leaves the first one).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import subprocess
 import sys
 from dataclasses import asdict
 
@@ -35,6 +40,10 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import speed_fused  # noqa: E402  (tests/gpu: this script's directory)
+from _suite import OUR_KERNELS as KERNEL_OF  # noqa: E402
+from _suite import exit_with_launcher  # noqa: E402
+
 from _runner import (  # noqa: E402
     Measurement,
     device,
@@ -42,27 +51,13 @@ from _runner import (  # noqa: E402
     is_worker,
     launch,
     measure,
+    split_times,
     write_worker_rows,
 )
-from bench_vocab_parallel import _backward, megatron, ours  # noqa: E402
-
-from _suite import exit_with_launcher  # noqa: E402  (tests/gpu: this script's directory)
-
+from bench_vocab_parallel import logits_ce, megatron, megatron_fused_ce, ours  # noqa: E402
 from megatron_vocabstats.ops._checks import auto_chunk_size  # noqa: E402
 
-
-def megatron_fused(logits, target, group, vocab):
-    """Megatron's fused cross-entropy (bf16 logits only; its gradient is cast to bf16)."""
-    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-
-    def step():
-        loss = fused_vocab_parallel_cross_entropy(logits, target, group)
-        return lambda: _backward([loss], logits)
-
-    return step
-
-
-KERNEL_OF = {"ours": "torch", "ours_triton": "triton"}
+megatron_fused = logits_ce(megatron_fused_ce)
 ENTROPY_OF = {"logprob": "off", "logprob+entropy": "grad"}
 
 
@@ -86,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="untimed iterations first (Megatron's fused op compiles in them)")
     parser.add_argument("--peak-tbps", type=float, default=4.8,
                         help="memory bandwidth of the floor, TB/s (H200: 4.8)")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="skip the fused LM-head table (tests/gpu/speed_fused.py)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("tokens", "iters"):
@@ -95,24 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.vocab <= 0 or args.warmup < 0:
         parser.error("--vocab must be positive and --warmup >= 0")
     return args
-
-
-def split_times(make, logits, target, group, vocab, *, iters: int, warmup: int):
-    """Median forward and backward ms of ``make``'s step (CUDA events around each half)."""
-    step = make(logits, target, group, vocab)
-    fwd, bwd = [], []
-    for i in range(warmup + iters):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        events[0].record()
-        backward = step()
-        events[1].record()
-        backward()
-        events[2].record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            fwd.append(events[0].elapsed_time(events[1]))
-            bwd.append(events[1].elapsed_time(events[2]))
-    return statistics.median(fwd), statistics.median(bwd)
 
 
 def bandwidth(tokens: int, vocab: int, fwd_ms: float, bwd_ms: float, peak_tbps: float) -> dict:
@@ -143,7 +122,7 @@ def worker(args) -> None:
                 if name in KERNEL_OF:
                     fast = ours(ENTROPY_OF[mode], chunk, kernel=KERNEL_OF[name], validate=False)
                     row.extra = bandwidth(tokens, args.vocab, *split_times(
-                        fast, logits, target, group, args.vocab, iters=args.iters,
+                        fast(logits, target, group, args.vocab), iters=args.iters,
                         warmup=args.warmup), args.peak_tbps)
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 row.skipped = f"error: {type(exc).__name__}: {exc}"
@@ -153,6 +132,18 @@ def worker(args) -> None:
         del logits, target
     write_worker_rows(args.worker_out, rows)
     dist.destroy_process_group()
+
+
+def fused_report(args) -> dict:
+    """``speed_fused``'s report for the same V, iterations and warm-up, or ``{"failed": why}``
+    when its worker fails."""
+    fused_args = speed_fused.parse_args(["--out", args.out, "--vocab", str(args.vocab),
+                                         "--iters", str(args.iters),
+                                         "--warmup", str(args.warmup)])
+    try:
+        return speed_fused.report(fused_args)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
 def main(argv=None) -> int:
@@ -171,9 +162,16 @@ def main(argv=None) -> int:
                             f"warm-up, floor at {args.peak_tbps} TB/s, "
                             f"{torch.cuda.get_device_name()}",
                   "rows": [asdict(r) for r in rows]}
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    _write(args.out, report)
+    if "skipped" not in report and not args.no_fused:
+        report["fused"] = fused_report(args)
+        _write(args.out, report)
     return 0
+
+
+def _write(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
 from dist.fused_linear_cases import assert_close, make_problem, reference_linear  # noqa: E402
-
 from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
 from megatron_vocabstats.ops import fused_linear  # noqa: E402
 from megatron_vocabstats.ops.fused_linear import linear_vocab_parallel_stats  # noqa: E402

@@ -9,7 +9,6 @@ launched.
 import os
 
 import pytest
-
 from _suite import ROOT, gpu_skip_reason, load_module
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "parity_cases.py")

@@ -13,13 +13,13 @@ import inspect
 
 import pytest
 import torch
-
 from _suite import (
     GPU_ALLOWANCE_BYTES,
     WORKSPACE_ROUNDING,
     fused_peak_bound,
     vocab_parallel_peak_bound,
 )
+
 from dist.vocab_parallel_cases import assert_close, reference_grads
 from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stats
 from megatron_vocabstats.ops import fused_linear

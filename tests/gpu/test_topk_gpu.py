@@ -11,6 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_single_gpu import (
+    CUDA,
+    QWEN_VOCAB,
+    VOCAB,
+    WIDTH,
+    _capture,
+    _drop_cached_workspace,
+    _to_device,
+)
 
 from megatron_vocabstats import (
     TopK,
@@ -21,8 +30,6 @@ from megatron_vocabstats import (
     vocab_parallel_topk_logprobs,
 )
 from megatron_vocabstats.profiling import peak_memory_bytes
-from test_single_gpu import CUDA, QWEN_VOCAB, VOCAB, WIDTH, _capture, _drop_cached_workspace
-from test_single_gpu import _to_device
 from test_topk import TOL, _chunk_products, _close, reference_logprobs, reference_topk
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

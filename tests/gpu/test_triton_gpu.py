@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_single_gpu import _capture
 
 import _triton_parity
 from megatron_vocabstats import vocab_parallel_stats
 from megatron_vocabstats.ops.kernels import KERNEL_ENV, resolve_kernel, triton_available
-from test_single_gpu import _capture
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()),
                                 reason="needs a CUDA device and triton")
