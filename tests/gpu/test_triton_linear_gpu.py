@@ -20,19 +20,17 @@ from test_single_gpu import _capture
 
 import dist.fused_linear_cases as cases
 from _reference import (
-    UNDERFLOW,
     assert_within,
-    gamma,
-    matmul_bound,
+    linear_grad_bounds,
+    linear_logits_error,
     reference_stats,
     smoothed_logprob_bound,
     stats_bounds,
     stats_grad_bound,
-    unit_roundoff,
 )
 from _triton_parity import online_parts
 from megatron_vocabstats import VocabStats, linear_vocab_parallel_stats
-from megatron_vocabstats.ops.kernels import block_columns, triton_available
+from megatron_vocabstats.ops.kernels import LINEAR_BLOCKS, triton_available
 from megatron_vocabstats.ops.options import IGNORE_INDEX
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()),
@@ -87,17 +85,15 @@ def _check_against_the_exact_product(st, h_leaf, w_leaf, hidden, weight, target,
     column, this one does not. Float64 on the inputs' device (the GPU: seconds, not minutes).
     """
     hidden, weight, w_lp, w_h = hidden.detach(), weight.detach(), w_lp.double(), w_h.double()
-    dtype, (tokens, hidden_size), width = hidden.dtype, hidden.shape, weight.shape[0]
+    dtype, width = hidden.dtype, weight.shape[0]
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     logits64 = h64 @ w64.T
     logits64.retain_grad()
     lp, ent, lse = reference_stats(logits64, target, vocab_size=vocab)
     (lp * w_lp + ent * w_h).sum().backward()
-    h_abs, w_abs = hidden.double().abs(), weight.double().abs()
-    z = logits64.detach()[:, :vocab]
-    acc = gamma(hidden_size) * (h_abs @ w_abs.T)[:, :vocab]
-    dz = acc + unit_roundoff(dtype) * (z.abs() + acc) + UNDERFLOW[dtype]
-    b = stats_bounds(z, dz=dz, width=width, parts=online_parts(width, block_columns(width)))
+    z, dz = linear_logits_error(hidden, weight, vocab)
+    b = stats_bounds(z, dz=dz, width=width,
+                     parts=online_parts(width, LINEAR_BLOCKS["BLOCK_N"]))
     valid = target != IGNORE_INDEX
     safe = torch.where(valid, target, 0)
     assert_within(st.logsumexp, lse, b.logsumexp, "logsumexp")
@@ -108,9 +104,7 @@ def _check_against_the_exact_product(st, h_leaf, w_leaf, hidden, weight, target,
     keep = valid.double()
     e_g = stats_grad_bound(b, g_ref, c_lp=w_lp * keep, c_h=w_h * keep, target=safe, eps=0.0,
                            scaled=False, dtype=dtype)
-    w_real = w_abs[:vocab]
-    dx_bound = e_g @ w_real + matmul_bound(g_ref.abs(), w_real, width, dtype, h64.grad)
-    dw_bound = e_g.T @ h_abs + matmul_bound(g_ref.abs().T, h_abs, tokens, dtype,
+    dx_bound, dw_bound = linear_grad_bounds(e_g, g_ref, hidden, weight, h64.grad,
                                             w64.grad[:vocab])
     assert_within(h_leaf.grad, h64.grad, dx_bound, "hidden gradient")
     assert_within(w_leaf.grad[:vocab], w64.grad[:vocab], dw_bound, "weight gradient")

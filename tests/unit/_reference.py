@@ -307,6 +307,41 @@ def matmul_bound(a_abs: torch.Tensor, b_abs: torch.Tensor, n: int, out_dtype: to
     return err
 
 
+def linear_logits_error(hidden: torch.Tensor, weight: torch.Tensor, vocab: int,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z, dz)`` of the fused LM head: ``z`` the float64 ``[T, vocab]`` exact product
+    ``hidden @ weight.T / temperature`` and ``dz`` the bound on the op's fp32 z, the input error
+    of :func:`stats_bounds`: the GEMM (fp32 accumulation over H products, ``gamma_H |h| |w|``,
+    whatever the order: cuBLAS or ``tl.dot`` tiles), rounded once to the model dtype, then the
+    temperature division (one more u)."""
+    dtype, hidden_size = hidden.dtype, hidden.shape[-1]
+    h_abs, w_abs = hidden.double().abs().reshape(-1, hidden_size), weight.double().abs()
+    logits = hidden.double().reshape(-1, hidden_size) @ weight.double().T
+    acc = gamma(hidden_size) * (h_abs @ w_abs.T)[:, :vocab]
+    u_d = 0.0 if dtype == torch.float32 else unit_roundoff(dtype)
+    dz = (acc + u_d * (logits[:, :vocab].abs() + acc) + UNDERFLOW[dtype]) / temperature
+    z = logits[:, :vocab] / temperature
+    if temperature != 1.0:
+        dz = dz + U32 * z.abs()
+    return z, dz
+
+
+def linear_grad_bounds(e_g: torch.Tensor, g_ref: torch.Tensor, hidden: torch.Tensor,
+                       weight: torch.Tensor, dx_ref: torch.Tensor,
+                       dw_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds of the fused head's ``dX = g W`` ``[T, H]`` and ``dW = g^T h`` ``[vocab, H]`` from
+    the bound ``e_g`` of its logits gradient (``[T, vocab]``, as :func:`stats_grad_bound` gives
+    it) and the float64 one ``g_ref``: the error carried through each GEMM plus the GEMM's own
+    (:func:`matmul_bound`, in the model dtype)."""
+    dtype, hidden_size = hidden.dtype, hidden.shape[-1]
+    vocab, tokens = g_ref.shape[1], g_ref.shape[0]
+    h_abs = hidden.double().abs().reshape(-1, hidden_size)
+    w_real = weight.double().abs()[:vocab]
+    dx = e_g @ w_real + matmul_bound(g_ref.abs(), w_real, weight.shape[0], dtype, dx_ref)
+    dw = e_g.T @ h_abs + matmul_bound(g_ref.abs().T, h_abs, tokens, dtype, dw_ref)
+    return dx, dw
+
+
 def sum_bound(values: torch.Tensor, errors: torch.Tensor) -> float:
     """Bound of an fp32 sum of ``values`` (float64 reference) each known to ``errors``.
 

@@ -24,7 +24,7 @@ if not interpreting():
                 allow_module_level=True)
 
 from dist.fused_linear_cases import run_and_check
-from megatron_vocabstats.ops.kernels import triton_stats
+from megatron_vocabstats.ops import kernels
 
 SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
 
@@ -33,7 +33,7 @@ SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
 def tiles(request, monkeypatch):
     if request.param == "small_tiles":
         for key, value in SMALL_TILES.items():
-            monkeypatch.setitem(triton_stats.LINEAR_BLOCKS, key, value)
+            monkeypatch.setitem(kernels.LINEAR_BLOCKS, key, value)
     return request.param
 
 

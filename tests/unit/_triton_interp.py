@@ -32,7 +32,17 @@ if not interpreting():
                 allow_module_level=True)
 
 import _triton_parity
+import triton
+import triton.language as tl
 from megatron_vocabstats.ops.kernels import triton_stats
+from megatron_vocabstats.ops.kernels.triton_tiles import round_bf16
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, round_bf16(tl.load(x_ptr + i)))
+
 
 DTYPES = _triton_parity.DTYPES
 online_parts = _triton_parity.online_parts
@@ -101,6 +111,19 @@ def test_shard_stats_columns(dtype, block):
     assert_within(ours[_math.STAT_ZSUM, live], theirs[_math.STAT_ZSUM, live],
                   d_a * _math.zsum_scale(real), "smoothing sum")
     assert ours[_math.STAT_ZSUM, 1] == float("-inf")
+
+
+def test_bf16_rounding_keeps_every_nan():
+    """``round_bf16`` on NaNs with low payload bits (a GPU's arithmetic makes ``0x7FFFFFFF``):
+    NaN, never the zero or infinity the rounding bias would carry them into."""
+    bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001,
+                         0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00000001], dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    y = torch.empty(16, dtype=torch.bfloat16)
+    _round_kernel[(1,)](torch.cat([x, torch.zeros(6)]), y, N=16)
+    want = x.to(torch.bfloat16)
+    assert bool(y[:6].isnan().all())
+    assert torch.equal(y[6:10], want[6:]), (y[6:10], want[6:])  # ties to even, overflow, tiny
 
 
 def test_nan_row_stays_nan():

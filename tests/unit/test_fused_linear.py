@@ -91,6 +91,25 @@ def test_all_ignored_batch_has_exactly_zero_gradients():
     assert torch.equal(w_leaf.grad, torch.zeros_like(weight))
 
 
+@pytest.mark.parametrize("forward_grad", [False, True])
+def test_out_of_range_targets_without_validate_are_nan_with_no_gradient(forward_grad):
+    """As in the unfused op: a target outside [0, V) (padding id 101, 10**6, -1) gives a NaN
+    logprob that passes no gradient, never a finite -logsumexp."""
+    hidden, weight, target = make_problem(1, vocab=101, ignore=())
+    bad = [1, 4, 9]
+    target.view(-1)[bad] = torch.tensor([101, 10**6, -1])
+    h_leaf, w_leaf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    mask = torch.ones(target.shape)
+    st = linear_vocab_parallel_stats(h_leaf, w_leaf, target, vocab_size=101, chunk_size=4,
+                                     entropy="off", validate=False,
+                                     grad_weights=mask if forward_grad else None)
+    st.logprobs.nan_to_num(0.0).sum().backward()
+    lp = st.logprobs.view(-1)
+    assert bool(lp[bad].isnan().all()) and bool(lp[[0, 2, 3]].isfinite().all())
+    assert torch.equal(h_leaf.grad.view(-1, hidden.shape[-1])[bad],
+                       torch.zeros(3, hidden.shape[-1]))
+
+
 def test_cross_entropy_wrapper_is_minus_logprobs():
     hidden, weight, target = make_problem(1)
     loss = linear_vocab_parallel_cross_entropy(hidden, weight, target, vocab_size=101)

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from _reference import (
     U32,
-    UNDERFLOW,
     assert_within,
     gamma,
-    matmul_bound,
+    linear_grad_bounds,
+    linear_logits_error,
     picked_grad_bound,
     reference_stats,
     reference_topk,
@@ -32,7 +32,6 @@ from _reference import (
     stats_grad_bound,
     sum_bound,
     temperature_dz,
-    unit_roundoff,
 )
 from megatron_vocabstats import (
     TopK,
@@ -322,16 +321,7 @@ def test_linear_stats_match_float64_within_derived_bounds(data):
     ref = reference_stats(logits64, target, vocab_size=vocab, temperature=temperature,
                           ignore_index=ignore_index, label_smoothing=eps)
 
-    # Input error of the op's fp32 z: the GEMM (fp32 accumulation over H products, rounded to
-    # the model dtype), then the temperature division.
-    h_abs, w_abs = hidden.double().abs().reshape(-1, hidden_size), weight.double().abs()
-    acc = gamma(hidden_size) * (h_abs @ w_abs.T)[:, :vocab]
-    l_abs = logits64.detach().reshape(-1, width)[:, :vocab].abs()
-    u_d = 0.0 if dtype == torch.float32 else unit_roundoff(dtype)
-    dz = (acc + u_d * (l_abs + acc) + UNDERFLOW[dtype]) / temperature
-    z = logits64.detach().reshape(-1, width)[:, :vocab] / temperature
-    if temperature != 1.0:
-        dz = dz + U32 * z.abs()
+    z, dz = linear_logits_error(hidden, weight, vocab, temperature)
     b = stats_bounds(z, dz=dz, width=width)
     assert_within(out.logsumexp.reshape(-1), ref[2].reshape(-1), b.logsumexp, "logsumexp")
     safe = torch.where(valid, target.reshape(-1), 0)
@@ -357,11 +347,8 @@ def test_linear_stats_match_float64_within_derived_bounds(data):
     g_ref = logits64.grad.reshape(-1, width)[:, :vocab]
     e_g = stats_grad_bound(b, g_ref, c_lp=w_lp.reshape(-1).double() * keep, c_h=c_h, target=safe,
                            eps=eps, scaled=temperature != 1.0, dtype=dtype)
-    w_real = w_abs[:vocab]
-    dx_bound = e_g @ w_real + matmul_bound(g_ref.abs(), w_real, width, dtype,
-                                           h64.grad.reshape(-1, hidden_size))
-    dw_bound = e_g.T @ h_abs + matmul_bound(g_ref.abs().T, h_abs, tokens, dtype,
-                                            w64.grad[:vocab])
+    dx_bound, dw_bound = linear_grad_bounds(e_g, g_ref, hidden, weight,
+                                            h64.grad.reshape(-1, hidden_size), w64.grad[:vocab])
     assert_within(h_leaf.grad.reshape(-1, hidden_size), h64.grad.reshape(-1, hidden_size),
                   dx_bound, "hidden gradient")
     assert_within(w_leaf.grad[:vocab], w64.grad[:vocab], dw_bound, "weight gradient")

@@ -56,7 +56,7 @@ def test_bad_kernel_names_the_argument(bad):
 
 @needs_triton
 def test_triton_on_cpu_without_interpreter():
-    with pytest.raises(ValueError, match=r"kernel='triton' needs logits on a CUDA device"):
+    with pytest.raises(ValueError, match=r"kernel='triton' needs the op.s tensors \(the logits, or hidden and weight\) on a CUDA device"):
         vocab_parallel_entropy(torch.randn(2, 5), kernel="triton")
 
 
@@ -70,7 +70,7 @@ def test_environment_variable(monkeypatch):
                        vocab_parallel_stats(x, None, kernel="torch").entropy)
     if triton_available():
         monkeypatch.setenv(KERNEL_ENV, "triton")
-        with pytest.raises(ValueError, match=f"{KERNEL_ENV}=triton needs logits on a CUDA"):
+        with pytest.raises(ValueError, match=f"{KERNEL_ENV}=triton needs the op.s tensors"):
             vocab_parallel_stats(x, None)
         # An explicit kernel wins over the variable.
         vocab_parallel_stats(x, None, kernel="torch")
@@ -89,6 +89,20 @@ def test_package_imports_without_triton():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "torch.Size([2])" in proc.stdout
     assert "kernel='triton' needs the triton package" in proc.stdout, proc.stdout
+
+
+@needs_triton
+def test_interpreter_set_after_triton_is_named():
+    """``TRITON_INTERPRET=1`` set after ``import triton`` cannot take effect: the error says so."""
+    proc = _run("import os, torch, triton\n"
+                "os.environ['TRITON_INTERPRET'] = '1'\n"
+                "import megatron_vocabstats as m\n"
+                "try:\n"
+                "    m.vocab_parallel_stats(torch.randn(2, 5), None, kernel='triton')\n"
+                "except ValueError as e:\n"
+                "    print(e)\n", PYTHONPATH=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TRITON_INTERPRET=1 was set after triton was imported" in proc.stdout, proc.stdout
 
 
 def test_import_does_not_import_triton():

@@ -21,7 +21,7 @@ import torch
 
 from .. import _comm
 from .._checks import host_checks_enabled
-from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk
+from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk, target_in_range
 from .backends import TORCH, backend_of
 from .chunks import gathered_stats
 from .kernel import ChunkGrad, StatsGrad
@@ -47,7 +47,8 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
     """
     sc = cfg.stats
     kernels = backend_of(sc)
-    coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature)
+    in_range = target_in_range(target1d, sc.layout.vocab_size)  # NaN logprob, no gradient
+    coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature, in_range=in_range)
     names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
     out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
@@ -58,7 +59,7 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
         local = chunk._replace(rows=slice(0, n))  # the chunk's own [n] vectors below
         parts = gathered_stats([local], n, sc, tp_group, has_target=True,
                                device=hidden2d.device)
-        part = merge(parts, valid[rows])
+        part = merge(parts, valid[rows], in_range=in_range[rows])
         for name in names:
             out[name][rows] = getattr(part, name)
         if not kernels.tiles:  # the statistics overwrote z

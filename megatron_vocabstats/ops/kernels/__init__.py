@@ -2,7 +2,8 @@
 
 Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
 argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``),
-:func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`). The Triton
+:func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`) and fused
+tiles (:data:`LINEAR_BLOCKS`). The Triton
 kernels themselves live in :mod:`.triton_stats`, which imports ``triton``: nothing here does
 (``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU. May
 import :mod:`.._argtypes`, the standard library and torch only (``triton_stats`` and
@@ -22,6 +23,10 @@ from .._argtypes import check_choice
 # Columns per block of the Triton kernels: a power of two, at most this many (fewer for narrow
 # shards).
 MAX_BLOCK_N = 1024
+# The fused LM-head kernels' tile: BLOCK_M rows x BLOCK_N columns, BLOCK_K of the hidden size per
+# tl.dot. Fixed (never autotuned: a row's reduction order must not depend on the batch). Chosen
+# for Hopper's wgmma (64-row warpgroup tiles, 128-byte K slices of bf16), not yet tuned on a GPU.
+LINEAR_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
 
 
 def block_columns(width: int, max_block: int = MAX_BLOCK_N) -> int:
@@ -50,8 +55,8 @@ def triton_available() -> bool:
 
 
 def interpreting() -> bool:
-    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to a true value, as
-    ``triton.knobs`` reads it when the kernels are decorated)."""
+    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to a true value; it must
+    be set before triton is imported, see ``triton_stats.launch``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -85,6 +90,7 @@ def resolve_kernel(kernel, device: torch.device) -> str:
         raise ValueError(f"{source} needs the triton package, which is not installed; pass "
                          "kernel='torch' (or 'auto')")
     if device.type != "cuda" and not interpreting():
-        raise ValueError(f"{source} needs logits on a CUDA device (got {device.type}), or "
-                         "Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+        raise ValueError(f"{source} needs the op's tensors (the logits, or hidden and weight) on "
+                         f"a CUDA device (got {device.type}), or Triton's interpreter "
+                         "(TRITON_INTERPRET=1 before triton is imported)")
     return "triton"

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from .._layout import BLOCK, ShardLayout
 from .._math import NUM_STATS, zsum_scale
-from . import MAX_BLOCK_N, block_columns
+from . import LINEAR_BLOCKS, MAX_BLOCK_N, block_columns
 from .triton_tiles import (
     FLOOR,
     ROUND_BF16,
@@ -62,10 +62,6 @@ from .triton_tiles import (
     store_stats,
 )
 
-# The fused kernels' tile: BLOCK_M rows x BLOCK_N columns, BLOCK_K of the hidden size per tl.dot.
-# Fixed (never autotuned: a row's reduction order must not depend on the batch). Chosen for
-# Hopper's wgmma (64-row warpgroup tiles, 128-byte K slices of bf16), not yet tuned on a GPU.
-LINEAR_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
 _ROUND = {torch.float32: ROUND_FP32, torch.bfloat16: ROUND_BF16, torch.float16: ROUND_FP16}
 
 
@@ -115,7 +111,8 @@ def _stats_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidd
             bm, bs, bu, ba, bt, bbad, bfloor = online_update(
                 z, cols, 0.0, zero + FLOOR, zero, zero, zero, zero, flag, flag, idx,
                 real_width, zscale, HAS_TARGET, ENTROPY, ZSUM, GPU)
-            store_stats(ptrs + (start // BLOCK_N) * stride_blk, mask, stride_stat, bm, bs, bu,
+            block = (start // BLOCK_N).to(tl.int64)
+            store_stats(ptrs + block * stride_blk, mask, stride_stat, bm, bs, bu,
                         ba, bt, bbad, bfloor, own, start < real_width, HAS_TARGET, ENTROPY, ZSUM)
         else:
             # start real columns came before this block (all of them, when start < real_width).
@@ -150,7 +147,7 @@ def _grad_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidde
                      hit_w, HAS_LP, HAS_H, HAS_TARGET, SMOOTH, HAS_VALID, GPU)
     if OUT_BF16:
         grad = round_bf16(grad)
-    offs = rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+    offs = rows[:, None].to(tl.int64) * stride_om + cols[None, :].to(tl.int64) * stride_on
     tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty),
              mask=mask[:, None] & (cols < n_cols)[None, :])
 
@@ -163,6 +160,18 @@ def _block(block_n: int | None, width: int) -> int:
         raise ValueError(f"block_n must be a power of two in [16, {MAX_BLOCK_N}], got "
                          f"{block_n!r}")
     return block_n
+
+
+def launch(kernel, grid, *args, **consts) -> None:
+    """``kernel[grid](*args, **consts)``; under the interpreter, its error for a variable set
+    after triton was imported becomes a ``ValueError`` that says so."""
+    try:
+        kernel[grid](*args, **consts)
+    except Exception as exc:
+        if "outside of the scope of a kernel" not in str(exc):
+            raise
+        raise ValueError("kernel='triton' on CPU: TRITON_INTERPRET=1 was set after triton was "
+                         "imported; set it before the first import of triton") from exc
 
 
 def _flag(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -214,7 +223,8 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
     consts.setdefault("BLOCK_N", _block(block_n, width))
     has_target = index is not None
     dummy = out  # never read: the constexpr flags turn those loads off
-    _stats_kernel[(triton.cdiv(n, consts["ROWS"]),)](
+    launch(
+        _stats_kernel, (triton.cdiv(n, consts["ROWS"]),),
         x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), hidden_size,
         index if has_target else dummy, _flag(owned) if has_target else dummy,
         out, out.stride(0), out.stride(1), out.stride(2) if per_block else 0, n, width,
@@ -250,7 +260,8 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
     has_target = has_lp and index is not None
     dummy = lse
     grid = (triton.cdiv(n, consts["ROWS"]), triton.cdiv(width, consts["BLOCK_N"]))
-    _grad_kernel[grid](
+    launch(
+        _grad_kernel, grid,
         x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), hidden_size,
         out, out.stride(0), out.stride(1),
         lse, ent if has_h else dummy, coef_lp if has_lp else dummy,

@@ -61,10 +61,12 @@ def exp_(x, GPU: tl.constexpr):
 @triton.jit
 def round_bf16(x):
     """fp32 -> bf16 rounded to nearest even, by integer ops on the bits: the same bits as the GPU's
-    ``cvt.rn.bf16.f32`` (NaN stays NaN, overflow gives inf), and in the interpreter, whose own
-    fp32 -> bf16 cast truncates."""
+    ``cvt.rn.bf16.f32`` (overflow gives inf), and in the interpreter, whose own fp32 -> bf16 cast
+    truncates. Every NaN becomes the quiet NaN ``0x7FC0`` (adding the rounding bias to a NaN
+    with low payload bits, as the GPU's arithmetic makes them, would carry into the exponent)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + (0x7FFF + ((bits >> 16) & 1))
+    bits = tl.where(x != x, 0x7FC00000, bits)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -72,7 +74,7 @@ def round_bf16(x):
 def load_logits(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
     """The stored logits ``[R, BLOCK_N]`` at (``rows``, ``cols``) upcast to fp32 (0 outside)."""
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :] * stride_col
+    offs = rows[:, None].to(tl.int64) * stride_row + cols[None, :].to(tl.int64) * stride_col
     return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -86,7 +88,7 @@ def matmul_logits(h_ptr, stride_hm, stride_hk, w_ptr, stride_wn, stride_wk, rows
     the rows and columns. The K order is fixed by ``BLOCK_K`` alone (batch-invariant).
     Outside a GPU (the interpreter, whose ``tl.dot`` misreads bf16 operands) bf16/fp16 operands
     are upcast first: their products are exact in fp32 either way."""
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K).to(tl.int64)  # offsets in int64: any strides
     row_in = (rows < n_rows)[:, None]
     col_in = (cols < n_cols)[None, :]
     h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_hm
