@@ -5,21 +5,18 @@
 #
 #   bash tests/gpu/fetch_wheels.sh [DIR]     # DIR defaults to .whl; prints each size and the total
 #
-# For the nvidia-h200 device machine (its image as read in 2026-11: Python 3.12.3 at
-# /opt/torch/.venv/bin/python3, torch 2.11.0+cu130, triton 3.6.0, numpy, packaging, pytest,
-# pytest-timeout, hypothesis, matplotlib, cuda-bindings, protobuf; no megatron-core, no
-# liger-kernel). Our package itself needs no wheel: run.sh puts the checkout on PYTHONPATH, and
-# its own needs (torch >= 2.4, packaging) are there. Fetched, each with the needs it declares
-# (Requires-Dist, extras left out) already on that machine:
+# Prerequisites on the GPU machine: Python 3.12 on x86-64 Linux (the wheels are cp312 /
+# manylinux) with torch, triton, numpy, packaging and pytest installed; it then lacks only
+# megatron-core and liger-kernel. Our package itself needs no wheel: run.sh puts the checkout on
+# PYTHONPATH. Fetched (--no-deps: their declared needs are those prerequisites):
 #   megatron-core 0.19.2  cp312 manylinux_2_28, 2.26 MiB: torch >= 2.6, numpy, packaging;
 #                         the Megatron rows of the speed tables
 #   liger-kernel 0.8.5    pure Python, 0.87 MiB: torch >= 2.1.2, triton >= 2.3.1;
 #                         the Liger rows of the fused speed table
-# Together 3.13 MiB, well inside the 64 MiB the GPU machine's copy of the checkout may hold (.whl
-# travels with it when named in its carry).
+# Together 3.13 MiB: copy .whl/ with the checkout (run.sh reads .whl/ only, whatever DIR was).
 # Not fetched: nvidia-cutlass-dsl (Liger's differentiable entropy runs as a CuTe DSL kernel on
-# sm90): its nvidia-cutlass-dsl-libs-cu13 wheel alone is 92 MB, over that limit, so the Liger
-# entropy row reports it missing. torch and triton stay the machine's own.
+# sm90; its nvidia-cutlass-dsl-libs-cu13 wheel alone is 92 MB), so the Liger entropy row reports
+# it missing unless the machine has it. torch and triton stay the machine's own.
 # Environment: PYTHON (default .venv/bin/python if present, else python3, else python): the pip
 # that downloads.
 set -euo pipefail

@@ -1,7 +1,8 @@
 """The Triton backend of the fused LM head on a GPU (issue 13; skipped without CUDA or triton):
 float64 parity of ``linear_vocab_parallel_stats(..., kernel="triton")`` at small shapes, one row of
-Qwen's vocabulary (V = 151,936, H = 1024, T = 64, bf16), and a CUDA graph of forward + backward
-that replays the eager bits.
+Qwen's vocabulary (V = 151,936, H = 1024, T = 64, bf16), a CUDA graph of forward + backward
+that replays the eager bits, and the peak memory of forward (no ``[chunk, W]`` buffer) and of a
+step.
 
 The small shapes are the unit suite's own check, ``dist/fused_linear_cases.run_and_check`` (its
 float64 reference of the logits rounded to the model dtype, its tolerances), with the op it calls
@@ -154,3 +155,38 @@ def test_cuda_graph_replays_the_eager_bits():
         for name, got, want in zip(("logprobs", "entropy", "logsumexp", "dX", "dW"), outputs,
                                    eager):
             assert torch.equal(got, want), f"replay: {name} differs from eager"
+
+
+def test_forward_holds_no_chunk_buffer():
+    """The Triton forward folds each logits tile into the statistics: its peak beyond the inputs
+    is O(T) fp32 vectors (under 64 per token), never a ``[chunk, W]`` buffer (the torch path's
+    is ~256 MiB here); backward holds one bf16 ``[chunk, W]`` gradient buffer, no fp32 one."""
+    from megatron_vocabstats import reset_workspace
+    from megatron_vocabstats.profiling import peak_memory_bytes
+
+    tokens, hidden_size, width, chunk = 8192, 1024, 151_936 // 2, 1024
+    gen = torch.Generator(CUDA).manual_seed(0)
+    h = torch.randn(tokens, hidden_size, generator=gen, device=CUDA).bfloat16().requires_grad_()
+    w = (torch.randn(width, hidden_size, generator=gen, device=CUDA) / 32).bfloat16()
+    w.requires_grad_()
+    t = torch.randint(0, width, (tokens,), generator=gen, device=CUDA)
+    reset_workspace()
+
+    def forward():
+        with torch.no_grad():
+            linear_vocab_parallel_stats(h, w, t, entropy="off", kernel="triton", validate=False)
+
+    def step():
+        linear_vocab_parallel_stats(h, w, t, entropy="off", kernel="triton", chunk_size=chunk,
+                                    validate=False).logprobs.sum().backward()
+        h.grad = w.grad = None
+        reset_workspace()
+
+    inputs = torch.cuda.memory_allocated(CUDA)  # the peak below counts every allocation
+    forward_peak = peak_memory_bytes(forward, device=CUDA) - inputs
+    assert forward_peak <= 64 * 4 * tokens, forward_peak
+    # Backward: dX (bf16 [T, H]), the fp32 dW sums, their bf16 cast, one bf16 [chunk, W] buffer.
+    bound = (2 * tokens * hidden_size + 6 * width * hidden_size + 2 * chunk * width
+             + 64 * 4 * tokens + 2**24)
+    step_peak = peak_memory_bytes(step, device=CUDA) - inputs
+    assert step_peak <= bound, (step_peak, bound)

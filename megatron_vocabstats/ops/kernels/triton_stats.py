@@ -111,7 +111,7 @@ def _stats_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidd
             bm, bs, bu, ba, bt, bbad, bfloor = online_update(
                 z, cols, 0.0, zero + FLOOR, zero, zero, zero, zero, flag, flag, idx,
                 real_width, zscale, HAS_TARGET, ENTROPY, ZSUM, GPU)
-            block = (start // BLOCK_N).to(tl.int64)
+            block = tl.cast(start // BLOCK_N, tl.int64)
             store_stats(ptrs + block * stride_blk, mask, stride_stat, bm, bs, bu,
                         ba, bt, bbad, bfloor, own, start < real_width, HAS_TARGET, ENTROPY, ZSUM)
         else:
@@ -171,7 +171,8 @@ def launch(kernel, grid, *args, **consts) -> None:
         if "outside of the scope of a kernel" not in str(exc):
             raise
         raise ValueError("kernel='triton' on CPU: TRITON_INTERPRET=1 was set after triton was "
-                         "imported; set it before the first import of triton") from exc
+                         "imported; set it before the first import of triton (import "
+                         "megatron.core imports it: export it in the shell)") from exc
 
 
 def _flag(x: torch.Tensor | None) -> torch.Tensor | None:
