@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_finite, first_order_backward, host_checks_enabled
-from ._math import finite_lse, grad_coefficients, merge_stats, target_in_range
+from ._math import finite_lse, grad_coefficients, merge_stats
 from .engine import (
     CPU_LINEAR_CHUNK_BYTES,
     INVARIANT_ROWS,
@@ -43,13 +43,13 @@ from .engine import (
     forward_with_grads,
     full_hidden,
     function_outputs,
+    fused_chunks,
     gathered_stats,
-    linear_chunks,
     merge_tokens_per_pass,
     recompute_backward,
     reduce_hidden_grad,
     scaled_forward_grads,
-    tile_chunks,
+    targets_in_range,
     wgrad_mode,
 )
 from .linear_checks import checked_linear_config
@@ -94,12 +94,12 @@ class _LinearVocabParallelStats(torch.autograd.Function):
                 merged, dx2d, acc = forward_with_grads(hidden2d, weight, target1d, valid,
                                                        grad_weights, bufs, cfg, tp_group, merge)
             else:
-                chunks = (tile_chunks(hidden2d, weight, target1d, valid, sc, hidden2d.shape[0])
-                          if tiles else
-                          linear_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True))
+                # A kernel's statistics take all tokens in one launch (no chunk buffer to bound).
+                chunks = fused_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True,
+                                      tiles=tiles, tile_rows=hidden2d.shape[0])
                 parts = gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
                                        has_target=has_target, device=hidden.device)
-                merged = merge(parts, valid, in_range=_in_range(target1d, sc),
+                merged = merge(parts, valid, in_range=targets_in_range(target1d, sc),
                                tokens_per_pass=merge_tokens_per_pass(sc, parts.shape[0]))
         finally:
             if bufs is not None:
@@ -132,19 +132,13 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _in_range(target1d, sc):
-    """Out-of-range targets (with ``validate=False``) get a NaN logprob and no logprob gradient,
-    as in the unfused op."""
-    return None if target1d is None else target_in_range(target1d, sc.layout.vocab_size)
-
-
 def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
     hidden, weight, target, lse, ent = ctx.saved_tensors
     cfg: LinearStatsConfig = ctx.cfg
     sc = cfg.stats
     target1d, valid = flatten_target(target, sc.ignore_index)
     coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, sc.temperature,
-                                        in_range=_in_range(target1d, sc))
+                                        in_range=targets_in_range(target1d, sc))
     lse = finite_lse(lse.reshape(-1), valid)
     ent = ent.reshape(-1) if coef_h is not None else None
     grad = StatsGrad(lse, ent, coef_lp, coef_h, valid, sc.layout, sc.label_smoothing)

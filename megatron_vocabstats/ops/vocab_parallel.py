@@ -28,7 +28,7 @@ from ._checks import (
     first_order_backward,
     host_checks_enabled,
 )
-from ._math import finite_lse, grad_coefficients, merge_stats, target_in_range
+from ._math import finite_lse, grad_coefficients, merge_stats
 from .options import VocabStatsKwargs, check_keywords
 
 # Moved to the engine (ops.engine); still importable from here.
@@ -68,10 +68,6 @@ def _flatten(logits, target, cfg: StatsConfig):
     return logits.reshape(-1, cfg.layout.width), *engine.flatten_target(target, cfg.ignore_index)
 
 
-def _in_range(target1d, cfg: StatsConfig):
-    return None if target1d is None else target_in_range(target1d, cfg.layout.vocab_size)
-
-
 class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
@@ -86,7 +82,7 @@ class _VocabParallelStats(torch.autograd.Function):
                              entropy=cfg.entropy != "off", has_target=has_target,
                              batch_invariant=bool(cfg.batch_invariant),
                              tokens_per_pass=engine.merge_tokens_per_pass(cfg, parts.shape[0]),
-                             in_range=_in_range(target1d, cfg))
+                             in_range=engine.targets_in_range(target1d, cfg))
         if host_checks_enabled(cfg.validate, logits.device):
             check_finite(merged.logsumexp, valid, logits2d=logits2d, temperature=cfg.temperature)
 
@@ -105,7 +101,7 @@ class _VocabParallelStats(torch.autograd.Function):
         # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
         # exactly 0 (their lse is made finite so that p stays finite).
         coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, cfg.temperature,
-                                            in_range=_in_range(target1d, cfg))
+                                            in_range=engine.targets_in_range(target1d, cfg))
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
         grad = engine.StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h,

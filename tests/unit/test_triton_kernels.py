@@ -76,16 +76,21 @@ def test_environment_variable(monkeypatch):
         vocab_parallel_stats(x, None, kernel="torch")
 
 
+def _triton_call_error(setup: str) -> subprocess.CompletedProcess:
+    """A fresh process: ``setup``, then ``kernel='triton'`` on CPU logits, printing the
+    ``ValueError``'s message."""
+    return _run(setup + "\n"
+                "import torch, megatron_vocabstats as m\n"
+                "print(m.vocab_parallel_stats(torch.randn(2, 5), None).entropy.shape)\n"
+                "try:\n"
+                "    m.vocab_parallel_stats(torch.randn(2, 5), None, kernel='triton')\n"
+                "except ValueError as e:\n"
+                "    print(e)\n", PYTHONPATH=ROOT)
+
+
 def test_package_imports_without_triton():
     """With triton unimportable the package imports and runs, and kernel='triton' says why."""
-    proc = _run(
-        "import sys; sys.modules['triton'] = None\n"
-        "import torch, megatron_vocabstats as m\n"
-        "print(m.vocab_parallel_stats(torch.randn(2, 5), None).entropy.shape)\n"
-        "try:\n"
-        "    m.vocab_parallel_stats(torch.randn(2, 5), None, kernel='triton')\n"
-        "except ValueError as e:\n"
-        "    print(e)\n", PYTHONPATH=ROOT)
+    proc = _triton_call_error("import sys; sys.modules['triton'] = None")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "torch.Size([2])" in proc.stdout
     assert "kernel='triton' needs the triton package" in proc.stdout, proc.stdout
@@ -94,13 +99,7 @@ def test_package_imports_without_triton():
 @needs_triton
 def test_interpreter_set_after_triton_is_named():
     """``TRITON_INTERPRET=1`` set after ``import triton`` cannot take effect: the error says so."""
-    proc = _run("import os, torch, triton\n"
-                "os.environ['TRITON_INTERPRET'] = '1'\n"
-                "import megatron_vocabstats as m\n"
-                "try:\n"
-                "    m.vocab_parallel_stats(torch.randn(2, 5), None, kernel='triton')\n"
-                "except ValueError as e:\n"
-                "    print(e)\n", PYTHONPATH=ROOT)
+    proc = _triton_call_error("import os, triton\nos.environ['TRITON_INTERPRET'] = '1'")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "TRITON_INTERPRET=1 was set after triton was imported" in proc.stdout, proc.stdout
 

@@ -29,7 +29,7 @@ May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`.._checks`, :mod:`.
 never an op module of ``ops/`` nor the ``megatron_vocabstats.megatron`` subpackage.
 """
 
-from .backends import BACKENDS, Backend, backend_of
+from .backends import BACKENDS, Backend, backend_of, grad_backend
 from .chunks import (
     flatten_target,
     function_outputs,
@@ -37,6 +37,7 @@ from .chunks import (
     logits_chunks,
     logits_grad,
     merge_tokens_per_pass,
+    targets_in_range,
 )
 from .kernel import Chunk, ChunkGrad, ChunkStats, ShardStats, StatsGrad
 from .linear import (
@@ -68,10 +69,10 @@ from .wgrad import (
 )
 
 __all__ = [
-    "BACKENDS", "Backend", "backend_of",
+    "BACKENDS", "Backend", "backend_of", "grad_backend",
     "Chunk", "ChunkGrad", "ChunkStats", "ShardStats", "StatsGrad",
     "flatten_target", "function_outputs", "gathered_stats", "logits_chunks", "logits_grad",
-    "merge_tokens_per_pass",
+    "merge_tokens_per_pass", "targets_in_range",
     "CPU_LINEAR_CHUNK_BYTES", "INVARIANT_ROWS", "ChunkBuffers", "LinearStatsConfig",
     "auto_linear_chunk_size", "chunk_logits", "full_hidden", "fused_chunks", "linear_chunks",
     "reduce_hidden_grad", "tile_chunks",

@@ -67,3 +67,10 @@ def backend_of(cfg) -> Backend:
     """The backend of ``cfg.kernel`` (a ``StatsConfig``'s resolved ``"torch"`` or
     ``"triton"``)."""
     return BACKENDS[cfg.kernel]
+
+
+def grad_backend(cfg, grad: ChunkGrad) -> Backend:
+    """The backend that runs ``grad``: ``cfg.kernel``'s for the core op's
+    :class:`~.kernel.StatsGrad`, torch for any other op's gradient (its own math on fp32
+    chunks)."""
+    return backend_of(cfg) if isinstance(grad, StatsGrad) else TORCH

@@ -8,7 +8,8 @@
   ``_math.merge_stats``; :func:`merge_tokens_per_pass` sizes that merge;
 * :func:`logits_grad`: the backward loop of an op on logits, around its
   :class:`~.kernel.ChunkGrad`;
-* small helpers every Function shares (:func:`flatten_target`, :func:`function_outputs`).
+* small helpers every Function shares (:func:`flatten_target`, :func:`targets_in_range`,
+  :func:`function_outputs`).
 
 The statistics and the core gradient come from ``cfg.kernel``'s backend (:mod:`.backends`); for
 one that reads the logits itself (Triton) :func:`logits_chunks` with ``upcast=False`` hands it
@@ -34,10 +35,11 @@ from .._math import (
     padded_width,
     real_columns,
     rebase_zsum_,
+    target_in_range,
 )
 from ..workspace import WORKSPACE
-from .backends import TORCH, backend_of
-from .kernel import Chunk, ChunkGrad, StatsGrad
+from .backends import backend_of, grad_backend
+from .kernel import Chunk, ChunkGrad
 
 
 def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
@@ -154,6 +156,13 @@ def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:
     return max(1, cfg.chunk_size * padded_width(cfg.layout.width, True) // (8 * num_parts))
 
 
+def targets_in_range(target1d, cfg: StatsConfig):
+    """``[T]`` bool: the flattened target ids in ``[0, vocab_size)`` (``_math.target_in_range``),
+    None without targets. Out-of-range ids (with ``validate=False``) get a NaN logprob and no
+    logprob gradient (``merge_stats(in_range=...)``, ``grad_coefficients(in_range=...)``)."""
+    return None if target1d is None else target_in_range(target1d, cfg.layout.vocab_size)
+
+
 def flatten_target(target, ignore_index: int):
     """``(target [T], valid [T] bool)`` of a target of any leading shape; ``(None, None)`` for
     None."""
@@ -170,7 +179,7 @@ def logits_grad(logits2d, target1d, valid, cfg: StatsConfig, grad: ChunkGrad) ->
     :class:`~.kernel.StatsGrad` runs on ``cfg.kernel``'s backend (the Triton kernel reads the
     logits as they are); other :class:`~.kernel.ChunkGrad` objects always on the torch chunks."""
     grad_logits = torch.empty_like(logits2d)
-    kernels = backend_of(cfg) if isinstance(grad, StatsGrad) else TORCH
+    kernels = grad_backend(cfg, grad)
     grad = kernels.stats_grad(grad, cfg.temperature)
     for chunk in logits_chunks(logits2d, target1d, valid, cfg, upcast=not kernels.tiles):
         grad(chunk, grad_logits[chunk.rows])

@@ -195,15 +195,16 @@ def tile_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, rows_per_ch
         yield Chunk(rows, None, None, index, owned, None, hidden2d[rows], weight)
 
 
-def fused_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: ChunkBuffers, *,
-                 padded: bool = False, tiles: bool | None = None):
+def fused_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs, *,
+                 padded: bool = False, tiles: bool | None = None, tile_rows: int | None = None):
     """The chunks of one pass of the fused head: :func:`linear_chunks` (the engine's GEMM per
-    chunk), or :func:`tile_chunks` of ``cfg.chunk_size`` rows when ``tiles`` (default: whether
+    chunk, in ``bufs``), or :func:`tile_chunks` of ``tile_rows`` rows (default
+    ``cfg.chunk_size``; ``bufs`` unused, may be None) when ``tiles`` (default: whether
     ``cfg.kernel``'s backend computes the logits itself)."""
     if tiles is None:
         tiles = backend_of(cfg).tiles
     if tiles:
-        return tile_chunks(hidden2d, weight, target1d, valid, cfg, cfg.chunk_size)
+        return tile_chunks(hidden2d, weight, target1d, valid, cfg, tile_rows or cfg.chunk_size)
     return linear_chunks(hidden2d, weight, target1d, valid, cfg, bufs, padded=padded)
 
 

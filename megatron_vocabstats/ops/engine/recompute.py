@@ -21,9 +21,9 @@ import torch
 
 from .. import _comm
 from .._checks import host_checks_enabled
-from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk, target_in_range
-from .backends import TORCH, backend_of
-from .chunks import gathered_stats
+from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk
+from .backends import backend_of, grad_backend
+from .chunks import gathered_stats, targets_in_range
 from .kernel import ChunkGrad, StatsGrad
 from .linear import (
     ChunkBuffers,
@@ -47,7 +47,7 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
     """
     sc = cfg.stats
     kernels = backend_of(sc)
-    in_range = target_in_range(target1d, sc.layout.vocab_size)  # NaN logprob, no gradient
+    in_range = targets_in_range(target1d, sc)  # NaN logprob, no gradient
     coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature, in_range=in_range)
     names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
     out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
@@ -151,7 +151,7 @@ def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, 
     hidden2d = total.reshape(-1, total.shape[-1])
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
     acc = weight_grad_buffer(weight, main_grad) if cfg.grad_weight else None
-    kernels = backend_of(sc) if isinstance(grad, StatsGrad) else TORCH
+    kernels = grad_backend(sc, grad)
     grad = kernels.stats_grad(grad, sc.temperature)
     bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
                         batch_invariant=bool(sc.batch_invariant), tiles=kernels.tiles)

@@ -60,6 +60,7 @@ from .triton_tiles import (
     round_bf16,
     scaled_z,
     store_stats,
+    target_rows,
 )
 
 _ROUND = {torch.float32: ROUND_FP32, torch.bfloat16: ROUND_BF16, torch.float16: ROUND_FP16}
@@ -95,12 +96,7 @@ def _stats_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidd
     mask = rows < n_rows
     zero = tl.zeros((ROWS,), tl.float32)
     flag = tl.zeros((ROWS,), tl.int32)
-    if HAS_TARGET:
-        idx = tl.load(index_ptr + rows, mask=mask, other=-1)
-        own = tl.load(owned_ptr + rows, mask=mask, other=0) != 0
-    else:
-        idx = rows.to(tl.int64) * 0
-        own = flag != 0
+    idx, own = target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET)
     m, s, u, a, t, bad, floor = zero + FLOOR, zero, zero, zero, zero, flag, flag
     ptrs = out_ptr + rows.to(tl.int64) * stride_tok
     for start in range(0, n_cols, BLOCK_N):
@@ -208,6 +204,10 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
     ``index``/``owned``: ``[n]`` int64 / bool from ``local_target_index`` or None.
     ``block_n``: columns per block of the unfused pass (a power of two in [16, 1024]; default
     :func:`block_columns`); ``blocks``: the fused tiles (keys of :data:`LINEAR_BLOCKS`).
+    Method: one pass over the columns with online rescaling (Milakov & Gimelshein 2018,
+    "Online normalizer calculation for softmax", extended to the entropy and smoothing sums,
+    :mod:`.triton_tiles`); the fused tiles as in cut cross-entropy (Wijmans et al. 2024,
+    arXiv:2411.09009): never stored.
     Raises ``ValueError`` for a misshaped ``out``, bad ``block_n`` or mismatched hidden/weight.
     """
     x, w, hidden_size, width, fused, consts = _source(logits, hidden, weight, blocks)
@@ -244,6 +244,7 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
     (``out`` then must not overlap them). The other arguments are those of
     ``_grad.chunk_grad`` (``[n]`` fp32 vectors of this chunk's rows; ``coef_lp``/``coef_h``
     already carry ``1 / temperature``); ``block_n``/``blocks`` as in :func:`shard_stats`.
+    Method: ``_grad.chunk_grad``'s closed form (``docs/numerics.md``), one tile per program.
     Raises ``ValueError`` for a misshaped ``out`` or neither coefficient given.
     """
     x, w, hidden_size, width, fused, consts = _source(logits, hidden, weight, blocks)

@@ -10,6 +10,7 @@ one row per program, ``BLOCK_M`` for the fused kernels) and on per-row vectors `
   as ``_math.load_chunk`` makes them;
 * :func:`online_update` / :func:`store_stats`: the online shard statistics of a row over its
   blocks of columns, and their store in the ``[NUM_STATS, n(, nb)]`` layout of ``_math``;
+* :func:`target_rows`: each row's target column in the shard (both kernels);
 * :func:`grad_rows` / :func:`grad_tile`: the per-row coefficients of ``_grad.chunk_grad`` and the
   gradient of one tile;
 * :func:`exp_` (libdevice's ``expf`` on a GPU) and :func:`round_bf16` (fp32 -> bf16, nearest
@@ -173,6 +174,19 @@ def store_stats(ptrs, mask, stride_stat, m, s, u, a, t, bad, floor, own, has_rea
 
 
 @triton.jit
+def target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET: tl.constexpr):
+    """``(idx, own)`` of ``rows`` (``[R]``): each row's local target column and whether this
+    shard owns it; ``(0, False)`` without targets."""
+    if HAS_TARGET:
+        idx = tl.load(index_ptr + rows, mask=mask, other=-1)
+        own = tl.load(owned_ptr + rows, mask=mask, other=0) != 0
+    else:
+        idx = rows.to(tl.int64) * 0
+        own = mask & (rows < 0)
+    return idx, own
+
+
+@triton.jit
 def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr,
               valid_ptr, HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
               HAS_VALID: tl.constexpr):
@@ -183,8 +197,7 @@ def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, 
     ent = tl.load(ent_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
     c_lp = tl.load(coef_lp_ptr + rows, mask=mask, other=0.0) if HAS_LP else zero
     c_h = tl.load(coef_h_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
-    idx = tl.load(index_ptr + rows, mask=mask, other=-1) if HAS_TARGET else rows.to(tl.int64) * 0
-    own = tl.load(owned_ptr + rows, mask=mask, other=0) != 0 if HAS_TARGET else lse != lse
+    idx, own = target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET)
     valid = tl.load(valid_ptr + rows, mask=mask, other=0) != 0 if HAS_VALID else lse == lse
     return lse, ent, c_lp, c_h, idx, own, valid
 
