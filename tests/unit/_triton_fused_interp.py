@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_vocabstats import linear_vocab_parallel_stats
+from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stats
 from megatron_vocabstats.ops.kernels import KERNEL_ENV, interpreting
 
 if not interpreting():
@@ -25,6 +25,7 @@ if not interpreting():
 
 from dist.fused_linear_cases import run_and_check
 from megatron_vocabstats.ops import kernels
+from megatron_vocabstats.ops.kernels import triton_stats
 
 SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
 
@@ -120,3 +121,29 @@ def test_no_tokens():
                                      kernel="triton")
     st.logprobs.sum().backward()
     assert st.logprobs.shape == (0,) and h.grad.shape == (0, hidden.shape[1])
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_the_kernels_run(forced, monkeypatch):
+    """``kernel="triton"`` (or ``VOCABSTATS_KERNEL=triton``) launches the Triton kernels, never a
+    silent torch fallback: the fused op's statistics and gradient with ``FUSED`` tiles, the
+    unfused op's on its logits."""
+    launched = []
+
+    def spy(kernel, grid, *args, **consts):
+        launched.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__,
+                         consts["FUSED"]))
+        return launch(kernel, grid, *args, **consts)
+
+    launch = triton_stats.launch
+    monkeypatch.setattr(triton_stats, "launch", spy)
+    if forced:
+        monkeypatch.setenv(KERNEL_ENV, "triton")
+    opts = {} if forced else {"kernel": "triton"}
+    hidden, weight, target = _problem(rows=6)
+    _run(hidden, weight, target, **opts)
+    assert sorted(set(launched)) == [("_grad_kernel", True), ("_stats_kernel", True)], launched
+    launched.clear()
+    logits = (hidden.float() @ weight.float().T).requires_grad_()
+    vocab_parallel_stats(logits, target, **opts).logprobs.sum().backward()
+    assert sorted(set(launched)) == [("_grad_kernel", False), ("_stats_kernel", False)], launched
