@@ -75,6 +75,33 @@ def gpt_model_class():
     return GPTModel
 
 
+def hybrid_model_class():
+    """``HybridModel`` (``megatron/core/models/hybrid/``, megatron-core 0.18+), or None where the
+    release has none (then its fused head is skipped, with that reason in the patch log)."""
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:
+        return None
+    return HybridModel
+
+
+def mtp_loss_bindings() -> list:
+    """The modules that bind Megatron's ``process_mtp_loss`` (0.17+): its defining module and
+    the model modules that import it by name (``gpt_model``, ``hybrid_model``). Empty before
+    0.17 (0.16 computes the MTP loss inline in ``GPTModel._postprocess``)."""
+    bindings = []
+    for name in ("megatron.core.transformer.multi_token_prediction",
+                 "megatron.core.models.gpt.gpt_model",
+                 "megatron.core.models.hybrid.hybrid_model"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, "process_mtp_loss", None)):
+            bindings.append(module)
+    return bindings
+
+
 def has_output_processor(model_cls) -> bool:
     """True where ``forward`` takes ``output_processor`` (megatron-core 0.18+)."""
     return "output_processor" in inspect.signature(model_cls.forward).parameters

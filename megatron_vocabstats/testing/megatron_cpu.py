@@ -61,7 +61,10 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
+        # A bare index (torch.cuda.current_device()) names a CUDA device; some torch releases
+        # refuse torch.device(0) without an accelerator.
+        if device is not None and (isinstance(device, int) and not isinstance(device, bool)
+                                   or torch.device(device).type == "cuda"):
             kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)
 
