@@ -3,7 +3,8 @@ iterations, 2 gloo ranks) gives the same per-token losses and grad norms with th
 and fused, as plain Megatron, in the layouts where a user's run differs:
 
 * ``tp2``: tensor parallelism; also the plugin imported without ``--vocab-parallel-stats`` (bit
-  for bit Megatron's);
+  for bit Megatron's), and a ``HybridModel`` (attention layers: Mamba's kernels need CUDA),
+  Megatron's and fused;
 * ``pp2_tied``: two pipeline stages with tied embeddings (the output weight lives on the last
   stage and its gradient is summed with the first stage's embedding), unfused and fused;
 * ``tp2_sp_mtp``: tp 2 with sequence parallelism (the hidden states arrive as sequence shards;
@@ -11,8 +12,7 @@ and fused, as plain Megatron, in the layouts where a user's run differs:
   ``testing.megatron_cpu.tag_torch_norm_for_sequence_parallel``, which gives its parameters the
   ``sequence_parallel`` tag Apex's norm carries), one MTP depth (rolled labels and masks, the MTP
   loss and acceptance counts Megatron logs) and ``--calculate-per-token-loss`` with loss masks
-  whose counts differ per micro-batch (2 per iteration); unfused and fused;
-* ``hybrid``: a ``HybridModel`` (attention layers: Mamba's kernels need CUDA) at tp 2, fused.
+  whose counts differ per micro-batch (2 per iteration); unfused and fused.
 
 One torchrun launch per layout (``dist/megatron_training_run.py`` runs the layout's
 configurations one after the other in the same processes: interpreter start and Megatron import
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dist", "megatron_training_run.py")
 NPROC, ITERS, MICRO_BATCH, SEQ = 2, 3, 2, 32
 RTOL = 1e-5
-TIMEOUT_S = 420  # per launch; a layout's launch takes 25-45 s here
+TIMEOUT_S = 420  # per launch; a layout's launch takes 25-45 s here (2 loaded cores)
 
 # A tiny GPT on Megatron's mock data and null tokenizer, fp32, plus what a CPU run needs (README,
 # "Running Megatron's training loop on CPU").
@@ -63,18 +63,15 @@ PLUGIN = ["--import-plugin", "--vocab-parallel-stats"]
 FUSED = [*PLUGIN, "--lm-head-chunk-size", "16"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 
-# layout -> (flags of every run, micro-batches per iteration, MTP depths, {run: its own flags})
-# and what the model must have been built with (checked on the runs' records).
-BUILT = {
-    "tp2": dict(model="GPTModel", tp=2, pp=1, sequence_parallel=False, tied=True),
-    "pp2_tied": dict(model="GPTModel", tp=1, pp=2, sequence_parallel=False, tied=True),
-    "tp2_sp_mtp": dict(model="GPTModel", tp=2, pp=1, sequence_parallel=True, tied=True,
-                       mtp_num_layers=1, calculate_per_token_loss=True),
-    "hybrid": dict(model="HybridModel", tp=2, pp=1, sequence_parallel=False, tied=True),
-}
+HYBRID = ["--hybrid", "--spec", "megatron_cpu_training", "HYBRID_CPU_SPEC",
+          "--hybrid-layer-pattern", "**"]
+
+# layout -> (flags of every run, micro-batches per iteration, MTP depths, {run: its own flags});
+# a run named "<model>_..." compares with "<model>_megatron", any other with "megatron".
 LAYOUTS = {
     "tp2": ([*TP2, "--global-batch-size", str(MICRO_BATCH)], 1, 0, {
-        "megatron": [], "plugin_off": ["--import-plugin"], "plugin": PLUGIN, "fused": FUSED}),
+        "megatron": [], "plugin_off": ["--import-plugin"], "plugin": PLUGIN, "fused": FUSED,
+        "hybrid_megatron": HYBRID, "hybrid_fused": [*FUSED, *HYBRID]}),
     "pp2_tied": (["--pipeline-model-parallel-size", "2", "--global-batch-size",
                   str(2 * MICRO_BATCH)], 2, 0, {
         "megatron": [], "plugin": PLUGIN, "fused": FUSED}),
@@ -83,10 +80,23 @@ LAYOUTS = {
                     "--calculate-per-token-loss", "--uneven-loss-mask",
                     "--global-batch-size", str(2 * MICRO_BATCH)], 2, 1, {
         "megatron": [], "plugin": PLUGIN, "fused": FUSED}),
-    "hybrid": ([*TP2, "--hybrid", "--spec", "megatron_cpu_training", "HYBRID_CPU_SPEC",
-                "--hybrid-layer-pattern", "**", "--global-batch-size", str(MICRO_BATCH)], 1, 0, {
-        "megatron": [], "fused": FUSED}),
 }
+# What the model must have been built with (checked on the runs' records).
+BUILT = {
+    "tp2": dict(model="GPTModel", tp=2, pp=1, sequence_parallel=False, tied=True),
+    "pp2_tied": dict(model="GPTModel", tp=1, pp=2, sequence_parallel=False, tied=True),
+    "tp2_sp_mtp": dict(model="GPTModel", tp=2, pp=1, sequence_parallel=True, tied=True,
+                       mtp_num_layers=1, calculate_per_token_loss=True),
+}
+
+
+def _baseline(name: str) -> str:
+    return "hybrid_megatron" if name.startswith("hybrid") else "megatron"
+
+
+def _built(layout: str, name: str) -> dict:
+    return dict(BUILT[layout], **({"model": "HybridModel"} if name.startswith("hybrid") else {}))
+
 
 pytestmark = pytest.mark.megatron
 
@@ -189,7 +199,7 @@ def test_import_without_flag_is_megatron():
 
 
 CASES = [(layout, name) for layout, (_, _, _, runs) in LAYOUTS.items()
-         for name in runs if name not in ("megatron", "plugin_off")]
+         for name in runs if name not in ("megatron", "plugin_off", "hybrid_megatron")]
 
 
 @pytest.mark.parametrize("layout, name", CASES, ids=[f"{a}-{b}" for a, b in CASES])
@@ -200,12 +210,13 @@ def test_plugin_matches_megatron(layout, name):
     Megatron's MTP log agree with plain Megatron's."""
     _, micro, depths, _ = LAYOUTS[layout]
     results = run(layout)
-    fused = name == "fused"
+    fused = name.endswith("fused")
     forwards = micro * ITERS
-    for rank, (base, res) in enumerate(zip(results["megatron"], results[name])):
+    expected_build = _built(layout, name)
+    for rank, (base, res) in enumerate(zip(results[_baseline(name)], results[name])):
         assert res["settings"] == {"active": True, "lm_head_chunk_size": 16 if fused else 0}
-        built = {k: res["layout"][k] for k in BUILT[layout]}
-        assert built == BUILT[layout] == {k: base["layout"][k] for k in BUILT[layout]}
+        built = {k: res["layout"][k] for k in expected_build}
+        assert built == expected_build == {k: base["layout"][k] for k in expected_build}
         heads = rank in _last_stage(layout)
         calls = (res["fused_calls"], res["fused_mtp_calls"], res["unfused_calls"])
         expected = ((forwards, forwards if depths else 0, 0) if fused
