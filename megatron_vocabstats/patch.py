@@ -5,7 +5,8 @@ It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every l
 vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes the loss straight from the
 hidden states without materialising the logits: ``GPTModel``'s (through ``forward``'s
 ``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17), ``HybridModel``'s (through
-``forward``, 0.18+; skipped, with the reason logged, where the release has none) and every MTP
+``forward``, 0.18+; ``MambaModel``'s on 0.16-0.17; skipped, with the reason logged, where the
+release has neither) and every MTP
 depth's (through ``process_mtp_loss``, in each module that binds it, 0.17+; 0.16's inline MTP
 loss goes through ``_postprocess``); it makes
 ``FullCudaGraphWrapper.reset_cuda_graph`` also drop the ops' cached workspace
@@ -64,7 +65,8 @@ def _targets():
     hybrid_model = compat.hybrid_model_class()
     if hybrid_model is not None:
         targets.append((hybrid_model, "forward", model.make_deferred_head,
-                        "HybridModel.forward (fused LM head when lm_head_chunk_size > 0)"))
+                        f"{hybrid_model.__name__}.forward (fused LM head when "
+                        "lm_head_chunk_size > 0)"))
     for module in compat.mtp_loss_bindings():
         targets.append((module, "process_mtp_loss", mtp.make_process_mtp_loss,
                         f"{module.__name__}.process_mtp_loss (fused MTP heads)"))
@@ -101,8 +103,7 @@ def apply(**options) -> settings.PluginSettings:
         raise
     if patched:
         missing = [] if compat.hybrid_model_class() is not None else [
-            "HybridModel (megatron/core/models/hybrid/, 0.18+): not in this release, no fused "
-            "head for it"]
+            "HybridModel / MambaModel: not in this release, no fused head for it"]
         if not compat.mtp_loss_bindings():
             missing.append("process_mtp_loss (0.17+): not in this release, MTP losses go through "
                            "GPTModel._postprocess")

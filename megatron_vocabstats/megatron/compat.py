@@ -76,23 +76,30 @@ def gpt_model_class():
 
 
 def hybrid_model_class():
-    """``HybridModel`` (``megatron/core/models/hybrid/``, megatron-core 0.18+), or None where the
-    release has none (then its fused head is skipped, with that reason in the patch log)."""
-    try:
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-    except ImportError:
-        return None
-    return HybridModel
+    """The hybrid (Mamba / attention) model class: ``HybridModel``
+    (``megatron/core/models/hybrid/``, megatron-core 0.18+; its ``MambaModel`` subclass keeps its
+    ``forward``), else the ``MambaModel`` of 0.16-0.17 (``megatron/core/models/mamba/``, the same
+    output layer then ``compute_language_model_loss`` at the end of ``forward``), or None where
+    neither imports (then its fused head is skipped, with that reason in the patch log)."""
+    for module_name, name in (("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
+                              ("megatron.core.models.mamba.mamba_model", "MambaModel")):
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 def mtp_loss_bindings() -> list:
     """The modules that bind Megatron's ``process_mtp_loss`` (0.17+): its defining module and
-    the model modules that import it by name (``gpt_model``, ``hybrid_model``). Empty before
+    the model modules that import it by name (``gpt_model``, ``hybrid_model``, ``mamba_model``
+    of 0.17). Empty before
     0.17 (0.16 computes the MTP loss inline in ``GPTModel._postprocess``)."""
     bindings = []
     for name in ("megatron.core.transformer.multi_token_prediction",
                  "megatron.core.models.gpt.gpt_model",
-                 "megatron.core.models.hybrid.hybrid_model"):
+                 "megatron.core.models.hybrid.hybrid_model",
+                 "megatron.core.models.mamba.mamba_model"):
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -1,5 +1,9 @@
 """The loss of Megatron's multi-token prediction (MTP) heads with the fused LM head.
 
+MTP (DeepSeek-V3, arXiv:2412.19437, section 2.2): depth d predicts token i + 1 + d from position
+i through its own transformer layer and the shared output head; the loss averages the depths'
+cross-entropies, scaled by a factor lambda.
+
 Megatron-core 0.17+ computes the MTP loss in ``process_mtp_loss`` (``transformer/
 multi_token_prediction.py``, imported by name into ``gpt_model`` and ``hybrid_model``): per depth
 d = 1..D it builds the depth's full ``[s, b, V/tp]`` logits with the output layer, rolls the

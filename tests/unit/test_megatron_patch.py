@@ -130,8 +130,9 @@ def test_rank0_logs_once(caplog, monkeypatch):
 
 
 def test_every_loss_path_is_patched_or_its_absence_logged(caplog):
-    """0.18+: HybridModel.forward and every binding of process_mtp_loss are patched (the fused
-    head and MTP heads); where the release lacks them (0.16), the patch log says so."""
+    """HybridModel.forward (0.18+; MambaModel.forward before) and every binding of
+    process_mtp_loss (0.17+) are patched (the fused head and MTP heads); where the release lacks
+    them, the patch log says so."""
     import megatron_vocabstats.patch as module
 
     module.remove()
@@ -141,10 +142,11 @@ def test_every_loss_path_is_patched_or_its_absence_logged(caplog):
         names, message = module.patched_names(), caplog.records[-1].getMessage()
     finally:
         module.remove()
-    if compat.hybrid_model_class() is not None:
-        assert any(n.endswith("HybridModel.forward") for n in names)
+    hybrid = compat.hybrid_model_class()
+    if hybrid is not None:
+        assert any(n.endswith(f"{hybrid.__name__}.forward") for n in names)
     else:
-        assert "skipped HybridModel" in message
+        assert "skipped HybridModel / MambaModel" in message
     bindings = compat.mtp_loss_bindings()
     assert sum(n.endswith(".process_mtp_loss") for n in names) == len(bindings)
     if not bindings:

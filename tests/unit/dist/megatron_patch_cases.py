@@ -71,24 +71,29 @@ def tiny_gpt(tp: int, *, seed: int = 7, share_embeddings_and_output_weights=Fals
 
 
 def tiny_hybrid(tp: int, *, seed: int = 7):
-    """A 2-layer ``HybridModel`` of attention layers (Megatron's local GPT layer spec: Mamba's
-    kernels need CUDA) without the final norm (HybridStack builds it with transformer-engine);
-    ``Skip`` where the release has no HybridModel (< 0.18)."""
-    try:
-        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-    except ImportError:
-        raise Skip("this megatron-core has no HybridModel (megatron/core/models/hybrid/)") \
-            from None
+    """A 2-layer ``HybridModel`` (0.18+; ``MambaModel`` before) of attention layers (Megatron's
+    local GPT layer spec: Mamba's kernels need CUDA) without the final norm (the stack builds it
+    with transformer-engine)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     cfg = tiny_config(tp, seed=seed)
+    common = dict(config=cfg, vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
+                  position_embedding_type="learned_absolute")
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:  # 0.16-0.17
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+        spec = ModuleSpec(module=MambaStack, params={"post_layer_norm": False},
+                          submodules=MambaStackSubmodules(
+                              attention_layer=get_gpt_layer_local_spec()))
+        return MambaModel(mamba_stack_spec=spec, hybrid_override_pattern="**", **common)
     spec = ModuleSpec(module=HybridStack, params={"post_layer_norm": False},
                       submodules=HybridStackSubmodules(attention_layer=get_gpt_layer_local_spec()))
-    return HybridModel(config=cfg, hybrid_stack_spec=spec, vocab_size=padded_vocab(tp),
-                       max_sequence_length=SEQ, hybrid_layer_pattern="**",
-                       position_embedding_type="learned_absolute")
+    return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern="**", **common)
 
 
 def batch():
@@ -288,8 +293,9 @@ def mtp_fused_per_token_loss_detached_heads_mup(group):
 
 @CASES.register
 def hybrid_model_fused_and_unfused_equal_megatron(group):
-    """HybridModel (0.18+): the plugin's loss, unfused and through the fused head (its forward
-    has no output hook: the output layer is deferred), equals Megatron's."""
+    """HybridModel (0.18+; MambaModel on 0.16-0.17): the plugin's loss, unfused and through the
+    fused head (its forward has no output hook: the output layer is deferred), equals
+    Megatron's."""
     model = tiny_hybrid(dist.get_world_size())
     compare_with_native(options={}, spy="vocab_parallel_stats", model=model)
     calls, _ = compare_with_native(options={"lm_head_chunk_size": 5},
