@@ -2,9 +2,13 @@
 
 It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path reaches:
 ``GPTModel``, ``HybridModel`` and the MTP layers call it through ``self``) with the exact, chunked
-vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes ``GPTModel``'s loss straight
-from the hidden states without materialising the logits (through ``forward``'s
-``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17); it makes
+vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes the loss straight from the
+hidden states without materialising the logits: ``GPTModel``'s (through ``forward``'s
+``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17), ``HybridModel``'s (through
+``forward``, 0.18+; ``MambaModel``'s on 0.16-0.17; skipped, with the reason logged, where the
+release has neither) and every MTP
+depth's (through ``process_mtp_loss``, in each module that binds it, 0.17+; 0.16's inline MTP
+loss goes through ``_postprocess``); it makes
 ``FullCudaGraphWrapper.reset_cuda_graph`` also drop the ops' cached workspace
 (:func:`~megatron_vocabstats.ops.workspace.reset_workspace`); it adds the
 ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the config hook before
@@ -21,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .megatron import arguments, compat, model, settings
+from .megatron import arguments, compat, model, mtp, settings
 from .megatron._patching import PATCHER
 from .ops.workspace import with_workspace_reset
 
@@ -46,7 +50,7 @@ def _targets():
     if compat.has_output_processor(gpt_model):  # 0.18+: the official output_processor hook
         hook, factory = "forward", model.make_gpt_forward
     elif hasattr(gpt_model, "_postprocess"):
-        hook, factory = "_postprocess", model.make_gpt_postprocess
+        hook, factory = "_postprocess", model.make_deferred_head
     else:
         raise compat.UnsupportedMegatronError(
             f"megatron-core {compat.megatron_core_version()}: GPTModel has neither "
@@ -58,6 +62,14 @@ def _targets():
          "LanguageModule.compute_language_model_loss"),
         (gpt_model, hook, factory, f"GPTModel.{hook} (fused LM head when lm_head_chunk_size > 0)"),
     ]
+    hybrid_model = compat.hybrid_model_class()
+    if hybrid_model is not None:
+        targets.append((hybrid_model, "forward", model.make_deferred_head,
+                        f"{hybrid_model.__name__}.forward (fused LM head when "
+                        "lm_head_chunk_size > 0)"))
+    for module in compat.mtp_loss_bindings():
+        targets.append((module, "process_mtp_loss", mtp.make_process_mtp_loss,
+                        f"{module.__name__}.process_mtp_loss (fused MTP heads)"))
     graph_wrapper = compat.full_cuda_graph_wrapper_class()
     if graph_wrapper is not None:  # a destroyed full-iteration graph drops the op's workspace too
         targets.append((graph_wrapper, "reset_cuda_graph", with_workspace_reset,
@@ -90,8 +102,14 @@ def apply(**options) -> settings.PluginSettings:
         remove()
         raise
     if patched:
+        missing = [] if compat.hybrid_model_class() is not None else [
+            "HybridModel / MambaModel: not in this release, no fused head for it"]
+        if not compat.mtp_loss_bindings():
+            missing.append("process_mtp_loss (0.17+): not in this release, MTP losses go through "
+                           "GPTModel._postprocess")
         _log_rank0(f"megatron-vocabstats: patched {', '.join(patched)} for megatron-core "
-                   f"{compat.megatron_core_version()}")
+                   f"{compat.megatron_core_version()}"
+                   + (f"; skipped {'; '.join(missing)}" if missing else ""))
     return new_settings
 
 

@@ -83,6 +83,11 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--lm-head-chunk-size", type=FLAG_TYPES["lm_head_chunk_size"], default=0,
                        help="Tokens per chunk of the fused LM head (logits never "
                        "materialised); 0 = unfused.")
+    group.add_argument("--require-fused-lm-head", action="store_true",
+                       help="With --lm-head-chunk-size > 0: stop with an error where the fused "
+                       "head cannot reproduce a model's output layer (a bias, "
+                       "disable_grad_reduce, deferred embedding wgrad), instead of logging why "
+                       "once and running Megatron's output layer there."),
     group.add_argument("--vocab-stats-entropy", choices=settings.ENTROPY_MODES, default="off",
                        help="Entropy: off, metric (reported, no grad) or grad (differentiable).")
     group.add_argument("--entropy-coef", type=FLAG_TYPES["entropy_coef"], default=0.0,
@@ -286,7 +291,8 @@ def config_hook(args) -> settings.PluginSettings:
             (``--rollout-correction-threshold`` without tis, ``-low``/``-high`` without mis or
             icepop), icepop at sequence level, a band with low >= high; and naming the flags
             to change, for our path together with ``--cross-entropy-loss-fusion``, an entropy
-            bonus without ``--vocab-stats-entropy grad``, FP8 without bf16, missing
+            bonus without ``--vocab-stats-entropy grad``, ``--require-fused-lm-head`` without
+            ``--lm-head-chunk-size``, FP8 without bf16, missing
             precision-aware-optimizer prerequisites (all of
             them listed at once), or ``--vocab-stats-batch-invariant tp`` under tensor
             parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128.
@@ -309,6 +315,9 @@ def config_hook(args) -> settings.PluginSettings:
             f"--vocab-parallel-stats replaces Megatron's loss, but --cross-entropy-loss-fusion "
             f"(--cross-entropy-fusion-impl {impl}) asks for Megatron's fused one: drop one of them"
         )
+    if getattr(args, "require_fused_lm_head", False) and not args.lm_head_chunk_size:
+        raise ValueError("--require-fused-lm-head needs the fused LM head: set "
+                         "--lm-head-chunk-size > 0")
     if args.entropy_coef and args.vocab_stats_entropy != "grad":
         raise ValueError(f"--entropy-coef {args.entropy_coef} needs --vocab-stats-entropy grad "
                          f"(got {args.vocab_stats_entropy})")
@@ -321,6 +330,7 @@ def config_hook(args) -> settings.PluginSettings:
         active=True,
         logprobs_chunk_size=args.logprobs_chunk_size or None,
         lm_head_chunk_size=args.lm_head_chunk_size,
+        require_fused_lm_head=getattr(args, "require_fused_lm_head", False),
         entropy=args.vocab_stats_entropy,
         entropy_coef=args.entropy_coef,
         label_smoothing=args.vocab_stats_label_smoothing,

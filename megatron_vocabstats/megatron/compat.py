@@ -75,6 +75,40 @@ def gpt_model_class():
     return GPTModel
 
 
+def hybrid_model_class():
+    """The hybrid (Mamba / attention) model class: ``HybridModel``
+    (``megatron/core/models/hybrid/``, megatron-core 0.18+; its ``MambaModel`` subclass keeps its
+    ``forward``), else the ``MambaModel`` of 0.16-0.17 (``megatron/core/models/mamba/``, the same
+    output layer then ``compute_language_model_loss`` at the end of ``forward``), or None where
+    neither imports (then its fused head is skipped, with that reason in the patch log)."""
+    for module_name, name in (("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
+                              ("megatron.core.models.mamba.mamba_model", "MambaModel")):
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def mtp_loss_bindings() -> list:
+    """The modules that bind Megatron's ``process_mtp_loss`` (0.17+): its defining module and
+    the model modules that import it by name (``gpt_model``, ``hybrid_model``, ``mamba_model``
+    of 0.17). Empty before
+    0.17 (0.16 computes the MTP loss inline in ``GPTModel._postprocess``)."""
+    bindings = []
+    for name in ("megatron.core.transformer.multi_token_prediction",
+                 "megatron.core.models.gpt.gpt_model",
+                 "megatron.core.models.hybrid.hybrid_model",
+                 "megatron.core.models.mamba.mamba_model"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if callable(getattr(module, "process_mtp_loss", None)):
+            bindings.append(module)
+    return bindings
+
+
 def has_output_processor(model_cls) -> bool:
     """True where ``forward`` takes ``output_processor`` (megatron-core 0.18+)."""
     return "output_processor" in inspect.signature(model_cls.forward).parameters

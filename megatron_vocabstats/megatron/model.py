@@ -1,24 +1,36 @@
 """The Megatron call sites the patch replaces, written against :mod:`.settings`.
 
 Each factory takes Megatron's original function and returns the replacement, which runs the
-original unchanged whenever the plugin is inactive (see :data:`.settings.SETTINGS`).
+original unchanged whenever the plugin is inactive (see :data:`.settings.SETTINGS`). The fused
+LM head (``lm_head_chunk_size > 0``) takes the loss from the hidden states: through
+``GPTModel.forward``'s ``output_processor`` (0.18+), or, where a model has no hook
+(``HybridModel``; ``GPTModel._postprocess`` before 0.18), by letting Megatron's own forward run
+with the output layer deferred (:func:`.head.deferred_output_layer`) so that
+``compute_language_model_loss`` receives the hidden states instead of logits. The MTP depths'
+loss is :mod:`.mtp`'s.
 
-May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`
-and torch.
+May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`,
+:mod:`.head` and torch.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import replace
 
 import torch
 
 from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
 from . import settings
 from .compat import tp_group_of
+from .head import DeferredLogits, deferred_output_layer, fused_or_report, not_fused_reasons
 
 LAST_STATS_ATTR = "last_vocab_stats"
+# Per MTP depth, as LAST_STATS_ATTR for the main head (set by .mtp and by the unfused path).
+LAST_MTP_STATS_ATTR = "last_mtp_vocab_stats"
+# While an MTP loss runs unfused, the per-depth statistics _stash collects (else None).
+_MTP_DEPTHS: list | None = None
 
 
 def per_token_loss(stats: VocabStats, cfg: settings.PluginSettings) -> torch.Tensor:
@@ -29,10 +41,32 @@ def per_token_loss(stats: VocabStats, cfg: settings.PluginSettings) -> torch.Ten
     return loss
 
 
+def detached_bs(stats: VocabStats) -> VocabStats:
+    """``stats`` of ``[s, b]`` tokens detached and transposed to ``[b, s]``."""
+    return VocabStats(*(None if t is None else t.detach().transpose(0, 1) for t in stats))
+
+
 def _stash(module, stats: VocabStats) -> None:
-    """Keep this step's per-token statistics ``[b, s]`` (detached) on the module for reporting."""
-    setattr(module, LAST_STATS_ATTR, VocabStats(
-        *(None if t is None else t.detach().transpose(0, 1) for t in stats)))
+    """Keep this step's per-token statistics ``[b, s]`` (detached) on the module for reporting
+    (while an unfused MTP loss runs, for its depth)."""
+    if _MTP_DEPTHS is not None:
+        _MTP_DEPTHS.append(detached_bs(stats))
+    else:
+        setattr(module, LAST_STATS_ATTR, detached_bs(stats))
+
+
+def collect_mtp_stats(module, run):
+    """``run()`` (Megatron's own MTP loss, on the unfused op) with the statistics of each depth
+    kept as ``module.last_mtp_vocab_stats`` instead of ``last_vocab_stats``."""
+    global _MTP_DEPTHS
+    outer, _MTP_DEPTHS = _MTP_DEPTHS, []
+    try:
+        result = run()
+        if module is not None:
+            setattr(module, LAST_MTP_STATS_ATTR, tuple(_MTP_DEPTHS))
+        return result
+    finally:
+        _MTP_DEPTHS = outer
 
 
 def make_compute_language_model_loss(original):
@@ -40,13 +74,17 @@ def make_compute_language_model_loss(original):
 
     Same contract as Megatron's: labels ``[b, s]``, logits ``[s, b, V/tp]``, per-token fp32 loss
     ``[b, s]``; computed by :func:`vocab_parallel_stats` with the settings' chunking, entropy mode,
-    entropy bonus and label smoothing, on the tp group of the module. The statistics of the last
-    call are kept, detached and ``[b, s]``, as ``module.last_vocab_stats``.
+    entropy bonus and label smoothing, on the tp group of the module. Given a
+    :class:`~.head.DeferredLogits` (the output layer deferred by the plugin), the fused head's
+    loss instead (:func:`fused_language_model_loss`). The statistics of the last call are kept,
+    detached and ``[b, s]``, as ``module.last_vocab_stats``.
     """
 
     @functools.wraps(original)
     def compute_language_model_loss(self, labels, logits):
         cfg = settings.current()
+        if isinstance(logits, DeferredLogits):  # only while the plugin deferred the output layer
+            return fused_language_model_loss(self, logits, labels, cfg)
         if not cfg.active:
             return original(self, labels, logits)
         stats = vocab_parallel_stats(
@@ -60,42 +98,29 @@ def make_compute_language_model_loss(original):
     return compute_language_model_loss
 
 
-def _fusable(output_layer, config) -> bool:
-    """Whether the fused head reproduces ``output_layer`` and its backward contract.
-
-    Not with a bias or MuP output scaling (other logits), nor where the layer skips the tp
-    reduction of its input gradient (``disable_grad_reduce``) or defers its weight gradient
-    (``grad_output_buffer`` / ``defer_embedding_wgrad_compute``): the fused op reduces dX and
-    produces dW itself.
-    """
-    return (getattr(output_layer, "bias", None) is None
-            and not getattr(config, "use_mup", False)
-            and not getattr(output_layer, "disable_grad_reduce", False)
-            and getattr(output_layer, "grad_output_buffer", None) is None
-            and not getattr(config, "defer_embedding_wgrad_compute", False))
-
-
-def fused_language_model_loss(module, output_layer, output_weight, hidden_states, labels,
-                              cfg: settings.PluginSettings) -> torch.Tensor:
-    """Per-token loss ``[b, s]`` straight from ``hidden_states [s(/tp), b, h]``, no logits.
-
-    ``output_weight`` is the tied embedding (or None: ``output_layer.weight``). Sequence
-    parallelism and gradient-accumulation fusion (``main_grad``) follow ``output_layer``.
-    """
+def fused_stats(logits: DeferredLogits, labels: torch.Tensor, cfg: settings.PluginSettings, *,
+                argmax: bool = False, kernel: str | None = None):
+    """The fused op's statistics ``[s, b]`` of the deferred ``logits`` for ``labels [b, s]``,
+    with the settings' options, the logit scale as temperature and the layer's tp group,
+    sequence parallelism and ``main_grad`` fusion (:meth:`.head.DeferredLogits.op_kwargs`).
+    ``argmax``: ``(VocabStats, argmax [s, b])`` (``return_argmax``); ``kernel`` overrides the
+    settings' backend."""
     from ..ops.fused_linear import linear_vocab_parallel_stats
 
-    weight = output_weight if output_weight is not None else output_layer.weight
-    stats = linear_vocab_parallel_stats(
-        hidden_states,
-        weight,
-        labels.transpose(0, 1).contiguous(),
-        **cfg.stats_options(fused=True).op_kwargs(
-            tp_group=tp_group_of(output_layer),
-            sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
-            accumulate_into_main_grad=bool(getattr(output_layer, "gradient_accumulation_fusion",
-                                                   False)) and hasattr(weight, "main_grad"),
-        ),
-    )
+    layer = logits.op_kwargs()
+    options = replace(cfg.stats_options(fused=True), temperature=layer.pop("temperature"),
+                      **({} if kernel is None else {"kernel": kernel}))
+    return linear_vocab_parallel_stats(logits.hidden, logits.weight,
+                                       labels.transpose(0, 1).contiguous(), return_argmax=argmax,
+                                       **options.op_kwargs(**layer))
+
+
+def fused_language_model_loss(module, logits: DeferredLogits, labels,
+                              cfg: settings.PluginSettings) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` straight from the hidden states ``[s(/tp), b, h]`` of the
+    deferred ``logits`` (:func:`fused_stats`), no logits; its statistics are stashed on
+    ``module`` as the unfused path's."""
+    stats = fused_stats(logits, labels, cfg)
     _stash(module, stats)
     return per_token_loss(stats, cfg).transpose(0, 1).contiguous()
 
@@ -110,14 +135,20 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
     """``GPTModel.forward(output_processor=...)`` hook (megatron-core 0.18+): the fused LM head.
 
     With labels and ``lm_head_chunk_size > 0`` it returns the per-token loss ``[b, s]`` without
-    materialising the logits; otherwise (no labels: logits requested, or a bias / MuP scaling the
-    fused head does not reproduce) it runs Megatron's own output layer and loss.
+    materialising the logits, scaled as Megatron's ``scale_logits`` scales them (MuP's output
+    multiplier); otherwise (no labels: logits requested; or a layer the fused head does not
+    reproduce, :func:`.head.not_fused_reasons`, reported once or raised) it runs Megatron's own
+    output layer and loss.
     """
     cfg = settings.current()
     module = getattr(compute_language_model_loss, "__self__", None)
-    if _wants_fused(cfg, labels) and _fusable(output_layer, config):
-        return fused_language_model_loss(module, output_layer, output_weight, hidden_states,
-                                         labels, cfg)
+    if _wants_fused(cfg, labels) and fused_or_report(
+            "GPTModel's LM head", not_fused_reasons(output_layer, config), cfg):
+        logits = DeferredLogits(hidden_states, output_layer.weight if output_weight is None
+                                else output_weight, output_layer)
+        if scale_logits is not None:
+            logits = scale_logits(logits)
+        return fused_language_model_loss(module, logits, labels, cfg)
     logits, _ = output_layer(hidden_states, weight=output_weight,
                              runtime_gather_output=runtime_gather_output)
     if scale_logits is not None:
@@ -125,6 +156,12 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
     if labels is None:
         return logits.transpose(0, 1).contiguous()
     return compute_language_model_loss(labels, logits)
+
+
+def _loss_outside_inference(cfg, arguments) -> bool:
+    return (_wants_fused(cfg, arguments.get("labels"))
+            and arguments.get("inference_context") is None
+            and arguments.get("inference_params") is None)
 
 
 def make_gpt_forward(original):
@@ -139,38 +176,37 @@ def make_gpt_forward(original):
     def forward(self, *args, **kwargs):
         cfg = settings.current()
         if cfg.active and cfg.lm_head_chunk_size > 0 and kwargs.get("output_processor") is None:
-            bound = signature.bind(self, *args, **kwargs).arguments
-            if (_wants_fused(cfg, bound.get("labels"))
-                    and bound.get("inference_context") is None
-                    and bound.get("inference_params") is None):
+            if _loss_outside_inference(cfg, signature.bind(self, *args, **kwargs).arguments):
                 kwargs["output_processor"] = fused_output_processor
         return original(self, *args, **kwargs)
 
     return forward
 
 
-def make_gpt_postprocess(original):
-    """``GPTModel._postprocess`` with the fused head (megatron-core 0.16-0.17, no hook there).
+def make_deferred_head(original):
+    """A model method that ends in ``self.output_layer(...)`` then
+    ``self.compute_language_model_loss(labels, logits)`` (``HybridModel.forward``;
+    ``GPTModel._postprocess`` of megatron-core 0.16-0.17, which have no ``output_processor``),
+    run with the output layer deferred (:func:`.head.deferred_output_layer`): the loss comes from
+    the fused head, every other step is Megatron's own (MTP included: 0.16's inline MTP loss
+    goes through the same two calls per depth, 0.17+'s through :mod:`.mtp`).
 
-    Takes over only for training/eval loss without MTP; everything else runs the original.
+    Only for a loss (labels given) outside inference on the last pipeline stage, and where
+    :func:`.head.not_fused_reasons` finds nothing (else reported once, or raised); otherwise the
+    original runs as it is.
     """
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def _postprocess(self, *args, **kwargs):
+    def method(self, *args, **kwargs):
         cfg = settings.current()
-        bound = signature.bind(self, *args, **kwargs)
-        labels = bound.arguments.get("labels")
-        fused = (_wants_fused(cfg, labels) and self.post_process
-                 and not getattr(self.config, "mtp_num_layers", None)
-                 and bound.arguments.get("inference_context") is None
-                 and bound.arguments.get("inference_params") is None
-                 and _fusable(self.output_layer, self.config))
-        if not fused:
-            return original(self, *args, **kwargs)
-        weight = (self.shared_embedding_or_output_weight()
-                  if self.share_embeddings_and_output_weights else None)
-        return fused_language_model_loss(self, self.output_layer, weight,
-                                         bound.arguments["hidden_states"], labels, cfg)
+        if (cfg.active and cfg.lm_head_chunk_size > 0 and getattr(self, "post_process", False)
+                and _loss_outside_inference(cfg, signature.bind(self, *args, **kwargs).arguments)
+                and fused_or_report(f"{type(self).__name__}'s LM head",
+                                    not_fused_reasons(self.output_layer, self.config,
+                                                      deferred=True), cfg)):
+            with deferred_output_layer(self.output_layer):
+                return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    return _postprocess
+    return method

@@ -33,7 +33,12 @@ class PluginSettings:
     ``active``: use the plugin [--vocab-parallel-stats]; ``logprobs_chunk_size``: tokens per fp32
     chunk of the unfused op, None = auto [--logprobs-chunk-size, 0 = auto];
     ``lm_head_chunk_size``: tokens per chunk of the fused LM head, 0 = unfused
-    [--lm-head-chunk-size]; ``entropy``: "off" | "metric" | "grad" [--vocab-stats-entropy];
+    [--lm-head-chunk-size]; ``require_fused_lm_head``: where the fused head cannot reproduce a
+    model's output layer (a bias, ``disable_grad_reduce``, ``defer_embedding_wgrad_compute``:
+    ``megatron.head.not_fused_reasons``), raise ``ValueError`` at its first forward instead of
+    logging the reason once and running Megatron's output layer there (needs
+    ``lm_head_chunk_size > 0``) [--require-fused-lm-head]; ``entropy``: "off" | "metric" |
+    "grad" [--vocab-stats-entropy];
     ``entropy_coef``: per-token loss becomes ``-logprob - entropy_coef * H`` (needs
     entropy="grad") [--entropy-coef]; ``label_smoothing`` [--vocab-stats-label-smoothing];
     ``vocab_size``: the real vocabulary size, None = the padded size (padding columns then take
@@ -64,12 +69,14 @@ class PluginSettings:
 
     Raises ``TypeError`` (a field of the wrong Python type) or ``ValueError`` (a chunk size,
     vocabulary size or alignment out of range, a non-finite coefficient, an unknown entropy or
-    batch-invariant mode, a bonus without entropy="grad"), naming the field and the value.
+    batch-invariant mode, a bonus without entropy="grad", ``require_fused_lm_head`` without the
+    fused head), naming the field and the value.
     """
 
     active: bool = True
     logprobs_chunk_size: int | None = None
     lm_head_chunk_size: int = 0
+    require_fused_lm_head: bool = False
     entropy: str = "off"
     entropy_coef: float = 0.0
     label_smoothing: float = 0.0
@@ -89,7 +96,7 @@ class PluginSettings:
     rollout_correction_high: float | None = None
 
     def __post_init__(self):
-        for name in ("active", "validate"):
+        for name in ("active", "validate", "require_fused_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name, minimum in (("lm_head_chunk_size", 0), ("logprobs_chunk_size", 1),
@@ -117,6 +124,9 @@ class PluginSettings:
                 f"entropy_coef={self.entropy_coef} needs entropy='grad' (got {self.entropy!r}): "
                 "an entropy bonus must be differentiable"
             )
+        if self.require_fused_lm_head and not self.lm_head_chunk_size:
+            raise ValueError("require_fused_lm_head=True needs the fused LM head: "
+                             "lm_head_chunk_size > 0 (got 0)")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1), got {self.label_smoothing}")
         self._check_rollout()

@@ -3,8 +3,10 @@
 Lives here: :class:`ShardLayout` (one shard's columns), :func:`shard_layout` (built and checked
 from one call's arguments), :func:`check_contiguous` (the shards given per rank tile the
 vocabulary), :data:`BLOCK` and :func:`padded_width` (the batch-invariant blocks of columns),
-:func:`target_in_range` and :func:`local_target_index` (global target ids on this shard). Pure
-host logic and elementwise tensor ops, no collectives. May import :mod:`._argtypes` only.
+:func:`target_in_range` and :func:`local_target_index` (global target ids on this shard),
+:func:`put_first_max_ids` / :func:`merge_first_max` (the global id of a row's largest logit, from
+per-shard parts). Pure host logic and elementwise tensor ops, no collectives. May import
+:mod:`._argtypes` only.
 """
 
 from __future__ import annotations
@@ -112,3 +114,33 @@ def local_target_index(target: torch.Tensor, valid: torch.Tensor, layout: ShardL
     local = target.long() - layout.vocab_start  # gather/scatter index with int64
     owned = valid & (local >= 0) & (local < layout.width)
     return local.clamp(0, layout.width - 1), owned
+
+
+def put_first_max_ids(z: torch.Tensor, out: torch.Tensor, vocab_start: int) -> None:
+    """Write the global id of the first maximum of each row of ``z`` ``[n, W]`` (or of each block
+    of ``z`` ``[n, nb, BLOCK]``, block b starting at local column ``b * BLOCK``) into ``out``, an
+    fp32 row ``[n]`` (``[n, nb]``) of the packed statistics, as int32 bits.
+
+    Bit-cast, not converted: the row is only copied afterwards (the all-gather), so every id below
+    2**31 (:data:`MAX_ID`) arrives exact, where an fp32 value would stop being exact at 2**24.
+    Ties go to the lowest column, as ``torch.argmax``.
+    """
+    ids = z.argmax(dim=-1)
+    if z.dim() == 3:
+        ids = ids + torch.arange(z.shape[1], device=z.device) * z.shape[2]
+    out.view(torch.int32).copy_(ids + vocab_start)
+
+
+def merge_first_max(maxima: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64: the global id of each row's largest value from per-part statistics.
+
+    ``maxima`` ``[P, T]`` fp32: each part's maximum (-inf for a part with no live column);
+    ``ids`` ``[P, T]``: each part's :func:`put_first_max_ids` row. The lowest id among the parts
+    whose maximum equals the row's (exact comparisons), so that, parts covering the columns,
+    the result is ``torch.argmax`` over the whole row (ties to the lowest id). -1 where the row's
+    maximum is NaN.
+    """
+    top = maxima.amax(dim=0)
+    candidates = torch.where(maxima == top, ids.view(torch.int32).long(), MAX_ID)
+    best = candidates.amin(dim=0)
+    return torch.where(best == MAX_ID, -1, best)

@@ -47,7 +47,9 @@ from ._layout import (  # noqa: F401 - re-exported: the layout used to live here
     BLOCK,
     ShardLayout,
     local_target_index,
+    merge_first_max,
     padded_width,
+    put_first_max_ids,
     target_in_range,
 )
 
@@ -60,6 +62,9 @@ Z_FLOOR = -1.0e30
 # Row order of the packed per-shard statistics tensor [NUM_STATS, T].
 STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM = range(5)
 NUM_STATS = 5
+# The optional row after them: the global id of the part's first maximum (argmax=True), as int32
+# bits (_layout.put_first_max_ids).
+STAT_ARGMAX = NUM_STATS
 
 
 def load_chunk(logits: torch.Tensor, out: torch.Tensor, layout: ShardLayout, temperature: float):
@@ -154,14 +159,18 @@ def chunk_stats(
     entropy: bool,
     zsum: bool,
     batch_invariant: bool = False,
+    argmax: bool = False,
 ):
-    """Write one chunk's shard statistics into ``out`` ([NUM_STATS, n] fp32).
+    """Write one chunk's shard statistics into ``out`` ([NUM_STATS, n] fp32; with ``argmax``
+    [NUM_STATS + 1, n], row :data:`STAT_ARGMAX` the id of the row's first maximum).
 
     ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``scratch``: an fp32 buffer with
     at least n rows of width W. ``index``/``owned``: from :func:`local_target_index`, or None when
     no target is scored. ``batch_invariant``: take the statistics with :func:`block_stats` and
     combine the blocks in a fixed order (``z`` then needs :func:`padded_width` columns).
     """
+    if argmax:
+        put_first_max_ids(z, out[STAT_ARGMAX], layout.vocab_start)
     if batch_invariant:
         blocks = out.new_zeros((NUM_STATS, z.shape[0], z.shape[1] // BLOCK))
         block_stats(z, scratch, index, owned, blocks, layout=layout, entropy=entropy, zsum=zsum)
@@ -204,9 +213,10 @@ def tree_sum_(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: bool,
-                zsum: bool) -> None:
+                zsum: bool, argmax: bool = False) -> None:
     """Per-block shard statistics of one chunk into ``out`` ([NUM_STATS, n, nb] fp32, zeroed by
-    the caller), block b holding local columns ``[b*BLOCK, (b+1)*BLOCK)``.
+    the caller; [NUM_STATS + 1, ...] with ``argmax``, as :func:`chunk_stats`), block b holding
+    local columns ``[b*BLOCK, (b+1)*BLOCK)``.
 
     Per block: its maximum, the sum of ``exp(z - m_b)``, of ``exp(z - m_b) (z - m_b)`` and of the
     real columns' ``c (z - m_b)`` (each by :func:`tree_sum_`, so each value is batch-invariant,
@@ -216,6 +226,8 @@ def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: 
     """
     n, width = z.shape
     zb = z.view(n, width // BLOCK, BLOCK)
+    if argmax:
+        put_first_max_ids(zb, out[STAT_ARGMAX], layout.vocab_start)
     if index is not None:
         picked = torch.where(owned, z.gather(1, index.unsqueeze(1)).squeeze(1), 0.0)
         out[STAT_TARGET].scatter_(1, (index // BLOCK).unsqueeze(1), picked.unsqueeze(1))

@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_finite, first_order_backward, host_checks_enabled
-from ._math import finite_lse, grad_coefficients, merge_stats
+from ._math import (
+    STAT_ARGMAX,
+    STAT_MAX,
+    finite_lse,
+    grad_coefficients,
+    merge_first_max,
+    merge_stats,
+)
 from .engine import (
     CPU_LINEAR_CHUNK_BYTES,
     INVARIANT_ROWS,
@@ -74,6 +81,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, grad_weights, cfg: LinearStatsConfig, tp_group):
         sc = cfg.stats
+        argmax = None
         total = full_hidden(hidden, cfg, tp_group)
         total_shape = total.shape
         hidden2d = total.reshape(-1, total_shape[-1])
@@ -98,9 +106,12 @@ class _LinearVocabParallelStats(torch.autograd.Function):
                 chunks = fused_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True,
                                       tiles=tiles, tile_rows=hidden2d.shape[0])
                 parts = gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
-                                       has_target=has_target, device=hidden.device)
+                                       has_target=has_target, device=hidden.device,
+                                       argmax=cfg.argmax)
                 merged = merge(parts, valid, in_range=targets_in_range(target1d, sc),
                                tokens_per_pass=merge_tokens_per_pass(sc, parts.shape[0]))
+                if cfg.argmax:
+                    argmax = merge_first_max(parts[:, STAT_MAX], parts[:, STAT_ARGMAX])
         finally:
             if bufs is not None:
                 bufs.release()
@@ -120,11 +131,11 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, target, lse,
                                   entropy if sc.entropy == "grad" else None)
-        return logprobs, entropy, lse
+        return logprobs, entropy, lse, None if argmax is None else argmax.view(total_shape[:-1])
 
     @staticmethod
     @first_order_backward("linear_vocab_parallel_stats")
-    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_argmax):
         if ctx.cfg.forward_grad:
             grad_hidden, grad_weight = scaled_forward_grads(ctx, grad_logprobs)
         else:
@@ -157,8 +168,9 @@ def linear_vocab_parallel_stats(
     grad_weights: torch.Tensor | None = None,
     accumulate_into_main_grad: bool = False,
     kernel: str = "auto",
+    return_argmax: bool = False,
     **options: Unpack[StatsKwargs],
-) -> VocabStats:
+) -> VocabStats | tuple[VocabStats, torch.Tensor]:
     """Exact per-token log-probs, entropy and logsumexp of ``hidden @ W.T`` without the logits.
 
     Reference semantics (one process; ``W`` the full output weight, the shards of ``tp_group``
@@ -254,11 +266,21 @@ def linear_vocab_parallel_stats(
             (one ``[chunk, W]`` buffer, no fp32 ones), from which cuBLAS makes ``dX`` and
             ``dW``. Same tolerances; a logit may round one ulp away from the torch path's
             (another accumulation order), so the bits differ.
+        return_argmax: also return the global id of each row's largest logit, as
+            ``torch.argmax(logits / temperature, dim=-1)`` over the whole (gathered) vocabulary
+            would give it (ties to the lowest id; padding columns beyond ``vocab_size`` never
+            win): each shard's first maximum travels in the statistics' one all-gather (one
+            more fp32 row, the id's int32 bits: exact for any id) and the lowest id among the
+            shards holding the global maximum wins, by exact comparisons, no logits gathered.
+            For top-1 accuracy, e.g. Megatron's MTP acceptance rate. -1 where the row's maximum
+            is NaN. Torch statistics only (``kernel`` resolving to "torch"); not with
+            ``grad_weights``.
 
     Returns:
         :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp)``, fp32,
         shaped like ``target`` (the gathered leading shape under sequence parallelism),
-        bitwise identical on every rank of ``tp_group``.
+        bitwise identical on every rank of ``tp_group``; with ``return_argmax`` the tuple
+        ``(VocabStats, argmax)``, ``argmax`` int64 of that shape (not differentiable).
 
     Communication: forward, one all-gather of ``[5, T]`` fp32 statistics (one of ``[5, chunk]``
     per chunk with ``grad_weights``), one of a few int64 with ``validate``, and the
@@ -283,8 +305,9 @@ def linear_vocab_parallel_stats(
             including a sequence-parallel shard whose length differs across ranks, and
             ``sequence_parallel``, ``grad_weights`` (given or None) or
             ``accumulate_into_main_grad`` differing across the ranks (the error names the field
-            and prints each rank's value). Without ``validate`` those fail, hang or give wrong
-            gradients.
+            and prints each rank's value); ``return_argmax`` not a bool, with ``grad_weights``,
+            or with a kernel that resolves to "triton". Without ``validate`` those fail, hang or
+            give wrong gradients.
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are scaled in place by the first).
     """
@@ -292,9 +315,11 @@ def linear_vocab_parallel_stats(
     cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,
                                 sequence_parallel=sequence_parallel,
                                 accumulate_into_main_grad=accumulate_into_main_grad,
-                                entropy=entropy, kernel=kernel, **options)
-    return VocabStats(*_LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
-                                                       tp_group))
+                                entropy=entropy, kernel=kernel, argmax=return_argmax,
+                                **options)
+    *stats, argmax = _LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
+                                                     tp_group)
+    return (VocabStats(*stats), argmax) if return_argmax else VocabStats(*stats)
 
 
 def linear_vocab_parallel_cross_entropy(

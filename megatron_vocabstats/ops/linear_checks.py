@@ -107,14 +107,16 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                           sequence_parallel: bool = False,
                           accumulate_into_main_grad: bool = False, chunk_size=None,
                           local_error: ValueError | None = None, agree: tuple = (),
-                          **options) -> LinearStatsConfig:
+                          argmax: bool = False, **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
     (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
 
     Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
     agree on ``sequence_parallel``, whether ``grad_weights`` is given, and
     ``accumulate_into_main_grad`` (they change the collectives or the gradients), then on the
-    caller's ``agree`` entries: all in the core op's one tiny all-gather.
+    caller's ``agree`` entries: all in the core op's one tiny all-gather. ``argmax``: the
+    ``return_argmax`` of ``linear_vocab_parallel_stats`` (a bool; not with ``grad_weights``;
+    agreed across the ranks: it widens the statistics' all-gather).
     """
     _, tp = _comm.group_rank_size(tp_group)
     lead = lead_shape(hidden, sequence_parallel, tp)
@@ -124,6 +126,8 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                              accumulate_into_main_grad=accumulate_into_main_grad)
     if problem is None and local_error is not None:
         problem = local_error
+    if problem is None:
+        problem = _argmax_problem(argmax, grad_weights)
     if problem is None:
         width = weight.shape[0]
         logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
@@ -137,9 +141,13 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
              (Field("grad_weights values", checksum=True),
               lambda: -1 if grad_weights is None else tensor_checksum(grad_weights)),
              ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
+             ("return_argmax", lambda: int(argmax is True), bool),
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
                            agree=agree, **options)
+    if argmax and stats.kernel != "torch":  # the resolved kernel is agreed: every rank raises
+        raise ValueError(f"return_argmax=True is computed by the torch statistics only; the "
+                         f"resolved kernel is {stats.kernel!r}: pass kernel='torch'")
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad
@@ -150,4 +158,14 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
         forward_grad=grad_weights is not None and (grad_hidden or grad_weight),
         grad_hidden=grad_hidden,
         grad_weight=grad_weight,
+        argmax=argmax,
     )
+
+
+def _argmax_problem(argmax, grad_weights) -> ValueError | None:
+    if not isinstance(argmax, bool):
+        return ValueError(f"return_argmax must be a bool, got {argmax!r}")
+    if argmax and grad_weights is not None:
+        return ValueError("return_argmax=True cannot be combined with grad_weights (the "
+                          "forward-gradient mode merges its statistics chunk by chunk)")
+    return None

@@ -4,8 +4,10 @@ Megatron-Core builds three things on ``cuda`` unconditionally: the global memory
 tensor/sequence-parallel all-gathers borrow from, the default causal attention mask, and the CUDA
 RNG tracker that model-parallel initialisation forks. :func:`install_cpu_shims` replaces exactly
 those three, on CPU-only machines only; it is a no-op when CUDA is available. Its pipeline
-schedules also create a counter on ``cuda``: run them inside :func:`cuda_factories_on_cpu`. It is
-not part of the plugin's training path and is never applied by ``import megatron_vocabstats.patch``.
+schedules also create a counter on ``cuda``: run them inside :func:`cuda_factories_on_cpu`.
+:func:`tag_torch_norm_for_sequence_parallel` lets Megatron's torch LayerNorm (used without Apex
+or transformer-engine) run under sequence parallelism, for tests of that layout. None of this is
+part of the plugin's training path, nor applied by ``import megatron_vocabstats.patch``.
 
 Moved here from ``megatron_vocabstats.megatron.cpu`` (now a deprecated re-export).
 May import: torch and the standard library; Megatron-Core only inside :func:`install_cpu_shims`.
@@ -61,7 +63,10 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
+        # A bare index (torch.cuda.current_device()) names a CUDA device; some torch releases
+        # refuse torch.device(0) without an accelerator.
+        if device is not None and (isinstance(device, int) and not isinstance(device, bool)
+                                   or torch.device(device).type == "cuda"):
             kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)
 
@@ -76,21 +81,9 @@ def cuda_factories_on_cpu():
     return contextlib.nullcontext() if torch.cuda.is_available() else _CudaFactoriesOnCpu()
 
 
-def install_cpu_shims() -> bool:
-    """Install the three CPU shims if CUDA is absent; returns True if they are (now) installed.
-
-    Call after ``parallel_state.initialize_model_parallel`` (which creates the global memory
-    buffer) and before building the model. Idempotent.
-    """
-    global _INSTALLED
-    if torch.cuda.is_available():
-        return False
-    if _INSTALLED:
-        return True
-    from megatron.core import parallel_state, utils
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.tensor_parallel import random as mp_random
-    from megatron.core.transformer import utils as transformer_utils
+def _cpu_memory_buffer():
+    """A ``GlobalMemoryBuffer`` whose tensors are made on the CPU."""
+    from megatron.core import utils
 
     class _CpuMemoryBuffer(utils.GlobalMemoryBuffer):
         def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
@@ -102,7 +95,31 @@ def install_cpu_shims() -> bool:
                 buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
             return buf[:numel].view(*tensor_shape)
 
-    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+    return _CpuMemoryBuffer()
+
+
+def install_cpu_shims() -> bool:
+    """Install the three CPU shims if CUDA is absent; returns True if they are (now) installed.
+
+    Call after ``parallel_state.initialize_model_parallel`` (which creates the global memory
+    buffer) and before building the model. Idempotent; after Megatron's state was torn down and
+    made again (``training.destroy_global_state``, in-process restart) it replaces the new
+    memory buffer too.
+    """
+    global _INSTALLED
+    if torch.cuda.is_available():
+        return False
+    from megatron.core import parallel_state
+
+    if not getattr(parallel_state._GLOBAL_MEMORY_BUFFER, "_vocabstats_cpu", False):
+        parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_memory_buffer()
+        parallel_state._GLOBAL_MEMORY_BUFFER._vocabstats_cpu = True
+    if _INSTALLED:
+        return True
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as transformer_utils
+
     for module in (transformer_utils, fused_softmax):
         if hasattr(module, "get_default_causal_mask"):
             module.get_default_causal_mask = _cpu_causal_mask
@@ -113,3 +130,36 @@ def install_cpu_shims() -> bool:
         mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _INSTALLED = True
     return True
+
+
+def tag_torch_norm_for_sequence_parallel() -> None:
+    """Test support: Megatron's torch norm (``WrappedTorchNorm``, its LayerNorm without Apex or
+    transformer-engine) under ``sequence_parallel``, tagged as Apex's norm is. Idempotent.
+
+    Megatron asserts ``not config.sequence_parallel`` there because torch's norm parameters lack
+    the ``sequence_parallel`` attribute: under sequence parallelism each tp rank normalises its
+    own sequence shard, so the norm's weight and bias gradients are partial sums, and
+    ``finalize_model_grads`` all-reduces over tp exactly the parameters carrying that attribute
+    (Apex's ``FusedLayerNorm`` sets it from the config). This builds the same torch norm (the
+    assert passed with the flag off during construction only) and sets the attribute the way
+    Apex does; the forward is per token and needs nothing else.
+    """
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+    if getattr(build, "_tags_sequence_parallel", False):
+        return
+
+    def tagged(cls, config, hidden_size, eps=1e-5, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = build(cls, config, hidden_size, eps, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    tagged._tags_sequence_parallel = True
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(tagged)

@@ -7,7 +7,9 @@ for on ``cuda`` on the CPU, for as long as it is entered. It changes ``torch.cud
 modules for the whole process and never undoes that: use it only in a process of its own (the
 torchrun script ``tests/unit/dist/megatron_training_run.py``), never in the pytest process. It is a
 no-op where CUDA is available. It is not part of the plugin. The flags a CPU run needs as well are
-listed in README.md, "Running Megatron's training loop on CPU".
+listed in README.md, "Running Megatron's training loop on CPU". :data:`HYBRID_CPU_SPEC`: a
+``HybridModel`` stack of attention layers that runs on the CPU (``--spec megatron_cpu_training
+HYBRID_CPU_SPEC``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def install() -> bool:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import arguments, initialize, training
 
+    from megatron_vocabstats.testing.megatron_cpu import tag_torch_norm_for_sequence_parallel
+
     # pretrain() calls initialize_megatron() without allow_no_cuda, which asserts CUDA.
     training.initialize_megatron = functools.partial(training.initialize_megatron,
                                                      allow_no_cuda=True)
@@ -84,6 +88,9 @@ def install() -> bool:
     # Receive buffers and reductions are built on device=torch.cuda.current_device(), i.e. 0,
     # which the factory mode of cpu_training() maps to the CPU.
     torch.cuda.current_device = lambda: 0
+    # Megatron's torch LayerNorm refuses --sequence-parallel for want of the parameter tag by
+    # which finalize_model_grads all-reduces its gradients: the test-support shim sets it.
+    tag_torch_norm_for_sequence_parallel()
     # pretrain_gpt.py's get_batch moves the batch with .cuda(non_blocking=True).
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     # The model is wrapped in DDP on a side stream (models/dist_utils.py, _ddp_wrap).
@@ -105,3 +112,20 @@ def cpu_training():
     installed = install()
     with cuda_factories_on_cpu():
         yield installed
+
+
+def _hybrid_cpu_spec():
+    """A ``HybridStack`` spec of attention layers (Megatron's local GPT layer: Mamba's kernels need
+    CUDA) without the final norm (HybridStack builds it with transformer-engine)."""
+    try:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.transformer.spec_utils import ModuleSpec
+    except ImportError:  # no HybridModel in this release (< 0.18)
+        return None
+    return ModuleSpec(module=HybridStack, params={"post_layer_norm": False},
+                      submodules=HybridStackSubmodules(attention_layer=get_gpt_layer_local_spec()))
+
+
+# For --spec megatron_cpu_training HYBRID_CPU_SPEC (with --hybrid-layer-pattern of '*' layers).
+HYBRID_CPU_SPEC = _hybrid_cpu_spec()

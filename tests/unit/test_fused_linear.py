@@ -278,13 +278,27 @@ def _bad(**changes):
         (_bad(chunk_size=0), "chunk_size"),
         (_bad(temperature=-1.0), "temperature"),
         (_bad(target=lambda t: t + 200), "target holds id"),
+        (_bad(return_argmax=1), "return_argmax must be a bool"),
+        (_bad(return_argmax=True, grad_weights=torch.ones(5, 3), entropy="off"),
+         "return_argmax=True cannot be combined with grad_weights"),
     ],
     ids=["hidden_size", "hidden_size_0", "dtype_mismatch", "dtype", "weight_1d", "weight_3d",
          "hidden_not_tensor", "target_shape", "float_target", "grad_weights_shape",
          "grad_weights_entropy", "grad_weights_no_target", "main_grad_missing",
-         "sequence_parallel_type", "chunk", "temperature", "target_range"],
+         "sequence_parallel_type", "chunk", "temperature", "target_range", "argmax_type",
+         "argmax_grad_weights"],
 )
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_return_argmax_refused_by_the_triton_statistics(monkeypatch):
+    """The argmax row is the torch statistics' own: a kernel resolving to "triton" is refused
+    with the argument named (checked with the resolution stubbed: no triton needed)."""
+    from megatron_vocabstats.ops import _checks
+
+    monkeypatch.setattr(_checks, "resolve_kernel", lambda kernel, device: "triton")
+    with pytest.raises(ValueError, match="return_argmax=True is computed by the torch"):
+        _bad(return_argmax=True)()
 

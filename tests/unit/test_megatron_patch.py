@@ -129,6 +129,49 @@ def test_rank0_logs_once(caplog, monkeypatch):
     module.remove()
 
 
+def test_every_loss_path_is_patched_or_its_absence_logged(caplog):
+    """HybridModel.forward (0.18+; MambaModel.forward before) and every binding of
+    process_mtp_loss (0.17+) are patched (the fused head and MTP heads); where the release lacks
+    them, the patch log says so."""
+    import megatron_vocabstats.patch as module
+
+    module.remove()
+    with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+        module.apply()
+    try:
+        names, message = module.patched_names(), caplog.records[-1].getMessage()
+    finally:
+        module.remove()
+    hybrid = compat.hybrid_model_class()
+    if hybrid is not None:
+        assert any(n.endswith(f"{hybrid.__name__}.forward") for n in names)
+    else:
+        assert "skipped HybridModel / MambaModel" in message
+    bindings = compat.mtp_loss_bindings()
+    assert sum(n.endswith(".process_mtp_loss") for n in names) == len(bindings)
+    if not bindings:
+        assert "process_mtp_loss (0.17+): not in this release" in message
+
+
+def test_deferred_logits_take_a_logit_scale_and_nothing_else():
+    """The stand-in for the logits of a deferred output layer: MuP's multiplier becomes the
+    op's temperature; any other use raises, naming the plugin (never silently wrong)."""
+    from megatron_vocabstats.megatron.head import DeferredLogits
+
+    layer = torch.nn.Linear(4, 6, bias=False)
+    logits = DeferredLogits(torch.randn(3, 1, 4), layer.weight, layer)
+    assert (0.5 * (logits * 0.5)).op_kwargs()["temperature"] == 4.0
+    assert logits.op_kwargs() == dict(tp_group=None, sequence_parallel=False,
+                                      accumulate_into_main_grad=False, temperature=1.0)
+    with pytest.raises(TypeError, match="scaled by a real number"):
+        logits * torch.tensor(2.0)
+    with pytest.raises(TypeError, match="as a tensor"):
+        logits.transpose(0, 1)
+    for scale in (-1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="finite, positive"):
+            (logits * scale).op_kwargs()
+
+
 def test_unsupported_release_fails_at_import(monkeypatch):
     import megatron_vocabstats.patch as module
 
@@ -156,6 +199,17 @@ def test_flags_parse_through_megatron_parser(patch, monkeypatch):
     assert args.vocab_parallel_stats and args.logprobs_chunk_size == 64
     assert args.lm_head_chunk_size == 512 and args.vocab_stats_entropy == "grad"
     assert args.entropy_coef == 0.01
+
+
+def test_require_fused_flag_reaches_the_settings_and_needs_the_fused_head(patch, monkeypatch):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", "--lm-head-chunk-size", "8",
+                      "--require-fused-lm-head"], monkeypatch)
+    assert config_hook(args).require_fused_lm_head is True
+    _, args = _parse(["--vocab-parallel-stats", "--require-fused-lm-head"], monkeypatch)
+    with pytest.raises(ValueError, match="--require-fused-lm-head needs the fused LM head"):
+        config_hook(args)
 
 
 def test_extra_args_provider_chains():
@@ -387,6 +441,9 @@ def test_config_hook_refuses_values_set_without_the_parser(patch, monkeypatch, s
     (dict(token_alignment=0), ValueError, "token_alignment must be >= 1"),
     (dict(vocab_size=0), ValueError, "vocab_size must be >= 1"),
     (dict(validate="no"), TypeError, "validate must be a bool"),
+    (dict(require_fused_lm_head=1, lm_head_chunk_size=8), TypeError,
+     "require_fused_lm_head must be a bool"),
+    (dict(require_fused_lm_head=True), ValueError, "require_fused_lm_head=True needs the fused"),
 ])
 def test_settings_refuse_bad_fields(changes, error, message):
     with pytest.raises(error, match=message):

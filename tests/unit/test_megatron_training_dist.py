@@ -1,12 +1,28 @@
-"""Megatron-LM's own training loop (``megatron.training.pretrain``, mock data, a tiny GPT, tp = 2
-on gloo, 3 iterations) gives the same losses with the plugin, unfused and fused, as without it.
+"""Megatron-LM's own training loop (``megatron.training.pretrain``, mock data, a tiny model, 3
+iterations, 2 gloo ranks) gives the same per-token losses and grad norms with the plugin, unfused
+and fused, as plain Megatron, in the layouts where a user's run differs:
 
-Four torchrun launches of ``dist/megatron_training_run.py`` (about 15 s each on 2 cores): plain
-Megatron; ``import megatron_vocabstats.patch`` without the flag; with ``--vocab-parallel-stats``;
-with ``--vocab-parallel-stats --lm-head-chunk-size 16`` (fused LM head). fp32 throughout, so the
-plugin's losses and grad norms agree with Megatron's to rounding: its chunked logsumexp sums the
-same terms in another order (a few fp32 ulps, ~1e-7 relative, also after 2 SGD steps), while a wrong
-loss or gradient moves them by orders of magnitude more; RTOL = 1e-5 leaves ~80 ulps between.
+* ``tp2``: tensor parallelism; also the plugin imported without ``--vocab-parallel-stats`` (bit
+  for bit Megatron's), and a ``HybridModel`` (attention layers: Mamba's kernels need CUDA),
+  Megatron's and fused;
+* ``pp2_tied``: two pipeline stages with tied embeddings (the output weight lives on the last
+  stage and its gradient is summed with the first stage's embedding), unfused and fused;
+* ``tp2_sp_mtp``: tp 2 with sequence parallelism (the hidden states arrive as sequence shards;
+  Megatron's torch LayerNorm is allowed there by the test-support shim
+  ``testing.megatron_cpu.tag_torch_norm_for_sequence_parallel``, which gives its parameters the
+  ``sequence_parallel`` tag Apex's norm carries), one MTP depth (rolled labels and masks, the MTP
+  loss and acceptance counts Megatron logs) and ``--calculate-per-token-loss`` with loss masks
+  whose counts differ per micro-batch (2 per iteration); unfused and fused.
+
+One torchrun launch per layout (``dist/megatron_training_run.py`` runs the layout's
+configurations one after the other in the same processes: interpreter start and Megatron import
+are most of a run's time on 2 CPU cores); every run proves the plugin ran (how often its unfused
+op, fused head and fused MTP loss were called, whether ``last_vocab_stats`` and
+``last_mtp_vocab_stats`` were set). fp32 throughout, so the plugin's losses and grad norms agree
+with Megatron's to rounding: its chunked logsumexp sums the same terms in another order (a few
+fp32 ulps, ~1e-7 relative, also after 2 SGD steps), while a wrong loss or gradient moves them by
+orders of magnitude more; RTOL = 1e-5 leaves ~80 ulps between. The MTP acceptance counts are
+compared exactly (a count moves only if a near tie between two logits, ~1 ulp apart, flips).
 """
 
 from __future__ import annotations
@@ -26,14 +42,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dist", "megatron_training_run.py")
 NPROC, ITERS, MICRO_BATCH, SEQ = 2, 3, 2, 32
 RTOL = 1e-5
-TIMEOUT_S = 240  # per launch; a run takes ~15 s here
+TIMEOUT_S = 420  # per launch; a layout's launch takes 25-45 s here (2 loaded cores)
 
 # A tiny GPT on Megatron's mock data and null tokenizer, fp32, plus what a CPU run needs (README,
 # "Running Megatron's training loop on CPU").
 MEGATRON_FLAGS = [
-    "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
+    "--num-layers", "2", "--hidden-size", "64",
     "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-    "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH),
+    "--micro-batch-size", str(MICRO_BATCH),
     "--train-iters", str(ITERS), "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "250", "--optimizer", "sgd", "--lr", "0.1", "--lr-decay-style", "constant",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1",
@@ -43,13 +59,44 @@ MEGATRON_FLAGS = [
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--clip-grad", "0", "--rerun-mode", "disabled",
 ]
+PLUGIN = ["--import-plugin", "--vocab-parallel-stats"]
+FUSED = [*PLUGIN, "--lm-head-chunk-size", "16"]
+TP2 = ["--tensor-model-parallel-size", "2"]
 
-RUNS = {
-    "megatron": [],
-    "plugin_off": ["--import-plugin"],
-    "plugin": ["--import-plugin", "--vocab-parallel-stats"],
-    "fused": ["--import-plugin", "--vocab-parallel-stats", "--lm-head-chunk-size", "16"],
+HYBRID = ["--hybrid", "--spec", "megatron_cpu_training", "HYBRID_CPU_SPEC",
+          "--hybrid-layer-pattern", "**"]
+
+# layout -> (flags of every run, micro-batches per iteration, MTP depths, {run: its own flags});
+# a run named "<model>_..." compares with "<model>_megatron", any other with "megatron".
+LAYOUTS = {
+    "tp2": ([*TP2, "--global-batch-size", str(MICRO_BATCH)], 1, 0, {
+        "megatron": [], "plugin_off": ["--import-plugin"], "plugin": PLUGIN, "fused": FUSED,
+        "hybrid_megatron": HYBRID, "hybrid_fused": [*FUSED, *HYBRID]}),
+    "pp2_tied": (["--pipeline-model-parallel-size", "2", "--global-batch-size",
+                  str(2 * MICRO_BATCH)], 2, 0, {
+        "megatron": [], "plugin": PLUGIN, "fused": FUSED}),
+    "tp2_sp_mtp": ([*TP2, "--sequence-parallel", "--mtp-num-layers", "1",
+                    "--position-embedding-type", "rope", "--no-rope-fusion",
+                    "--calculate-per-token-loss", "--uneven-loss-mask",
+                    "--global-batch-size", str(2 * MICRO_BATCH)], 2, 1, {
+        "megatron": [], "plugin": PLUGIN, "fused": FUSED}),
 }
+# What the model must have been built with (checked on the runs' records).
+BUILT = {
+    "tp2": dict(model="GPTModel", tp=2, pp=1, sequence_parallel=False, tied=True),
+    "pp2_tied": dict(model="GPTModel", tp=1, pp=2, sequence_parallel=False, tied=True),
+    "tp2_sp_mtp": dict(model="GPTModel", tp=2, pp=1, sequence_parallel=True, tied=True,
+                       mtp_num_layers=1, calculate_per_token_loss=True),
+}
+
+
+def _baseline(name: str) -> str:
+    return "hybrid_megatron" if name.startswith("hybrid") else "megatron"
+
+
+def _built(layout: str, name: str) -> dict:
+    return dict(BUILT[layout], **({"model": "HybridModel"} if name.startswith("hybrid") else {}))
+
 
 pytestmark = pytest.mark.megatron
 
@@ -69,11 +116,17 @@ def _needs_training_loop():
 
 
 @functools.cache
-def _launch(name: str) -> tuple[tuple[dict, ...] | None, str]:
-    """Launch configuration ``name`` once: its per-rank results, or None and why not."""
+def _launch(layout: str) -> tuple[dict | None, str]:
+    """Launch ``layout``'s runs once: ``{run: per-rank results}``, or None and why not."""
+    common, _, _, runs = LAYOUTS[layout]
+    script_flags = {"--uneven-loss-mask", "--hybrid"}  # the run script's own, for every run
+    own = [f for f in common if f in script_flags]
+    megatron = [f for f in common if f not in script_flags]
+    spec = json.dumps([{"name": name, "flags": [*flags, *own]} for name, flags in runs.items()])
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={NPROC}", SCRIPT, "--out", out, *RUNS[name], *MEGATRON_FLAGS]
+               f"--nproc-per-node={NPROC}", SCRIPT, "--out", out, "--runs", spec,
+               *MEGATRON_FLAGS, *megatron]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         # A session of its own, so that a timeout ends torchrun's ranks too.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -83,23 +136,24 @@ def _launch(name: str) -> tuple[tuple[dict, ...] | None, str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
-            return None, f"run {name} took over {TIMEOUT_S} s:\n{log[-6000:]}"
+            return None, f"layout {layout} took over {TIMEOUT_S} s:\n{log[-6000:]}"
         ranks = []
         for r in range(NPROC):
             path = os.path.join(out, f"rank{r}.json")
             if not os.path.exists(path):
-                return None, (f"run {name} exited {proc.returncode} without results from rank "
-                              f"{r}:\n{log[-8000:]}")
+                return None, (f"layout {layout} exited {proc.returncode} without results from "
+                              f"rank {r}:\n{log[-8000:]}")
             with open(path) as f:
                 ranks.append(json.load(f))
-    return tuple(ranks), ""
+    return {name: [rank[name] for rank in ranks] for name in runs}, ""
 
 
-def run(name: str) -> tuple[dict, ...]:
-    ranks, why = _launch(name)
-    if ranks is None:
+def run(layout: str) -> dict:
+    _needs_training_loop()
+    results, why = _launch(layout)
+    if results is None:
         pytest.fail(why, pytrace=False)
-    return ranks
+    return results
 
 
 def _relative_gap(ours, theirs) -> float:
@@ -109,10 +163,21 @@ def _relative_gap(ours, theirs) -> float:
     return ((ours - theirs).abs() / theirs.abs()).max().item()
 
 
+def _logs_acceptance() -> bool:
+    """Whether Megatron logs MTP acceptance counts (0.19+)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    return hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker")
+
+
+def _last_stage(layout: str) -> list[int]:
+    """The ranks holding the loss (the last pipeline stage)."""
+    return [1] if layout.startswith("pp2") else list(range(NPROC))
+
+
 def test_megatron_baseline_trains():
     """Plain Megatron: 3 iterations, finite losses on every token, no plugin anywhere."""
-    _needs_training_loop()
-    for rank, res in enumerate(run("megatron")):
+    for rank, res in enumerate(run("tp2")["megatron"]):
         assert not res["plugin_imported"]
         assert res["stats_set"] == [False] * ITERS, f"rank {rank}"
         assert len(res["lm_loss"]) == len(res["grad_norm"]) == ITERS
@@ -123,28 +188,57 @@ def test_megatron_baseline_trains():
 
 def test_import_without_flag_is_megatron():
     """The import alone, under Megatron's parser, leaves Megatron's loss on: bit for bit."""
-    _needs_training_loop()
-    for rank, (base, res) in enumerate(zip(run("megatron"), run("plugin_off"))):
+    results = run("tp2")
+    for rank, (base, res) in enumerate(zip(results["megatron"], results["plugin_off"])):
         assert res["plugin_imported"] and res["patched"], "the import patched nothing"
         assert res["settings"]["active"] is False
         assert res["stats_set"] == [False] * ITERS, f"rank {rank}: last_vocab_stats set"
-        assert res["unfused_calls"] == res["fused_calls"] == 0
+        assert res["unfused_calls"] == res["fused_calls"] == res["fused_mtp_calls"] == 0
         for key in ("token_losses", "lm_loss", "grad_norm"):
             assert res[key] == base[key], f"rank {rank}: {key} differs from plain Megatron"
 
 
-@pytest.mark.parametrize("name", ["plugin", "fused"])
-def test_plugin_matches_megatron(name):
-    """With --vocab-parallel-stats (and the fused head) the loss is the plugin's, set on the model
-    as last_vocab_stats, and per-token losses, lm loss and grad norm agree with Megatron's."""
-    _needs_training_loop()
-    fused = name == "fused"
-    for rank, (base, res) in enumerate(zip(run("megatron"), run(name))):
+CASES = [(layout, name) for layout, (_, _, _, runs) in LAYOUTS.items()
+         for name in runs if name not in ("megatron", "plugin_off", "hybrid_megatron")]
+
+
+@pytest.mark.parametrize("layout, name", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_plugin_matches_megatron(layout, name):
+    """With --vocab-parallel-stats (and the fused head) the loss is the plugin's: its op ran
+    once per head and micro-batch (the fused head's and MTP loss's, or the unfused op's, never
+    both), the statistics were set on the model, and the per-token losses, lm loss, grad norm and
+    Megatron's MTP log agree with plain Megatron's."""
+    _, micro, depths, _ = LAYOUTS[layout]
+    results = run(layout)
+    fused = name.endswith("fused")
+    forwards = micro * ITERS
+    expected_build = _built(layout, name)
+    for rank, (base, res) in enumerate(zip(results[_baseline(name)], results[name])):
         assert res["settings"] == {"active": True, "lm_head_chunk_size": 16 if fused else 0}
-        assert res["stats_set"] == [True] * ITERS, f"rank {rank}: last_vocab_stats not set"
-        calls = (res["fused_calls"], res["unfused_calls"])
-        expected = (ITERS, 0) if fused else (0, ITERS)
-        assert calls == expected, f"rank {rank}: (fused, unfused) calls {calls}, not {expected}"
+        built = {k: res["layout"][k] for k in expected_build}
+        assert built == expected_build == {k: base["layout"][k] for k in expected_build}
+        heads = rank in _last_stage(layout)
+        calls = (res["fused_calls"], res["fused_mtp_calls"], res["unfused_calls"])
+        expected = ((forwards, forwards if depths else 0, 0) if fused
+                    else (0, 0, (1 + depths) * forwards)) if heads else (0, 0, 0)
+        assert calls == expected, \
+            f"rank {rank}: (fused, fused MTP, unfused) calls {calls}, not {expected}"
+        assert res["stats_set"] == ([True] * forwards if heads else []), f"rank {rank}"
+        assert res["mtp_stats_set"] == ([depths or -1] * forwards if heads else [])
         for key in ("token_losses", "lm_loss", "grad_norm"):
-            gap = _relative_gap(res[key], base[key])
-            assert gap <= RTOL, f"rank {rank}: {key} off Megatron's by {gap:.2e} relative"
+            assert len(res[key]) == len(base[key]), f"rank {rank}: {key}"
+            if res[key]:
+                gap = _relative_gap(res[key], base[key])
+                assert gap <= RTOL, f"rank {rank}: {key} off Megatron's by {gap:.2e} relative"
+        if heads:
+            counts = res["mask_counts"]
+            assert counts == base["mask_counts"] and len(counts) == forwards
+            if "--uneven-loss-mask" in LAYOUTS[layout][0]:
+                assert len(set(counts[:micro])) == micro, f"mask counts {counts} not uneven"
+        assert len(res["mtp"]) == len(base["mtp"]) == (ITERS if depths else 0)
+        for ours, theirs in zip(res["mtp"], base["mtp"]):
+            assert ("correct_values" in theirs) == _logs_acceptance()
+            gap = _relative_gap(ours["loss_values"], theirs["loss_values"])
+            assert gap <= RTOL, f"rank {rank}: MTP loss off Megatron's by {gap:.2e} relative"
+            for key in ("correct_values", "total_values"):
+                assert ours.get(key) == theirs.get(key), f"rank {rank}: MTP {key}"

@@ -27,10 +27,13 @@ class Backend:
     tiles = False  # whether it takes chunks without z (it reads or computes the logits itself)
 
     def shard_stats(self, *, layout, entropy: bool, zsum: bool, temperature: float,
-                    batch_invariant: bool = False, blocks: bool = False) -> ChunkStats:
-        """The statistics of a chunk (``temperature`` is applied by the chunk's upcast here)."""
+                    batch_invariant: bool = False, blocks: bool = False,
+                    argmax: bool = False) -> ChunkStats:
+        """The statistics of a chunk (``temperature`` is applied by the chunk's upcast here);
+        ``argmax``: also the id of each row's first maximum (row ``_math.STAT_ARGMAX``)."""
         del temperature
-        return ShardStats(layout, entropy, zsum, batch_invariant=batch_invariant, blocks=blocks)
+        return ShardStats(layout, entropy, zsum, batch_invariant=batch_invariant, blocks=blocks,
+                          argmax=argmax)
 
     def stats_grad(self, grad: StatsGrad, temperature: float) -> ChunkGrad:
         """The gradient of a chunk for the core op's ``grad``."""
@@ -47,9 +50,11 @@ class TritonBackend(Backend):
     tiles = True
 
     def shard_stats(self, *, layout, entropy, zsum, temperature, batch_invariant=False,
-                    blocks=False):
+                    blocks=False, argmax=False):
         from ..kernels import triton_stats  # imports triton: only once the backend was chosen
 
+        if argmax:  # the ops refuse it first, naming the argument (fused_linear.return_argmax)
+            raise NotImplementedError("the Triton statistics have no argmax row")
         del batch_invariant
         return triton_stats.TritonShardStats(layout, entropy, zsum, temperature, blocks)
 

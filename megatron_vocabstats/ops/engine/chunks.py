@@ -95,7 +95,7 @@ def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool =
 
 
 def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_target: bool,
-                   device) -> torch.Tensor:
+                   device, argmax: bool = False) -> torch.Tensor:
     """Statistics of every chunk of ``chunks`` (:class:`~.kernel.Chunk` objects with z from
     :func:`logits_chunks` ``padded=True`` or alike), gathered over ``tp_group``, ready for
     :func:`~.._math.merge_stats` (with ``batch_invariant=bool(cfg.batch_invariant)``).
@@ -103,30 +103,31 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
     Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
     ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
     ``BLOCK`` columns per shard; a view of the gathered tensor, no copy: merge it with
-    :func:`merge_tokens_per_pass`). One all-gather (none for tp = 1). With label smoothing the
-    parts' smoothing rows are made relative to the merged maximum (``_math.rebase_zsum_``), in
-    passes of :func:`merge_tokens_per_pass` tokens.
+    :func:`merge_tokens_per_pass`). ``argmax``: one more row, ``_math.STAT_ARGMAX`` (each part's
+    first maximum, for ``_math.merge_first_max``). One all-gather (none for tp = 1). With label
+    smoothing the parts' smoothing rows are made relative to the merged maximum
+    (``_math.rebase_zsum_``), in passes of :func:`merge_tokens_per_pass` tokens.
     """
     zsum = has_target and cfg.label_smoothing > 0.0
     opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum,
-                temperature=cfg.temperature)
+                temperature=cfg.temperature, argmax=argmax)
+    rows = NUM_STATS + argmax
     kernels = backend_of(cfg)
     if cfg.batch_invariant == "tp":
         stats_of = kernels.shard_stats(**opts, blocks=True)
         blocks = padded_width(cfg.layout.width, True) // BLOCK
         # Block-major, so that the gathered [tp, nb, NUM_STATS, T] is [tp * nb, ...] as a view.
-        stats = torch.zeros((blocks, NUM_STATS, num_tokens), dtype=torch.float32, device=device)
+        stats = torch.zeros((blocks, rows, num_tokens), dtype=torch.float32, device=device)
         for chunk in chunks:
             stats_of(chunk, stats.permute(1, 2, 0)[:, chunk.rows])
         gathered = _comm.gather_stats(stats, tp_group)
-        gathered = gathered.view(gathered.shape[0] * blocks, NUM_STATS, num_tokens)
+        gathered = gathered.view(gathered.shape[0] * blocks, rows, num_tokens)
         part_width = BLOCK
     else:
         # Shards of unequal widths (vocab_start) send their real column count along, in one
         # more token column of the same all-gather: the smoothing merge needs every shard's.
         counted = zsum and not cfg.layout.even
-        stats = torch.zeros((NUM_STATS, num_tokens + counted), dtype=torch.float32,
-                            device=device)
+        stats = torch.zeros((rows, num_tokens + counted), dtype=torch.float32, device=device)
         stats_of = kernels.shard_stats(**opts, batch_invariant=bool(cfg.batch_invariant))
         for chunk in chunks:
             stats_of(chunk, stats[:, chunk.rows])

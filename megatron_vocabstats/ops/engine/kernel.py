@@ -77,17 +77,18 @@ class ChunkGrad(Protocol):
 @dataclass(frozen=True, slots=True)
 class ShardStats:
     """The core op's :class:`ChunkStats`: ``_math.chunk_stats`` (max, sum of exp, exp-weighted
-    logits, target logit, smoothing sum) or, with ``blocks``, ``_math.block_stats`` per block
-    of 128 columns."""
+    logits, target logit, smoothing sum; with ``argmax`` the id of the first maximum too) or,
+    with ``blocks``, ``_math.block_stats`` per block of 128 columns."""
 
     layout: ShardLayout
     entropy: bool
     zsum: bool
     batch_invariant: bool = False
     blocks: bool = False
+    argmax: bool = False
 
     def __call__(self, chunk: Chunk, out: torch.Tensor) -> None:
-        opts = dict(layout=self.layout, entropy=self.entropy, zsum=self.zsum)
+        opts = dict(layout=self.layout, entropy=self.entropy, zsum=self.zsum, argmax=self.argmax)
         if self.blocks:
             block_stats(chunk.z, chunk.scratch, chunk.index, chunk.owned, out, **opts)
         else:

@@ -58,7 +58,8 @@ class LinearStatsConfig:
 
     ``stats``: the core op's options (layout, chunk size, entropy mode, ...). ``grad_hidden`` /
     ``grad_weight``: which input gradients are produced. ``forward_grad``: gradients computed in
-    forward for the upstream gradient ``c * grad_weights`` (see ``grad_weights``).
+    forward for the upstream gradient ``c * grad_weights`` (see ``grad_weights``). ``argmax``:
+    also the global id of each row's largest logit (``return_argmax``).
     """
 
     stats: StatsConfig
@@ -67,6 +68,7 @@ class LinearStatsConfig:
     forward_grad: bool
     grad_hidden: bool
     grad_weight: bool
+    argmax: bool = False
 
 
 # Batch-invariant mode: the logits are computed INVARIANT_ROWS rows per matmul, from a copy of the

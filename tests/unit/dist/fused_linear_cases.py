@@ -387,6 +387,7 @@ def options_differing_across_ranks_raise_everywhere(group):
         ("grad_weights", lambda given: "tensor" if given else None,
          dict(grad_weights=torch.ones(target.shape) if first else None)),
         ("accumulate_into_main_grad", bool, dict(accumulate_into_main_grad=first)),
+        ("return_argmax", bool, dict(return_argmax=first)),
     ]
     for field, show, options in cases:
         h = options.pop("hidden", hidden).clone().requires_grad_()
@@ -402,6 +403,40 @@ def options_differing_across_ranks_raise_everywhere(group):
                                             chunk_size=4, entropy="off",
                                             grad_weights=torch.full(target.shape, 1.0 + first)),
         "grad_weights values differs across the ranks of tp_group")
+
+
+@CASES.register
+def return_argmax_is_torch_argmax_of_the_full_logits(group):
+    """``return_argmax``: the global id of each row's largest logit equals ``torch.argmax`` of
+    the full float64 logits (ties to the lowest id, padding beyond ``vocab_size`` never wins), on
+    every rank, for even shards, sequence parallelism and the per-block mode "tp". Hidden states
+    and weights are small integers, so every logit is an exact integer in any summation order
+    and ties across shards are many and exact; the logits' maxima are made to tie on purpose
+    (duplicated weight rows on both halves of the vocabulary)."""
+    rank, tp = rank_size(group)
+    gen = torch.Generator().manual_seed(5)
+    vocab, width, tokens = 128 * tp - 5, 128, (4 * tp, 3)
+    hidden = torch.randint(-2, 3, (*tokens, 8), generator=gen).float()
+    weight = torch.randint(-2, 3, (width * tp, 8), generator=gen).float()
+    weight[width * tp // 2:] = weight[: width * tp // 2]  # every logit appears on both halves
+    weight[vocab:] = 40.0  # padding rows: the largest logits, yet never the argmax
+    target = torch.randint(0, vocab, tokens, generator=gen)
+    expected = (hidden.double() @ weight[:vocab].double().T).argmax(dim=-1)
+    assert (expected < width * tp // 2).all()  # ties resolved to the lower copy
+    for options in (dict(), dict(sequence_parallel=True), dict(batch_invariant="tp")):
+        h = shard_rows(hidden, rank, tp) if options.get("sequence_parallel") else hidden
+        h = h.clone().requires_grad_()
+        st, argmax = linear_vocab_parallel_stats(
+            h, shard_rows(weight, rank, tp), target, tp_group=group, vocab_size=vocab,
+            chunk_size=5, kernel="torch", return_argmax=True, **options)
+        assert argmax.dtype == torch.int64 and not argmax.requires_grad
+        assert torch.equal(argmax, expected), f"{options}: argmax differs"
+        plain = linear_vocab_parallel_stats(h, shard_rows(weight, rank, tp), target,
+                                            tp_group=group, vocab_size=vocab, chunk_size=5,
+                                            kernel="torch", **options)
+        for a, b in zip(st, plain):  # the statistics are untouched by the extra row
+            assert a is None and b is None or torch.equal(a, b)
+        st.logprobs.sum().backward()
 
 
 @CASES.register

@@ -1,0 +1,154 @@
+"""The loss of Megatron's multi-token prediction (MTP) heads with the fused LM head.
+
+MTP (DeepSeek-V3, arXiv:2412.19437, section 2.2): depth d predicts token i + 1 + d from position
+i through its own transformer layer and the shared output head; the loss averages the depths'
+cross-entropies, scaled by a factor lambda.
+
+Megatron-core 0.17+ computes the MTP loss in ``process_mtp_loss`` (``transformer/
+multi_token_prediction.py``, imported by name into ``gpt_model`` and ``hybrid_model``): per depth
+d = 1..D it builds the depth's full ``[s, b, V/tp]`` logits with the output layer, rolls the
+labels and the loss mask one more token left, takes ``loss_mask * compute_language_model_loss``,
+logs the loss (0.19: and the acceptance counts, top-1 == label, read from those logits again) and
+attaches ``mtp_loss_scaling_factor / D`` times it to the main hidden states through
+``MTPLossAutoScaler`` (divided by the depth's token count, or rescaled to the main loss's count
+under ``calculate_per_token_loss``). :func:`make_process_mtp_loss` replaces it: with
+``lm_head_chunk_size > 0`` every depth's loss comes from its hidden states through the fused op,
+without logits, and the acceptance counts from the op's ``return_argmax`` (the vocab-parallel
+argmax, exact, nothing gathered); the rolling (Megatron's ``roll_tensor``: context parallelism
+and packed sequences included), masking, scaling, ``mtp_detach_heads``, MuP's logit scale and the
+logging are Megatron's, detected per release. Unfused, Megatron's own runs. Either way the
+per-depth statistics are kept as ``model.last_mtp_vocab_stats`` (a tuple of
+:class:`~megatron_vocabstats.VocabStats` ``[b, s]``, depth 1 first, each for its rolled labels).
+
+May import: :mod:`megatron_vocabstats.ops` (public modules), :mod:`.settings`, :mod:`.head`,
+:mod:`.model`, the standard library, torch and, lazily, megatron.core.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+
+import torch
+
+from ..ops.kernels import resolve_kernel
+from . import settings
+from .head import DeferredLogits, fused_or_report, not_fused_reasons
+from .model import LAST_MTP_STATS_ATTR, collect_mtp_stats, detached_bs, fused_stats, per_token_loss
+
+logger = logging.getLogger("megatron_vocabstats")
+_NOTED: set[str] = set()
+
+
+def make_process_mtp_loss(original):
+    """Replacement of Megatron's ``process_mtp_loss(hidden_states, labels, loss_mask,
+    output_layer, output_weight, runtime_gather_output, is_training, compute_language_model_loss,
+    config, cp_group=None, [tp_group=None,] packed_seq_params=None, scale_logits_fn=None,
+    [input_ids=None])``: the fused MTP loss (:func:`fused_mtp_loss`) when the plugin is on with
+    ``lm_head_chunk_size > 0`` and the output layer is one the fused head reproduces (else the
+    reason is reported once, or raised: :func:`.head.fused_or_report`); Megatron's own
+    otherwise, with the per-depth statistics collected when the plugin is on."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def process_mtp_loss(*args, **kwargs):
+        cfg = settings.current()
+        if not cfg.active:
+            return original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        arguments = call.arguments
+        module = getattr(arguments["compute_language_model_loss"], "__self__", None)
+        if cfg.lm_head_chunk_size > 0 and fused_or_report(
+                "the MTP heads", not_fused_reasons(arguments["output_layer"],
+                                                   arguments["config"]), cfg):
+            return fused_mtp_loss(module, cfg, **arguments)
+        return collect_mtp_stats(module, lambda: original(*args, **kwargs))
+
+    return process_mtp_loss
+
+
+def _acceptance_kernel(cfg: settings.PluginSettings, device) -> str | None:
+    """The backend of the MTP depths' statistics when the acceptance counts are wanted: the
+    settings' unless it resolves to one without the argmax row (then "torch", noted once)."""
+    if resolve_kernel(cfg.kernel, device) == "torch":
+        return None
+    if cfg.kernel not in _NOTED and int(os.environ.get("RANK", "0")) == 0:
+        logger.info("megatron-vocabstats: the MTP depths' statistics run on the torch kernels "
+                    "while Megatron logs acceptance counts (the argmax row is theirs only)")
+    _NOTED.add(cfg.kernel)
+    return "torch"
+
+
+def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, labels, loss_mask,
+                   output_layer, output_weight, is_training, config, cp_group=None,
+                   packed_seq_params=None, scale_logits_fn=None, input_ids=None, **_):
+    """Megatron's ``process_mtp_loss`` with each depth's loss from the fused head.
+
+    ``hidden_states``: ``[(1 + D) * s(/tp), b, h]``, the main decoder's then each depth's,
+    concatenated along dim 0; returns the main part with every depth's scaled loss attached
+    (``MTPLossAutoScaler``), as Megatron does. ``labels``/``loss_mask`` ``[b, s]`` (None: the
+    labels are derived from ``input_ids`` where the release does so, 0.19, else the main part is
+    returned alone; a mask of ones). ``scale_logits_fn`` (MuP) is applied to the deferred logits
+    (a logit scale). Logs each depth's loss and, on releases that log them, its acceptance
+    counts ``sum(argmax == label and mask)`` and ``sum(mask)`` (argmax from the op's
+    ``return_argmax``; the same as Megatron's from its logits up to ties between logits the
+    fused chunks round differently). The statistics go to ``module.last_mtp_vocab_stats``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    depths = config.mtp_num_layers
+    parts = torch.chunk(hidden_states, 1 + depths, dim=0)
+    hidden = parts[0]
+    roll = functools.partial(mtp.roll_tensor, shifts=-1, dims=-1, cp_group=cp_group,
+                             packed_seq_params=packed_seq_params)
+    from_ids = labels is None and input_ids is not None
+    if labels is None and not from_ids:
+        return hidden
+    if from_ids:  # label[i] = input_id[i + 1]; the last one is made up, so masked below
+        labels, _ = roll(input_ids)
+    weight = output_layer.weight if output_weight is None else output_weight
+    if getattr(config, "mtp_detach_heads", False):
+        weight = weight.detach()
+    mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+    if from_ids:
+        mask, _ = roll(mask)
+    main_tokens = mask.sum()
+    helper = mtp.MTPLossLoggingHelper
+    acceptance = is_training and hasattr(helper, "save_metrics_to_tracker")
+    kernel = _acceptance_kernel(cfg, hidden.device) if acceptance else None
+    scale = config.mtp_loss_scaling_factor / depths
+    per_depth = []
+    for depth in range(depths):
+        labels, _ = roll(labels)
+        mask, num_tokens = roll(mask)
+        logits = DeferredLogits(parts[depth + 1], weight, output_layer)
+        if scale_logits_fn is not None:
+            logits = scale_logits_fn(logits)
+        stats = fused_stats(logits, labels, cfg, argmax=acceptance, kernel=kernel)
+        stats, top1 = stats if acceptance else (stats, None)
+        per_depth.append(detached_bs(stats))
+        loss = mask * per_token_loss(stats, cfg).transpose(0, 1).contiguous()
+        if is_training:
+            logged = (loss.sum() * (num_tokens > 0).to(loss.dtype)) / num_tokens.clamp(min=1)
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if acceptance:
+                with torch.no_grad():
+                    valid = mask.bool()
+                    correct = ((top1.transpose(0, 1) == labels) & valid).sum().float()
+                helper.save_metrics_to_tracker(logged, correct, valid.sum().float(), depth,
+                                               depths, avg_group=group)
+            else:
+                helper.save_loss_to_tracker(logged, depth, depths, avg_group=group)
+        if config.calculate_per_token_loss:
+            # finalize_model_grads divides by the main loss's token count: rescale to it.
+            term = scale * loss * (main_tokens / num_tokens.clamp(min=1))
+        else:
+            term = scale * loss / num_tokens.clamp(min=1)
+        hidden = mtp.MTPLossAutoScaler.apply(hidden, term)
+    if module is not None:
+        setattr(module, LAST_MTP_STATS_ATTR, tuple(per_depth))
+    return hidden
