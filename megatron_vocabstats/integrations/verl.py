@@ -35,7 +35,6 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import os
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -197,7 +196,7 @@ def apply(**options) -> PluginSettings:
     except BaseException:
         remove()
         raise
-    if patched and int(os.environ.get("RANK", "0")) == 0:
+    if patched and verl_ops.rank0():
         logger.info("megatron-vocabstats: patched %s for verl %s", ", ".join(patched),
                     verl_version())
     return settings
@@ -207,7 +206,7 @@ def remove() -> list[str]:
     """Restore every original verl binding; returns the names restored."""
     restored = VERL_PATCHER.remove_all()
     verl_ops.reset()
-    if restored and int(os.environ.get("RANK", "0")) == 0:
+    if restored and verl_ops.rank0():
         logger.info("megatron-vocabstats: restored %s", ", ".join(restored))
     return restored
 

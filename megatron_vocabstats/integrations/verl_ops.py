@@ -103,11 +103,17 @@ def reset() -> None:
     _noted.clear()
 
 
+def rank0() -> bool:
+    """Whether this process is global rank 0 (``RANK``, as torchrun and Ray's verl workers set
+    it; no variable: a single process): the one that logs."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _note_once(name: str) -> None:
     if name in _noted:
         return
     _noted.add(name)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0():
         padding = ("" if _settings.vocab_size is None else
                    f"; vocab_size={_settings.vocab_size}: the padding columns get zero "
                    "probability (verl normalises over all W*tp columns)")
