@@ -5,10 +5,13 @@
 #   ensure_venv DIR PYVER REQFILE
 #
 # Creates the venv DIR with the pyenv interpreter for PYVER (e.g. 3.12) if it
-# is missing, then installs REQFILE and the project itself (editable, no deps)
-# -- but only when the stamp stored inside the venv does not match the current
-# inputs (hash of REQFILE and of pyproject.toml). A re-run with nothing changed
-# does no pip work at all.
+# is missing, then installs REQFILE, the packages of REQFILE's "-nodeps" twin
+# (requirements/py312.txt -> requirements/py312-nodeps.txt) if there is one,
+# with --no-deps (packages whose own dependency tree the tests do not need, e.g.
+# verl), and the project itself (editable, no deps) -- but only when the stamp
+# stored inside the venv does not match the current inputs (hash of REQFILE,
+# of its twin and of pyproject.toml). A re-run with nothing changed does no pip
+# work at all.
 
 _VS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _VS_STAMP_NAME=".megatron-vocabstats.stamp"
@@ -57,6 +60,7 @@ ensure_venv() {
     fi
     local dir="$1" pyver="$2" req="$3"
     local py="$dir/bin/python" stamp="$dir/$_VS_STAMP_NAME" want have="" base t0
+    local nodeps="${req%.txt}-nodeps.txt"
 
     if [[ ! -f "$req" ]]; then
         _vs_err "requirement file '$req' not found"
@@ -90,6 +94,7 @@ ensure_venv() {
     fi
 
     want="req=$(sha256sum <"$req" | cut -d' ' -f1) pyproject=$(sha256sum <"$_VS_ROOT/pyproject.toml" | cut -d' ' -f1)"
+    [[ -f "$nodeps" ]] && want+=" nodeps=$(sha256sum <"$nodeps" | cut -d' ' -f1)"
     [[ -f "$stamp" ]] && have="$(<"$stamp")"
     if [[ "$have" == "$want" ]]; then
         return 0
@@ -99,6 +104,9 @@ ensure_venv() {
     t0=$SECONDS
     rm -f -- "$stamp"
     _vs_pip "$py" install -q -r "$req"
+    if [[ -f "$nodeps" ]]; then
+        _vs_pip "$py" install -q --no-deps -r "$nodeps"
+    fi
     _vs_pip "$py" install -q --no-deps -e "$_VS_ROOT"
     echo "$want" >"$stamp"
     echo "ensure_venv: $dir ready ($((SECONDS - t0)) s)" >&2

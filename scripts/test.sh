@@ -3,7 +3,8 @@
 #
 #  0. lint:               .venv/bin/ruff check on the package, examples/ and benchmarks/
 #                         (rules in pyproject.toml [tool.ruff])
-#  1. primary run:        .venv       (Python 3.12, requirements/py312.txt), all of tests/unit
+#  1. primary run:        .venv       (Python 3.12, requirements/py312.txt, and
+#                         requirements/py312-nodeps.txt with --no-deps: verl), all of tests/unit
 #  2. compatibility run:  .venv-py311 (Python 3.11, requirements/py311.txt), tests/unit -m megatron
 #
 # Exit 0 only if ruff passes, the primary run passes (exit 5 = no tests

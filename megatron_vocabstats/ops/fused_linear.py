@@ -167,6 +167,7 @@ def linear_vocab_parallel_stats(
     entropy: str = "grad",
     grad_weights: torch.Tensor | None = None,
     accumulate_into_main_grad: bool = False,
+    partial_hidden_grad: bool = False,
     kernel: str = "auto",
     return_argmax: bool = False,
     **options: Unpack[StatsKwargs],
@@ -242,6 +243,12 @@ def linear_vocab_parallel_stats(
             ``weight.grad_added_to_main_grad = True`` and return a dummy gradient (zeros if
             ``weight.zero_out_wgrad``) if the weight has that attribute, else None. False: an
             ordinary gradient in the weight dtype.
+        partial_hidden_grad: return this rank's share ``G_r @ W_r`` of ``dX`` (``G_r`` the
+            logits gradient of its vocabulary shard), not summed over ``tp_group``, for a caller
+            whose own collective sums it: verl's ``linear_cross_entropy`` convention (its Megatron
+            forward gathers the sequence-parallel hidden states first, whose backward
+            reduce-scatters). Saves the all-reduce of ``dX``. Not with ``sequence_parallel``
+            (``ValueError``); the same on every rank. Default False: the full ``dX``.
         batch_invariant: as :func:`~megatron_vocabstats.vocab_parallel_stats` (``True`` or
             ``"tp"``), and the logits themselves are computed as matmuls of exactly 64 rows
             (``INVARIANT_ROWS``; on the Triton backend the kernel's fixed tiles do the same) from
@@ -288,7 +295,8 @@ def linear_vocab_parallel_stats(
     shards (one all-reduce, or one reduce-scatter under sequence parallelism, as
     ``ColumnParallelLinear``), plus under sequence parallelism the all-gather of ``hidden`` again
     (only the local shard is saved, as Megatron does). With ``grad_weights`` the ``dX`` reduction
-    happens in forward and backward has none (one tiny int64 all-gather with ``validate``).
+    happens in forward and backward has none (one tiny int64 all-gather with ``validate``);
+    with ``partial_hidden_grad`` there is no ``dX`` reduction at all.
 
     Memory beyond inputs and outputs: the chunk buffers (reused across calls through
     ``ops.workspace``), ``O(tp * T)`` fp32 vectors, the
@@ -315,6 +323,7 @@ def linear_vocab_parallel_stats(
     cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,
                                 sequence_parallel=sequence_parallel,
                                 accumulate_into_main_grad=accumulate_into_main_grad,
+                                partial_hidden_grad=partial_hidden_grad,
                                 entropy=entropy, kernel=kernel, argmax=return_argmax,
                                 **options)
     *stats, argmax = _LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,

@@ -2,7 +2,8 @@
 
 * :func:`lead_shape`: the (gathered) leading shape of the tokens of ``hidden``;
 * :func:`linear_problem`: the first problem with the fused op's own arguments (hidden, weight,
-  target shape, ``grad_weights``, ``sequence_parallel``, ``main_grad``), as an exception;
+  target shape, ``grad_weights``, ``sequence_parallel``, ``main_grad``,
+  ``partial_hidden_grad``), as an exception;
 * :func:`checked_linear_config`: the whole validation of one fused call, routing its problems
   and the cross-rank agreement through the core checks' one exchange
   (``_checks.checked_config``), giving a :class:`~.engine.LinearStatsConfig`.
@@ -33,7 +34,8 @@ def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:
 
 
 def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence_parallel,
-                   tp: int, entropy, accumulate_into_main_grad) -> ValueError | None:
+                   tp: int, entropy, accumulate_into_main_grad,
+                   partial_hidden_grad=False) -> ValueError | None:
     """The first problem with the arguments the core op's checks do not see, or None."""
     if not isinstance(hidden, torch.Tensor):
         return ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
@@ -82,6 +84,12 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
                               "entropy='off' or 'metric'")
     if not isinstance(sequence_parallel, bool):
         return ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if not isinstance(partial_hidden_grad, bool):
+        return ValueError(f"partial_hidden_grad must be a bool, got {partial_hidden_grad!r}")
+    if partial_hidden_grad and sequence_parallel:
+        return ValueError("partial_hidden_grad=True cannot be combined with sequence_parallel=True "
+                          "(the gather of hidden happens inside, so its reduce-scatter must "
+                          "too): gather the sequence yourself and pass it whole")
     if not isinstance(accumulate_into_main_grad, bool):
         return ValueError(f"accumulate_into_main_grad must be a bool, got "
                           f"{accumulate_into_main_grad!r}")
@@ -105,25 +113,27 @@ def first_device(*candidates) -> torch.device:
 
 def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                           sequence_parallel: bool = False,
-                          accumulate_into_main_grad: bool = False, chunk_size=None,
+                          accumulate_into_main_grad: bool = False,
+                          partial_hidden_grad: bool = False, chunk_size=None,
                           local_error: ValueError | None = None, agree: tuple = (),
                           argmax: bool = False, **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
     (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
 
     Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
-    agree on ``sequence_parallel``, whether ``grad_weights`` is given, and
-    ``accumulate_into_main_grad`` (they change the collectives or the gradients), then on the
-    caller's ``agree`` entries: all in the core op's one tiny all-gather. ``argmax``: the
-    ``return_argmax`` of ``linear_vocab_parallel_stats`` (a bool; not with ``grad_weights``;
-    agreed across the ranks: it widens the statistics' all-gather).
+    agree on ``sequence_parallel``, whether ``grad_weights`` is given,
+    ``accumulate_into_main_grad`` and ``partial_hidden_grad`` (they change the collectives or the
+    gradients), then on the caller's ``agree`` entries: all in the core op's one tiny all-gather.
+    ``argmax``: the ``return_argmax`` of ``linear_vocab_parallel_stats`` (a bool; not with
+    ``grad_weights``; agreed across the ranks: it widens the statistics' all-gather).
     """
     _, tp = _comm.group_rank_size(tp_group)
     lead = lead_shape(hidden, sequence_parallel, tp)
     problem = linear_problem(hidden, weight, target, grad_weights, lead_shape=lead,
                              sequence_parallel=sequence_parallel, tp=tp,
                              entropy=options["entropy"],
-                             accumulate_into_main_grad=accumulate_into_main_grad)
+                             accumulate_into_main_grad=accumulate_into_main_grad,
+                             partial_hidden_grad=partial_hidden_grad)
     if problem is None and local_error is not None:
         problem = local_error
     if problem is None:
@@ -142,6 +152,7 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
               lambda: -1 if grad_weights is None else tensor_checksum(grad_weights)),
              ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
              ("return_argmax", lambda: int(argmax is True), bool),
+             ("partial_hidden_grad", lambda: int(partial_hidden_grad is True), bool),
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
                            agree=agree, **options)
@@ -159,6 +170,7 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
         grad_hidden=grad_hidden,
         grad_weight=grad_weight,
         argmax=argmax,
+        partial_hidden_grad=partial_hidden_grad,
     )
 
 

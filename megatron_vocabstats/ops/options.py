@@ -139,11 +139,12 @@ class VocabStatsKwargs(StatsKwargs, total=False):
 class LinearHeadKwargs(TypedDict, total=False):
     """The fused LM head's own keywords (see
     :func:`~megatron_vocabstats.linear_vocab_parallel_stats`): ``sequence_parallel`` (bool,
-    ``hidden`` is this rank's sequence shard) and ``accumulate_into_main_grad`` (bool, dW added
-    into ``weight.main_grad``)."""
+    ``hidden`` is this rank's sequence shard), ``accumulate_into_main_grad`` (bool, dW added
+    into ``weight.main_grad``) and ``partial_hidden_grad`` (bool, dX left unsummed over tp)."""
 
     sequence_parallel: bool
     accumulate_into_main_grad: bool
+    partial_hidden_grad: bool
 
 
 class LinearStatsKwargs(VocabStatsKwargs, LinearHeadKwargs, total=False):

@@ -77,6 +77,9 @@ def test_no_import_cycle_between_subpackages():
     cycles = sorted((a, b) for a in graph for b in graph[a] if a in reachable(b))
     assert not cycles, (cycles, graph)
     assert "megatron" not in reachable("ops"), "the ops never import the Megatron integration"
+    importers = sorted(unit for unit in graph if unit != "integrations"
+                       and "integrations" in graph[unit])
+    assert not importers, f"{importers} import integrations/ (nothing in the package may)"
 
 
 @pytest.mark.parametrize("name", sorted(OP_MODULES))

@@ -59,7 +59,8 @@ class LinearStatsConfig:
     ``stats``: the core op's options (layout, chunk size, entropy mode, ...). ``grad_hidden`` /
     ``grad_weight``: which input gradients are produced. ``forward_grad``: gradients computed in
     forward for the upstream gradient ``c * grad_weights`` (see ``grad_weights``). ``argmax``:
-    also the global id of each row's largest logit (``return_argmax``).
+    also the global id of each row's largest logit (``return_argmax``). ``partial_hidden_grad``:
+    ``dX`` is left as this rank's share, not summed over the shards.
     """
 
     stats: StatsConfig
@@ -69,6 +70,7 @@ class LinearStatsConfig:
     grad_hidden: bool
     grad_weight: bool
     argmax: bool = False
+    partial_hidden_grad: bool = False
 
 
 # Batch-invariant mode: the logits are computed INVARIANT_ROWS rows per matmul, from a copy of the
@@ -217,7 +219,10 @@ def full_hidden(hidden, cfg: LinearStatsConfig, tp_group) -> torch.Tensor:
 
 def reduce_hidden_grad(dx2d, total_shape, cfg: LinearStatsConfig, tp_group):
     """Sum the per-shard ``dX`` over the vocabulary shards, as ``ColumnParallelLinear``'s backward:
-    one all-reduce, or under sequence parallelism one reduce-scatter to the local shard."""
+    one all-reduce, or under sequence parallelism one reduce-scatter to the local shard; with
+    ``cfg.partial_hidden_grad`` none (the caller sums the shares)."""
+    if cfg.partial_hidden_grad:
+        return dx2d.view(total_shape)
     if cfg.sequence_parallel:
         return _comm.reduce_scatter_sequence(dx2d.view(total_shape), tp_group)
     return _comm.all_reduce_sum_(dx2d, tp_group).view(total_shape)

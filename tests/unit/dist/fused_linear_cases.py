@@ -327,6 +327,51 @@ def ranks_agree_bitwise(group):
         assert all(torch.equal(table[0], x) for x in table), "ranks returned different values"
 
 
+@CASES.register
+def partial_hidden_grad_is_this_ranks_share(group):
+    """partial_hidden_grad=True (verl's convention): dX is this rank's share G_r @ W_r, with no
+    collective in backward; the shares sum to the full dX; values and dW as without it. With
+    sequence_parallel it is refused."""
+    rank, tp = rank_size(group)
+    hidden, weight, target = make_problem(tp)
+    gen = torch.Generator().manual_seed(1)
+    w_lp, w_h = torch.rand(target.shape, generator=gen) + 0.5, torch.randn(target.shape,
+                                                                          generator=gen)
+    ref = reference_linear(hidden, weight, target, dtype=torch.float32, w_lp=w_lp, w_h=w_h,
+                           vocab_size=101)
+    logits = (hidden.double() @ weight.double().T).requires_grad_()
+    lp, ent, _ = reference_stats(logits, target, vocab_size=101)
+    ((lp * w_lp).sum() + (ent * w_h).sum()).backward()
+    width = weight.shape[0] // tp
+    g = logits.grad.reshape(-1, weight.shape[0])[:, rank * width:(rank + 1) * width]
+    w_r = shard_rows(weight, rank, tp).double()
+    share, scale = (g @ w_r).view(hidden.shape), (g.abs() @ w_r.abs()).view(hidden.shape)
+
+    h = hidden.clone().requires_grad_()
+    w = shard_rows(weight, rank, tp).clone().requires_grad_()
+    st = linear_vocab_parallel_stats(h, w, target, tp_group=group, vocab_size=101, chunk_size=4,
+                                     partial_hidden_grad=True)
+    with _count_all() as bwd:
+        ((st.logprobs * w_lp).sum() + (st.entropy * w_h).sum()).backward()
+    assert bwd == [], f"backward made {bwd}"
+    tol = TOLERANCES[torch.float32]
+    assert_close(st.logprobs, ref["logprobs"], rtol=tol["value"], atol=tol["value"],
+                 what="logprobs")
+    assert_close(h.grad, share, rtol=tol["grad"], atol=tol["atol"], scale=scale,
+                 what="this rank's share of dX")
+    summed = h.grad.clone()
+    dist.all_reduce(summed, group=group)
+    assert_close(summed, ref["dx"], rtol=tol["grad"], atol=tol["atol"], scale=ref["dx_scale"],
+                 what="sum of the shares")
+    assert_close(w.grad, shard_rows(ref["dw"], rank, tp), rtol=tol["grad"], atol=tol["atol"],
+                 scale=shard_rows(ref["dw_scale"], rank, tp), what="weight gradient")
+    sp_hidden, sp_weight, sp_target = make_problem(tp, tokens=(3 * tp, 2))
+    expect_value_error(lambda: linear_vocab_parallel_stats(
+        shard_rows(sp_hidden, rank, tp), shard_rows(sp_weight, rank, tp), sp_target,
+        tp_group=group, vocab_size=101, sequence_parallel=True, partial_hidden_grad=True),
+        "partial_hidden_grad=True cannot be combined with sequence_parallel=True")
+
+
 def expect_value_error(fn, expected):
     """``fn()`` must raise a ``ValueError`` whose message contains ``expected``."""
     try:
@@ -372,9 +417,10 @@ def empty_hidden_dimension_raises_everywhere(group):
 
 @CASES.register
 def options_differing_across_ranks_raise_everywhere(group):
-    """``sequence_parallel``, ``grad_weights`` or ``accumulate_into_main_grad`` set on rank 0
-    only: every rank raises naming the field, with each rank's value (was: a failed or mismatched
-    collective on one rank and wrong gradients on the others)."""
+    """``sequence_parallel``, ``grad_weights``, ``accumulate_into_main_grad`` or
+    ``partial_hidden_grad`` set on rank 0 only: every rank raises naming the field, with each
+    rank's value (was: a failed or mismatched collective on one rank and wrong gradients on the
+    others)."""
     rank, tp = rank_size(group)
     if tp < 2:
         raise Skip("needs tp >= 2")
@@ -388,6 +434,7 @@ def options_differing_across_ranks_raise_everywhere(group):
          dict(grad_weights=torch.ones(target.shape) if first else None)),
         ("accumulate_into_main_grad", bool, dict(accumulate_into_main_grad=first)),
         ("return_argmax", bool, dict(return_argmax=first)),
+        ("partial_hidden_grad", bool, dict(partial_hidden_grad=first)),
     ]
     for field, show, options in cases:
         h = options.pop("hidden", hidden).clone().requires_grad_()

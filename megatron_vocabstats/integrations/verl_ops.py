@@ -1,0 +1,197 @@
+"""verl's vocab-parallel log-prob and entropy functions, computed by the ops: the replacements
+that :mod:`megatron_vocabstats.integrations.verl` binds in verl's modules.
+
+Each function takes the arguments of the verl function it replaces and returns what that one
+returns (sign, dtype, shape). The first call of each logs once (rank 0, logger
+``megatron_vocabstats``, WARNING) the conventions in which it differs. What verl 0.9 computes
+(read from the wheel verl-0.9.1: ``verl/utils/megatron/tensor_parallel.py``,
+``verl/utils/kernel/linear_cross_entropy.py`` and ``kernels.py``):
+
+- ``vocab_parallel_log_probs_from_logits(logits, labels)``: minus Megatron's
+  ``tensor_parallel.vocab_parallel_cross_entropy`` on Megatron's tensor-parallel group: fp32
+  ``log p(label)`` shaped like ``labels``, normalised over the W·tp columns of the shards;
+- ``vocab_parallel_entropy(vocab_parallel_logits)``: ``+H`` in nats, in the logits' dtype,
+  shaped like ``logits.shape[:-1]``;
+- ``vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048)``: the same in
+  fp32, ``chunk_size`` positions of dim 1 at a time;
+- ``linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+  dist_process_group=None)``: the LM head ``hidden @ weight.T`` (``weight`` this rank's shard
+  ``[W, H]``) times ``1 / temperature`` and its statistics in Triton kernels (CUDA only), fp32
+  ``(logprobs, entropy)`` over the flattened tokens (``logprobs`` summed or averaged with
+  ``reduction="sum" | "mean"``); its backward returns this rank's share of ``d_hidden``, which
+  the caller sums over tp (the backward of its sequence-parallel gather).
+
+May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.mcore`,
+:mod:`megatron_vocabstats.megatron.settings` (the options and their validation) and torch;
+never verl itself (it only receives verl's tensors).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import torch
+
+from ..mcore import default_tp_group
+from ..megatron.settings import PluginSettings
+from ..ops import linear_vocab_parallel_stats, vocab_parallel_stats
+from ..ops.options import check_choice
+
+logger = logging.getLogger("megatron_vocabstats")
+
+# The options apply() takes: fields of PluginSettings, with the same meaning and checks, except
+# that lm_head_chunk_size 0 means auto here (verl, not the plugin, decides whether to fuse).
+OPTIONS = ("vocab_size", "logprobs_chunk_size", "lm_head_chunk_size", "validate",
+           "batch_invariant", "kernel")
+REDUCTIONS = ("none", "sum", "mean")
+
+_LABELS = ("a label of -100 gives 0 and no gradient (verl: {theirs}); another label outside the "
+           "vocabulary raises ValueError (NaN with validate=False)")
+NOTES = {
+    "vocab_parallel_log_probs_from_logits": (
+        "runs on vocab_parallel_stats. Differences: " + _LABELS.format(
+            theirs="max - logsumexp, through Megatron's cross-entropy, with a gradient")
+        + "; the logits are never written (Megatron's overwrites fp32 logits with their "
+        "softmax)"),
+    "vocab_parallel_entropy": (
+        "runs on vocab_parallel_stats. Differences: computed from fp32 chunks and rounded once "
+        "to the logits' dtype (verl computes in that dtype); the backward never writes the "
+        "saved logits (verl's subtracts E_p[z] in place and adds it back, not exactly)"),
+    "vocab_parallel_entropy_with_chunking": (
+        "runs on vocab_parallel_stats. Differences: its chunk_size is not used (the op chunks by "
+        "logprobs_chunk_size, auto by default; the values do not depend on it); the backward "
+        "never writes the saved logits"),
+    "linear_cross_entropy": (
+        "runs on linear_vocab_parallel_stats. Differences: the logits hidden @ weight.T are "
+        "rounded once to the model dtype before the statistics, as Megatron's output layer "
+        "does (verl's kernel keeps them in fp32: with bf16 weights the log-probs differ by "
+        "about |logit| * 2^-8); " + _LABELS.format(theirs="-logsumexp")
+        + "; any hidden size and device (verl's kernel: CUDA, hidden size a multiple of 128)"),
+}
+
+_settings = PluginSettings(active=False)
+_noted: set[str] = set()
+
+
+def configured(**options) -> PluginSettings:
+    """``options`` (names in :data:`OPTIONS`) validated as ``PluginSettings`` fields; raises
+    ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of the verl integration; it takes "
+                         f"{list(OPTIONS)}")
+    return PluginSettings(active=True, **options)
+
+
+def configure(settings: PluginSettings) -> None:
+    """Make ``settings`` (from :func:`configured`) the options of every replacement."""
+    global _settings
+    _settings = settings
+
+
+def current() -> PluginSettings:
+    """The options in force (``active`` False while the integration is not applied)."""
+    return _settings
+
+
+def reset() -> None:
+    """Back to the defaults; the differences will be logged again at their next first call."""
+    global _settings
+    _settings = PluginSettings(active=False)
+    _noted.clear()
+
+
+def rank0() -> bool:
+    """Whether this process is global rank 0 (``RANK``, as torchrun and Ray's verl workers set
+    it; no variable: a single process): the one that logs."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _note_once(name: str) -> None:
+    if name in _noted:
+        return
+    _noted.add(name)
+    if rank0():
+        padding = ("" if _settings.vocab_size is None else
+                   f"; vocab_size={_settings.vocab_size}: the padding columns get zero "
+                   "probability (verl normalises over all W*tp columns)")
+        logger.warning("megatron-vocabstats (verl): %s %s%s.", name, NOTES[name], padding)
+
+
+def _unfused(entropy: str) -> dict:
+    options = replace(_settings.stats_options(), entropy=entropy)
+    return options.op_kwargs(tp_group=default_tp_group())
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """verl's ``vocab_parallel_log_probs_from_logits``: fp32 ``log p(labels)`` in nats, shaped
+    like ``labels`` (int64 global ids), from this rank's logits shard ``[..., W]`` on Megatron's
+    tensor-parallel group (none when ``parallel_state`` is not initialised). Method and errors:
+    :func:`~megatron_vocabstats.vocab_parallel_stats` (``ValueError`` naming the argument for bad
+    input)."""
+    _note_once("vocab_parallel_log_probs_from_logits")
+    return vocab_parallel_stats(logits, labels, **_unfused("off")).logprobs
+
+
+def entropy(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
+    """verl's ``vocab_parallel_entropy``: ``-sum p log p`` in nats of the shard ``[..., W]``,
+    shaped like its leading dims, in the logits' dtype (computed in fp32, rounded once),
+    differentiable. Group, method and errors as :func:`log_probs_from_logits`."""
+    _note_once("vocab_parallel_entropy")
+    stats = vocab_parallel_stats(vocab_parallel_logits, None, **_unfused("grad"))
+    return stats.entropy.to(vocab_parallel_logits.dtype)
+
+
+def entropy_with_chunking(vocab_parallel_logits: torch.Tensor,
+                          chunk_size: int = 2048) -> torch.Tensor:
+    """verl's ``vocab_parallel_entropy_with_chunking``: :func:`entropy` in fp32, whatever the
+    logits' dtype. ``chunk_size`` is accepted and not used: the op's chunking is
+    ``logprobs_chunk_size`` (the values do not depend on it)."""
+    del chunk_size
+    _note_once("vocab_parallel_entropy_with_chunking")
+    return vocab_parallel_stats(vocab_parallel_logits, None, **_unfused("grad")).entropy
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0, reduction: str = "none",
+                         dist_process_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``linear_cross_entropy`` (``LinearCrossEntropy.apply``) on
+    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`.
+
+    Args:
+        hidden: ``[..., H]`` bf16/fp16/fp32 hidden states, the whole sequence on every rank of
+            ``dist_process_group`` (verl gathers a sequence-parallel shard first); flattened to
+            ``[N, H]``.
+        weight: this rank's shard ``[W, H]`` of the output layer, dtype and device of ``hidden``.
+        labels: int64 global ids, ``N`` of them in any shape (flattened as verl does).
+        temperature: a real number > 0; the logits are divided by it.
+        reduction: ``"none"``, or ``"sum"`` / ``"mean"`` of the log-probs over the ``N`` tokens.
+        dist_process_group: the tensor-parallel group, None for no tensor parallelism.
+
+    Returns:
+        ``(logprobs, entropy)``, fp32: ``logprobs`` ``[N]`` (a 0-d tensor for "sum"/"mean"),
+        ``entropy`` ``[N]``, in nats. Backward: ``d_hidden`` is this rank's share (verl's
+        convention, ``partial_hidden_grad=True``), ``d_weight`` the gradient of the shard.
+
+    Raises:
+        ValueError: an unknown ``reduction``, and everything ``linear_vocab_parallel_stats``
+            raises (shapes, dtypes, label range with ``validate``), naming the argument.
+    """
+    check_choice("reduction", reduction, REDUCTIONS)
+    _note_once("linear_cross_entropy")
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+    if isinstance(labels, torch.Tensor):
+        labels = labels.reshape(-1)
+    options = replace(_settings.stats_options(fused=True), entropy="grad",
+                      chunk_size=_settings.lm_head_chunk_size or None, temperature=temperature)
+    stats = linear_vocab_parallel_stats(hidden, weight, labels, partial_hidden_grad=True,
+                                        **options.op_kwargs(tp_group=dist_process_group))
+    logprobs = stats.logprobs
+    if reduction == "sum":
+        logprobs = logprobs.sum()
+    elif reduction == "mean":
+        logprobs = logprobs.mean()
+    return logprobs, stats.entropy
