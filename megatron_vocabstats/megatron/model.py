@@ -3,8 +3,8 @@
 Each factory takes Megatron's original function and returns the replacement, which runs the
 original unchanged whenever the plugin is inactive (see :data:`.settings.SETTINGS`).
 
-May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`
-and torch.
+May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`,
+:mod:`.announce` and torch.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
-from . import settings
+from . import announce, settings
 from .compat import tp_group_of
 
 LAST_STATS_ATTR = "last_vocab_stats"
@@ -49,6 +49,7 @@ def make_compute_language_model_loss(original):
         cfg = settings.current()
         if not cfg.active:
             return original(self, labels, logits)
+        announce.once(self, cfg, fused=False, device=logits.device)
         stats = vocab_parallel_stats(
             logits,
             labels.transpose(0, 1).contiguous(),
@@ -85,6 +86,8 @@ def fused_language_model_loss(module, output_layer, output_weight, hidden_states
     from ..ops.fused_linear import linear_vocab_parallel_stats
 
     weight = output_weight if output_weight is not None else output_layer.weight
+    announce.once(module if module is not None else output_layer, cfg, fused=True,
+                  device=hidden_states.device)
     stats = linear_vocab_parallel_stats(
         hidden_states,
         weight,

@@ -70,7 +70,8 @@ def _needs_training_loop():
 
 @functools.cache
 def _launch(name: str) -> tuple[tuple[dict, ...] | None, str]:
-    """Launch configuration ``name`` once: its per-rank results, or None and why not."""
+    """Launch configuration ``name`` once: its per-rank results and the log of both ranks, or
+    None and why not."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={NPROC}", SCRIPT, "--out", out, *RUNS[name], *MEGATRON_FLAGS]
@@ -92,7 +93,7 @@ def _launch(name: str) -> tuple[tuple[dict, ...] | None, str]:
                               f"{r}:\n{log[-8000:]}")
             with open(path) as f:
                 ranks.append(json.load(f))
-    return tuple(ranks), ""
+    return tuple(ranks), log
 
 
 def run(name: str) -> tuple[dict, ...]:
@@ -148,3 +149,21 @@ def test_plugin_matches_megatron(name):
         for key in ("token_losses", "lm_loss", "grad_norm"):
             gap = _relative_gap(res[key], base[key])
             assert gap <= RTOL, f"rank {rank}: {key} off Megatron's by {gap:.2e} relative"
+
+
+def test_log_says_once_that_the_plugin_is_on():
+    """Megatron's log at its default level (INFO) shows one line from rank 0 saying the plugin is
+    on and how, on the first loss of the run, never again (3 iterations, 2 ranks); none without
+    the flag."""
+    _needs_training_loop()
+    for name, how in [("megatron", None), ("plugin_off", None),
+                      ("plugin", "on: unfused (chunk auto)"),
+                      ("fused", "on: fused LM head (chunk 16 tokens)")]:
+        run(name)
+        lines = [line for line in _launch(name)[1].splitlines()
+                 if "megatron-vocabstats" in line and " on: " in line]
+        if how is None:
+            assert not lines, f"{name}: {lines}"
+            continue
+        assert len(lines) == 1, f"{name}: {len(lines)} lines, not 1: {lines}"
+        assert how in lines[0] and "tp 2, cp 1, sequence parallel off" in lines[0], lines[0]
