@@ -9,7 +9,7 @@ forward+backward, and the collective calls in forward and in backward, for
 * ``full_gather`` / ``logprob+entropy``: all-gather the vocabulary, fp32 ``log_softmax``, gather
   the target, ``-(p * logp).sum()``, autograd backward;
 * with ``--batch-invariant``, also ``ours`` / ``logprob+entropy bi=batch`` and ``bi=tp``
-  (``batch_invariant=True`` and ``"tp"``: fixed-order block reductions; see the README).
+  (``batch_invariant=True`` and ``"tp"``: fixed-order block reductions; see docs/cuda-graphs.md).
 
 Run (from the repo root)::
 

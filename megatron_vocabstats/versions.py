@@ -53,8 +53,8 @@ SUPPORTED: tuple[Component, ...] = (
               "optional, only for `kernel=\"triton\"` (torch's CUDA wheels bring it); tested "
               "under its CPU interpreter and compiled offline for sm_90, not yet run on a GPU"),
     Component("CUDA capability", None, (), ">=8.0", None,
-              "for the Triton kernels (bf16 `tl.dot`); the torch path runs on any device torch "
-              "supports, CPU included"),
+              "for the Triton kernels (Triton's own minimum, Ampere; bf16 `tl.dot`); the torch "
+              "path runs on any device torch supports, CPU included"),
 )
 
 

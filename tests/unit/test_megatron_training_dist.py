@@ -28,8 +28,8 @@ NPROC, ITERS, MICRO_BATCH, SEQ = 2, 3, 2, 32
 RTOL = 1e-5
 TIMEOUT_S = 240  # per launch; a run takes ~15 s here
 
-# A tiny GPT on Megatron's mock data and null tokenizer, fp32, plus what a CPU run needs (README,
-# "Running Megatron's training loop on CPU").
+# A tiny GPT on Megatron's mock data and null tokenizer, fp32, plus what a CPU run needs
+# (docs/megatron.md, "Running Megatron's training loop on CPU").
 MEGATRON_FLAGS = [
     "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64",
     "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
@@ -38,7 +38,7 @@ MEGATRON_FLAGS = [
     "--vocab-size", "250", "--optimizer", "sgd", "--lr", "0.1", "--lr-decay-style", "constant",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1",
     "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
-    # CPU: what each is for is in README.md, "Running Megatron's training loop on CPU"
+    # CPU: what each is for is in docs/megatron.md, "Running Megatron's training loop on CPU"
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--clip-grad", "0", "--rerun-mode", "disabled",
