@@ -33,6 +33,8 @@ from . import compat, settings
 logger = logging.getLogger("megatron_vocabstats")
 
 _ANNOUNCED = False
+# PluginSettings.batch_invariant (False, True, "tp") in the flag's words.
+_BATCH_INVARIANT_WORD = {False: "off", True: "batch"}
 
 
 def _on_off(flag) -> str:
@@ -65,7 +67,7 @@ def describe(cfg: settings.PluginSettings, *, fused: bool | None = None,
              + (f" (coef {cfg.entropy_coef})" if cfg.entropy_coef else ""),
              f"kernel {kernel}", f"label smoothing {cfg.label_smoothing}",
              f"checks {_on_off(cfg.validate)}",
-             f"batch invariance {cfg.batch_invariant if cfg.batch_invariant else 'off'}"]
+             f"batch invariance {_BATCH_INVARIANT_WORD.get(cfg.batch_invariant, 'tp')}"]
     if cfg.vocab_size is not None:
         parts.append(f"vocab size {cfg.vocab_size}")
     return "on: " + ", ".join(parts)

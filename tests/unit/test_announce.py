@@ -80,6 +80,8 @@ def test_line_says_how(patch, caplog, monkeypatch):
         "on: fused LM head (chunk 64 tokens), entropy grad (coef 0.01), kernel torch, label "
         "smoothing 0.0, checks off, batch invariance tp")
     assert announce.describe(cfg, fused=False).startswith("on: unfused (chunk 32 tokens)")
+    batch = settings.PluginSettings(batch_invariant=True)
+    assert announce.describe(batch).endswith("batch invariance batch")
     assert announce.describe(settings.PluginSettings(active=False)).startswith("off")
     assert announce.layout(_module(sequence_parallel=True, context_parallel_size=2)) == \
         "tp 1, cp 2, sequence parallel on"
