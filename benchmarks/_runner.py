@@ -27,6 +27,9 @@ import torch.distributed as dist
 from megatron_vocabstats.profiling import count_collectives, peak_memory_bytes
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Where a run writes unless told otherwise: a new directory per run, never a committed table.
+OUTPUTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "outputs",
+                           "benchmarks")
 CSV_FIELDS = ("op", "provider", "mode", "metric", "unit", "tokens", "tp", "value", "config",
               "device", "version", "timestamp")
 
@@ -191,6 +194,39 @@ def append_csv(path: str, op: str, rows: list[Measurement], config: str) -> None
                                  "metric": metric, "unit": unit, "tokens": r.tokens, "tp": r.tp,
                                  "value": "" if value is None else value,
                                  "config": r.skipped or config, **env})
+
+
+def add_output_arguments(parser, name: str) -> None:
+    """``--out PREFIX`` and ``--results``: where the driver writes ``PREFIX.md`` / ``.csv``.
+
+    Default: ``outputs/benchmarks/<name>-<UTC time>/<name>``, a new directory per run. The
+    committed tables ``benchmarks/results/<name>.md`` / ``.csv`` are written only with
+    ``--results`` (the ``.md`` replaced, or appended to with ``--append``; the ``.csv`` appended).
+    """
+    parser.add_argument("--out", default=None, metavar="PREFIX",
+                        help="write PREFIX.md and append to PREFIX.csv (default: "
+                        f"outputs/benchmarks/{name}-<UTC time>/{name}, a new directory per run; "
+                        "an existing PREFIX.md is refused unless --append)")
+    parser.add_argument("--results", action="store_true",
+                        help=f"write the committed tables benchmarks/results/{name}.md/.csv")
+
+
+def output_prefix(parser, args, name: str) -> str:
+    """The driver's output prefix for :func:`add_output_arguments`' flags (checked here, before
+    anything runs: ``parser.error`` for ``--out`` with ``--results`` or an existing ``--out``
+    table without ``--append``)."""
+    append = getattr(args, "append", False)
+    if args.results:
+        if args.out:
+            parser.error("--out and --results name two places: give one")
+        return os.path.join(RESULTS_DIR, name)
+    if args.out:
+        if os.path.exists(args.out + ".md") and not append:
+            parser.error(f"--out {args.out}: {args.out}.md exists; give a new prefix"
+                         + (", or --append" if hasattr(args, "append") else ""))
+        return args.out
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    return os.path.join(OUTPUTS_DIR, f"{name}-{stamp}", name)
 
 
 def drive(script: str, tps: list[int], script_args: list[str], *, op: str, config: str,

@@ -24,9 +24,11 @@ Run (from the repo root)::
         --sweep-chunk 32 64 128 256 512      # fused only, one row per chunk size
 
 The driver launches one torchrun job per tp size, prints a markdown table (time and peak ratios
-against ``megatron_pair`` in the same run, workspace slope in bytes per token across the T
-values), writes it to ``benchmarks/results/fused_linear.md`` and appends the rows to
-``fused_linear.csv``. Timings on a shared machine are noisy: compare ratios within one run.
+against ``megatron_pair`` in the same run, workspace slope in bytes per token across the T values)
+and writes it (``.md``) and its rows (``.csv``) to a new directory per run,
+``outputs/benchmarks/fused_linear-<UTC time>/`` (``--out PREFIX`` to choose; with ``--results`` the
+committed ``benchmarks/results/fused_linear.md`` is replaced and ``fused_linear.csv`` appended to).
+Timings on a shared machine are noisy: compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runner import (
-    RESULTS_DIR,
     Measurement,
+    add_output_arguments,
     available_bytes,
     device,
     drive,
     init_worker,
     is_worker,
     measure,
+    output_prefix,
     write_worker_rows,
 )
 from bench_vocab_parallel import megatron_ce
@@ -321,7 +324,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations before them")
     parser.add_argument("--memory-fraction", type=float, default=0.6,
                         help="skip a configuration estimated above this share of free memory")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "fused_linear"))
+    add_output_arguments(parser, "fused_linear")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hidden is None:
@@ -329,6 +332,7 @@ def main() -> None:
     if is_worker():
         worker(args)
         return
+    args.out = output_prefix(parser, args, "fused_linear")
     script_args = sys.argv[1:]
     if "--hidden" not in script_args:
         script_args += ["--hidden", *map(str, args.hidden)]

@@ -33,9 +33,9 @@ Run (from the repo root); what the results file holds was made by (about 9 and 4
 shared 2-core CPU; ours makes 14 passes over the shard in forward, the fused path one chunk GEMM
 per pass)::
 
-    python benchmarks/bench_sampling.py --tokens 1024 --tp 2 --warmup 0
+    python benchmarks/bench_sampling.py --tokens 1024 --tp 2 --warmup 0 --results
     python benchmarks/bench_sampling.py --tokens 1024 --tp 1 --warmup 0 --providers gather ours \
-        --append
+        --append --results
 
 and the full comparison (T = 4096 costs about 4x as much per provider; the gather path there
 needs ~14.5 GiB per rank at tp = 2 by the estimate, 12.8 GiB scaling the T = 1024
@@ -43,9 +43,11 @@ measurement, and is skipped on a 24 GiB machine)::
 
     python benchmarks/bench_sampling.py --tokens 1024 4096 --tp 2 1
 
-The driver launches one torchrun job per tp size, prints a markdown table, writes it to
-``benchmarks/results/sampling.md`` and appends the rows to ``sampling.csv``. A provider whose
-estimated peak does not fit this machine is skipped and marked so.
+The driver launches one torchrun job per tp size, prints a markdown table and writes it (``.md``)
+and its rows (``.csv``) to a new directory per run, ``outputs/benchmarks/sampling-<UTC time>/``
+(``--out PREFIX`` to choose; with ``--results`` the committed ``benchmarks/results/sampling.md`` is
+replaced and ``sampling.csv`` appended to); the commands above also took ``--results``. A provider
+whose estimated peak does not fit this machine is skipped and marked so.
 """
 
 from __future__ import annotations
@@ -60,14 +62,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runner import (
-    RESULTS_DIR,
     Measurement,
+    add_output_arguments,
     available_bytes,
     device,
     drive,
     init_worker,
     is_worker,
     measure,
+    output_prefix,
     write_worker_rows,
 )
 from megatron_vocabstats import (
@@ -352,12 +355,13 @@ def main() -> None:
     parser.add_argument("--memory-cap", type=float, default=18.0,
                         help="... or above this many GiB over all ranks")
     parser.add_argument("--append", action="store_true", help="append to the markdown file")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "sampling"))
+    add_output_arguments(parser, "sampling")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if is_worker():
         worker(args)
         return
+    args.out = output_prefix(parser, args, "sampling")
     drive(os.path.abspath(__file__), args.tp, sys.argv[1:], op="sampling_logprobs",
           config=(f"V={args.vocab} H={args.hidden} bf16 temperature={args.temperature} "
                   f"top_k={args.top_k} top_p={args.top_p} min_p={args.min_p} "

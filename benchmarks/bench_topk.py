@@ -13,15 +13,17 @@ precomputed teacher top-k (K ids and log-probs per token, an input of every prov
 
 Run (from the repo root); what the results file holds was made by::
 
-    python benchmarks/bench_topk.py --tokens 2048 --providers naive unfused fused
-    python benchmarks/bench_topk.py --tokens 8192 --providers fused --append
+    python benchmarks/bench_topk.py --tokens 2048 --providers naive unfused fused --results
+    python benchmarks/bench_topk.py --tokens 8192 --providers fused --append --results
 
 and the full comparison (the naive path at T = 8192 needs ~15 GiB)::
 
     python benchmarks/bench_topk.py --tokens 2048 8192
 
-The driver launches one torchrun job per tp size, prints a markdown table, writes it to
-``benchmarks/results/topk.md`` and appends the rows to ``topk.csv``.
+The driver launches one torchrun job per tp size, prints a markdown table and writes it (``.md``)
+and its rows (``.csv``) to a new directory per run, ``outputs/benchmarks/topk-<UTC time>/``
+(``--out PREFIX`` to choose; with ``--results`` the committed ``benchmarks/results/topk.md`` is
+replaced and ``topk.csv`` appended to).
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runner import (
-    RESULTS_DIR,
     Measurement,
+    add_output_arguments,
     device,
     drive,
     init_worker,
     is_worker,
     measure,
+    output_prefix,
     write_worker_rows,
 )
 from megatron_vocabstats import (
@@ -181,12 +184,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the fused path")
     parser.add_argument("--iters", type=int, default=1, help="timed iterations (after 1 warm-up)")
     parser.add_argument("--append", action="store_true", help="append to the markdown file")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "topk"))
+    add_output_arguments(parser, "topk")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if is_worker():
         worker(args)
         return
+    args.out = output_prefix(parser, args, "topk")
     drive(os.path.abspath(__file__), args.tp, sys.argv[1:], op="distillation_loss",
           config=f"V={args.vocab} K={args.k} H={args.hidden} bf16 iters={args.iters}",
           table=table, out=args.out, note="one thread per rank", append_md=args.append)

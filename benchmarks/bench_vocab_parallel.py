@@ -9,14 +9,16 @@ forward+backward, and the collective calls in forward and in backward, for
 * ``full_gather`` / ``logprob+entropy``: all-gather the vocabulary, fp32 ``log_softmax``, gather
   the target, ``-(p * logp).sum()``, autograd backward;
 * with ``--batch-invariant``, also ``ours`` / ``logprob+entropy bi=batch`` and ``bi=tp``
-  (``batch_invariant=True`` and ``"tp"``: fixed-order block reductions; see the README).
+  (``batch_invariant=True`` and ``"tp"``: fixed-order block reductions; see docs/cuda-graphs.md).
 
 Run (from the repo root)::
 
     python benchmarks/bench_vocab_parallel.py --tokens 1024 4096 16384 --tp 1 2 4
 
-The driver launches one torchrun job per tp size, prints a markdown table, writes it to
-``benchmarks/results/vocab_parallel.md`` and appends the rows to ``vocab_parallel.csv``. A
+The driver launches one torchrun job per tp size, prints a markdown table and writes it (``.md``)
+and its rows (``.csv``) to a new directory per run, ``outputs/benchmarks/vocab_parallel-<UTC
+time>/`` (``--out PREFIX`` to choose; with ``--results`` the committed
+``benchmarks/results/vocab_parallel.md`` is replaced and ``vocab_parallel.csv`` appended to). A
 configuration whose estimated memory does not fit on this machine is skipped and marked so.
 """
 
@@ -32,14 +34,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runner import (
-    RESULTS_DIR,
     Measurement,
+    add_output_arguments,
     available_bytes,
     device,
     drive,
     init_worker,
     is_worker,
     measure,
+    output_prefix,
     write_worker_rows,
 )
 from megatron_vocabstats import vocab_parallel_stats
@@ -257,12 +260,13 @@ def main() -> None:
                         help="also run ours with batch_invariant=True and 'tp'")
     parser.add_argument("--memory-fraction", type=float, default=0.7,
                         help="skip a configuration estimated above this share of free memory")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "vocab_parallel"))
+    add_output_arguments(parser, "vocab_parallel")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if is_worker():
         worker(args)
         return
+    args.out = output_prefix(parser, args, "vocab_parallel")
     drive(os.path.abspath(__file__), args.tp, sys.argv[1:], op="vocab_parallel_stats",
           config=f"V={args.vocab} chunk={args.chunk or 'auto'} bf16 iters={args.iters}",
           table=table, out=args.out, note="glibc malloc defaults, one thread per rank")

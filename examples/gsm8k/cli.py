@@ -62,24 +62,28 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
     from .data import DEFAULT_DATA_DIR
 
-    g = parser.add_argument_group("model and parallelism")
-    g.add_argument("--tp", type=POSITIVE, default=2, help="tensor-parallel size")
+    g = parser.add_argument_group(
+        "model and parallelism", "With --load, the model flags not given (marked *) are the "
+        "checkpoint's (its meta.json); otherwise their defaults.")
+    g.add_argument("--tp", type=POSITIVE, default=None, help="* tensor-parallel size (default 2)")
     g.add_argument("--cp", type=POSITIVE, default=1,
                    help="context-parallel size (needs CUDA + transformer-engine)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism (needs transformer-engine or apex norms)")
-    g.add_argument("--num-layers", type=POSITIVE, default=4, help="transformer layers")
-    g.add_argument("--hidden-size", type=POSITIVE, default=512, help="model width")
-    g.add_argument("--num-attention-heads", type=POSITIVE, default=8,
-                   help="attention heads (a multiple of --tp)")
-    g.add_argument("--ffn-hidden-size", type=NON_NEGATIVE, default=0, help="0 = 4 x hidden")
+    g.add_argument("--num-layers", type=POSITIVE, default=None,
+                   help="* transformer layers (default 4)")
+    g.add_argument("--hidden-size", type=POSITIVE, default=None, help="* model width (default 512)")
+    g.add_argument("--num-attention-heads", type=POSITIVE, default=None,
+                   help="* attention heads, a multiple of --tp (default 8)")
+    g.add_argument("--ffn-hidden-size", type=NON_NEGATIVE, default=None,
+                   help="* MLP width; 0 = 4 x hidden (default 0)")
     g.add_argument("--seq-length", type=POSITIVE, default=1024,
                    help="tokens per packed row (one microbatch)")
-    g.add_argument("--position-embedding", choices=("learned_absolute", "rope"),
-                   default="learned_absolute",
-                   help="rope needs CUDA (Megatron builds its frequencies there)")
-    g.add_argument("--tie-embeddings", action="store_true",
-                   help="share the input embedding and the LM head weight")
+    g.add_argument("--position-embedding", choices=("learned_absolute", "rope"), default=None,
+                   help="* learned_absolute (default) or rope (needs CUDA: Megatron builds its "
+                        "frequencies there)")
+    g.add_argument("--tie-embeddings", action="store_true", default=None,
+                   help="* share the input embedding and the LM head weight")
     g.add_argument("--dropout", type=FloatIn(0.0, 1.0, open_high=True), default=0.0,
                    help="hidden and attention dropout (0 keeps the comparison exact)")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
@@ -114,6 +118,30 @@ def _training(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-examples", type=NON_NEGATIVE, default=0, help="0 = all")
     g.add_argument("--repeat-batch", action="store_true",
                    help="train on the first step's rows every step (a check that loss falls)")
+
+
+# The model flags (default None on the command line): parse_args fills those not given from the
+# --load checkpoint's meta.json, else from these defaults.
+MODEL_DEFAULTS = {"tp": 2, "num_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+                  "ffn_hidden_size": 0, "position_embedding": "learned_absolute",
+                  "tie_embeddings": False}
+
+
+def _model_flags(args) -> None:
+    """Fill the model flags not given: from ``--load``'s checkpoint when it records them, else
+    :data:`MODEL_DEFAULTS`; ``args.model_flags_from_load`` lists the flags taken from it."""
+    from .model import saved_shape
+
+    saved = saved_shape(args.load) if args.load else {}
+    args.model_flags_from_load = []
+    for name, default in MODEL_DEFAULTS.items():
+        if getattr(args, name) is not None:
+            continue
+        if name in saved:
+            setattr(args, name, saved[name])
+            args.model_flags_from_load.append("--" + name.replace("_", "-"))
+        else:
+            setattr(args, name, default)
 
 
 # Mode-specific flags: (flag, type, default, help).
@@ -226,6 +254,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from megatron_vocabstats.megatron.arguments import config_hook
 
     args = build_parser().parse_args(argv)
+    _model_flags(args)
     config_hook(args)
     if args.bf16 and not _cuda():
         raise ValueError("--bf16 needs CUDA (Megatron's schedule autocasts on 'cuda'); drop it "
@@ -453,16 +482,47 @@ def setup(args) -> Setup:
     return Setup(args, inputs, shape, alignment, model_lib.thd_attention_available(), par, gpt)
 
 
-def _describe(run: Setup) -> str:
-    from megatron_vocabstats.megatron import settings
+def mode_settings(args, device) -> str:
+    """What the mode computes its statistics and loss with, in one line (printed at the start)."""
+    from megatron_vocabstats.megatron import announce, settings
 
-    shape, par = run.shape, run.par
+    used_for = {"sft": "training, evaluation", "distill": "teacher training, evaluation"}
+    labels = (f"labels path ({used_for.get(args.mode)}): plugin "
+              + announce.describe(settings.current(), device=device))
+    if args.mode == "sft":
+        chunk = args.lm_head_chunk_size or args.compare_chunk
+        return (f"settings: {labels}; comparison: Megatron's loss, the plugin unfused and fused "
+                f"(chunk {chunk}), fp32 and bf16 logits")
+    if args.mode == "score":
+        return ("settings: score_tokens on the logits (vocab_parallel_stats, entropy metric, "
+                "the tokenizer's vocabulary), forward only")
+    if args.mode == "grpo":
+        rollouts = "stand-in answers" if args.rollouts == "standin" else (
+            f"sampled (temperature {args.sample_temperature}, top-p {args.sample_top_p}, "
+            f"{args.sample_dtype} softmax, at most {args.max_new_tokens} new tokens), replayed "
+            f"by vocab_parallel_sampling_logprobs")
+        correction = settings.current().rollout_correction()
+        return (f"settings: policy_loss (clip {args.clip_eps}, entropy coef {args.entropy_coef}, "
+                "token mean) on log-probs from the logits (vocab_parallel_stats, entropy "
+                f"{'grad' if args.entropy_coef else 'metric'}); rollouts: {rollouts}; rollout "
+                f"correction: {correction or 'none'}")
+    return (f"settings: distillation_loss ({args.divergence}, top-{args.topk}"
+            f"{', tail bucket' if args.tail_bucket else ''}, temperature "
+            f"{args.distill_temperature}) on the student's logits; teacher top-k "
+            f"{args.teacher_topk}; {labels}")
+
+
+def _describe(run: Setup) -> str:
+    shape, par, args = run.shape, run.par, run.args
     n = sum(p.numel() for p in run.model.parameters())
-    return (f"GPTModel: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+    text = (f"GPTModel: {shape.num_layers} layers, hidden {shape.hidden_size}, "
             f"{shape.num_attention_heads} heads, vocab {shape.vocab_size} (padded "
             f"{shape.padded_vocab_size}); {n / 1e6:.1f}M parameters per rank; tp {par.tp} "
             f"cp {par.cp} dp {par.dp} on {par.device.type} "
-            f"({'nccl' if par.device.type == 'cuda' else 'gloo'}); plugin {settings.current()}")
+            f"({'nccl' if par.device.type == 'cuda' else 'gloo'})")
+    if getattr(args, "model_flags_from_load", None):
+        text += f"\nmodel flags from --load {args.load}: {' '.join(args.model_flags_from_load)}"
+    return f"{text}\n{mode_settings(args, par.device)}"
 
 
 def _run(args) -> int:

@@ -288,8 +288,8 @@ def _shard_name(tp_rank: int) -> str:
     return f"model_tp_rank{tp_rank:02d}.pt"
 
 
-def check_checkpoint(path: str, shape: ModelShape) -> None:
-    """Raise ``ValueError`` unless ``path`` holds a checkpoint saved with ``shape``."""
+def _read_meta(path: str) -> dict:
+    """The sizes a checkpoint directory records; ``ValueError`` naming --load if unreadable."""
     meta_path = os.path.join(path, CHECKPOINT_META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"--load: {path} is not a checkpoint of this example ({CHECKPOINT_META} "
@@ -303,6 +303,26 @@ def check_checkpoint(path: str, shape: ModelShape) -> None:
     if not isinstance(saved, dict):
         raise ValueError(f"--load: {meta_path} must hold a JSON object, got "
                          f"{type(saved).__name__}")
+    return saved
+
+
+def saved_shape(path: str) -> dict:
+    """The model flags a checkpoint records (``tp``, ``num_layers``, ...; ``ffn_hidden_size``
+    as built), ``{}`` if it records none readable (:func:`check_checkpoint` then says why)."""
+    try:
+        saved = _read_meta(path)
+    except ValueError:
+        return {}
+    kinds = {"tp": int, "num_layers": int, "hidden_size": int, "num_attention_heads": int,
+             "ffn_hidden_size": int, "position_embedding": str, "tie_embeddings": bool}
+    # A value of another type is left to the flag's default (check_checkpoint names it).
+    return {k: saved[k] for k, kind in kinds.items() if k in saved
+            and type(saved[k]) is kind}
+
+
+def check_checkpoint(path: str, shape: ModelShape) -> None:
+    """Raise ``ValueError`` unless ``path`` holds a checkpoint saved with ``shape``."""
+    saved = _read_meta(path)
     differ = {k: (v, saved.get(k)) for k, v in asdict(shape).items()
               if k != "seq_length" and saved.get(k) != v}
     if differ:

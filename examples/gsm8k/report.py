@@ -152,6 +152,20 @@ def mib(n: float) -> str:
     return f"{n / MIB:.1f} MiB"
 
 
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def peak_series(comparison: Mapping) -> list[tuple[str, str]]:
+    """``(label, key)`` of each peak-memory measurement of an SFT comparison's legs: the model's
+    own logits dtype (``peak_bytes_per_rank``) and bf16 logits (``peak_bytes_per_rank_bf16``),
+    e.g. ``[("fp32 logits", "peak_bytes_per_rank"), ("bf16 logits", ...)]``."""
+    own = comparison.get("logits_dtype", "float32")
+    series = [(f"{SHORT_DTYPE.get(own, own)} logits", "peak_bytes_per_rank")]
+    if own != "bfloat16" and "peak_bytes_per_rank_bf16" in comparison["legs"][0]:
+        series.append(("bf16 logits", "peak_bytes_per_rank_bf16"))
+    return series
+
+
 def _matplotlib():
     import logging
 
@@ -182,15 +196,18 @@ def sft_figure(result: Mapping) -> Callable:
         ax_loss.legend()
         legs = result["comparison"]["legs"]
         ranks = len(legs[0]["peak_bytes_per_rank"])
-        width = 0.8 / ranks
-        for r in range(ranks):
-            xs = [i + (r - (ranks - 1) / 2) * width for i in range(len(legs))]
-            ax_mem.bar(xs, [leg["peak_bytes_per_rank"][r] / MIB for leg in legs], width,
-                       label=f"rank {r}")
+        bars = [(label, key, r) for label, key in peak_series(result["comparison"])
+                for r in range(ranks)]
+        width = 0.8 / len(bars)
+        for j, (label, key, r) in enumerate(bars):
+            xs = [i + (j - (len(bars) - 1) / 2) * width for i in range(len(legs))]
+            drawn = ax_mem.bar(xs, [leg[key][r] / MIB for leg in legs], width,
+                               label=f"{label}, rank {r}", color=f"C{j}")
+            ax_mem.bar_label(drawn, fmt="%.0f", fontsize=7)
         ax_mem.set_xticks(range(len(legs)), [leg["name"] for leg in legs])
         ax_mem.set_ylabel("MiB")
         ax_mem.set_title("peak memory of the LM head + loss (forward + backward)")
-        ax_mem.legend()
+        ax_mem.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(f, format="png", dpi=110)
         plt.close(fig)

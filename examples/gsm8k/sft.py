@@ -138,8 +138,10 @@ def summary(result: dict) -> str:
                                                    for leg in legs],
             ["max rel. grad diff vs megatron"] + [f"{leg['max_rel_grad_diff']:.2e}"
                                                   for leg in legs]]
-    rows += [[f"peak LM head+loss, rank {r}"] + [report.mib(leg["peak_bytes_per_rank"][r])
-                                                   for leg in legs] for r in range(ranks)]
+    for label, key in report.peak_series(cmp):
+        rows += [[f"peak LM head+loss, {label}, rank {r}"] + [report.mib(leg[key][r])
+                                                               for leg in legs]
+                 for r in range(ranks)]
     rows.append(["step time fwd+bwd (s)"] + [f"{leg['step_seconds']:.2f}" for leg in legs])
     verdict = "ok" if cmp["ok"] else "FAILED"
     text = report.table(["same batches"] + [leg["name"] for leg in legs], rows,

@@ -160,7 +160,8 @@ def _lm_head_weight(model):
     return model.output_layer, None
 
 
-def region_peak_bytes(model, hidden: torch.Tensor, batch: Batch, par: Parallel) -> int:
+def region_peak_bytes(model, hidden: torch.Tensor, batch: Batch, par: Parallel,
+                      dtype: torch.dtype | None = None) -> int:
     """Peak memory of the LM head + loss, forward and backward, from the final hidden states.
 
     Runs exactly what the patched ``GPTModel`` runs after its decoder
@@ -170,11 +171,19 @@ def region_peak_bytes(model, hidden: torch.Tensor, batch: Batch, par: Parallel) 
     of the LM-head weight and of the hidden states count; the weight and the hidden states
     themselves do not. CPU: ``MemTracker`` (the weight and hidden states registered, then
     subtracted); CUDA: ``max_memory_allocated`` minus the memory allocated before.
+
+    ``dtype`` (e.g. ``torch.bfloat16``, what users train in): the hidden states and a copy of
+    the LM-head weight in that dtype, so the logits are in it too; None = the model's own.
     """
     from megatron_vocabstats.megatron.model import fused_output_processor
 
     module, output_weight = _lm_head_weight(model)
     leaf = hidden.detach().clone().requires_grad_()
+    if dtype is not None and dtype != hidden.dtype:
+        weight = output_weight if output_weight is not None else model.output_layer.weight
+        leaf = hidden.detach().to(dtype).requires_grad_()
+        output_weight = weight.detach().to(dtype).requires_grad_()
+        module = output_weight  # the region's input instead of the model's weight
 
     def region():
         out = fused_output_processor(
@@ -188,8 +197,8 @@ def region_peak_bytes(model, hidden: torch.Tensor, batch: Batch, par: Parallel) 
         before = torch.cuda.memory_allocated(par.device)
         peak = peak_memory_bytes(region, device=par.device) - before
     else:
-        inputs = leaf.numel() * leaf.element_size() + sum(
-            p.numel() * p.element_size() for p in module.parameters())
+        params = [module] if isinstance(module, torch.Tensor) else list(module.parameters())
+        inputs = sum(t.numel() * t.element_size() for t in [leaf, *params])
         peak = peak_memory_bytes(region, module, leaf, device=par.device) - inputs
     model.zero_grad(set_to_none=True)
     return peak
@@ -224,7 +233,8 @@ def compare_loss_paths(model, batches: Sequence[Batch], par: Parallel, *, seq_le
     (:func:`region_peak_bytes`). Gradients are cleared afterwards; the model is not updated.
 
     Returns a dict with ``legs`` (name, mean loss, max per-token |difference|, max relative
-    gradient difference, step seconds, peak bytes per rank), ``tolerance`` and ``ok``.
+    gradient difference, step seconds, peak bytes per rank with the model's logits and with bf16
+    logits), ``logits_dtype`` (the model's), ``tolerance`` and ``ok``.
     """
     sharded = [shard_batch(b, par) for b in batches]
     reference, legs = None, []
@@ -245,6 +255,10 @@ def compare_loss_paths(model, batches: Sequence[Batch], par: Parallel, *, seq_le
             losses = torch.cat(sink, dim=-1)[mask].double()
             grads = _grads(model)
             peak = region_peak_bytes(model, hidden[0], sharded[0], par)
+            # What users train in: the same region with bf16 logits (on CPU the example is fp32,
+            # where Megatron's loss works in place; with bf16 it first makes an fp32 copy).
+            peak_bf16 = region_peak_bytes(model, hidden[0], sharded[0], par,
+                                          dtype=torch.bfloat16)
         if reference is None:
             reference = (losses, grads)
         diff = (losses - reference[0]).abs().max() if losses.numel() else torch.zeros(())
@@ -253,16 +267,19 @@ def compare_loss_paths(model, batches: Sequence[Batch], par: Parallel, *, seq_le
                         for n, g in grads.items())
         legs.append({"name": leg.name, "settings": leg.options, "mean_loss": mean_loss,
                      "max_abs_loss_diff": diff.item(), "max_rel_grad_diff": grad_diff,
-                     "step_seconds": seconds, "peak_bytes": peak})
+                     "step_seconds": seconds, "peak_bytes": peak, "peak_bytes_bf16": peak_bf16})
         del grads
     model.zero_grad(set_to_none=True)
-    return _gathered(legs, reference[0], par, bf16)
+    out = _gathered(legs, reference[0], par, bf16)
+    # The region's own logits dtype: that of the LM-head weight (no autocast around it).
+    out["logits_dtype"] = str(_lm_head_weight(model)[0].weight.dtype).removeprefix("torch.")
+    return out
 
 
 def _gathered(legs: list[dict], reference: torch.Tensor, par: Parallel, bf16: bool) -> dict:
     """Per-rank peaks and worst differences/times over ranks, identical on every rank."""
     local = [[leg["peak_bytes"], leg["max_abs_loss_diff"], leg["max_rel_grad_diff"],
-              leg["step_seconds"]] for leg in legs]
+              leg["step_seconds"], leg["peak_bytes_bf16"]] for leg in legs]
     everyone = [None] * par.world
     dist.all_gather_object(everyone, local)
     scale = reference.abs().max().item() if reference.numel() else 1.0
@@ -272,8 +289,9 @@ def _gathered(legs: list[dict], reference: torch.Tensor, par: Parallel, bf16: bo
     out = []
     for i, leg in enumerate(legs):
         rows = [r[i] for r in everyone]
-        entry = {k: v for k, v in leg.items() if k != "peak_bytes"}
+        entry = {k: v for k, v in leg.items() if k not in ("peak_bytes", "peak_bytes_bf16")}
         entry.update(peak_bytes_per_rank=[r[0] for r in rows],
+                     peak_bytes_per_rank_bf16=[r[4] for r in rows],
                      max_abs_loss_diff=max(r[1] for r in rows),
                      max_rel_grad_diff=max(r[2] for r in rows),
                      step_seconds=max(r[3] for r in rows))

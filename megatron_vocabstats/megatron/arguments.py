@@ -107,7 +107,7 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--vocab-stats-kernel", choices=KERNEL_CHOICES, default="auto",
                        help="Backend of the loss statistics, unfused and in the fused LM head "
                        "(--lm-head-chunk-size): auto (torch until the Triton kernels have passed "
-                       "the GPU suite, see README; VOCABSTATS_KERNEL overrides), torch or "
+                       "the GPU suite, see docs/kernels.md; VOCABSTATS_KERNEL overrides), torch or "
                        "triton (CUDA).")
     group.add_argument("--vocab-stats-skip-checks", action="store_true",
                        help="Skip the op's host-side input checks (target range, cross-rank "

@@ -6,8 +6,8 @@ messages. ``tp_group_of``, ``default_tp_group`` and ``packed_seq_params_class`` 
 :mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops) and are
 re-exported here.
 
-May import: :mod:`megatron_vocabstats.mcore`, the standard library, torch and, lazily, the
-third-party Megatron, transformer-engine and apex.
+May import: :mod:`megatron_vocabstats.mcore`, :mod:`megatron_vocabstats.versions`, the
+standard library, torch and, lazily, the third-party Megatron, transformer-engine and apex.
 """
 
 from __future__ import annotations
@@ -18,34 +18,62 @@ import os
 
 # Re-exported: the lookups the lower layer needs live in megatron_vocabstats.mcore.
 from ..mcore import default_tp_group, packed_seq_params_class, tp_group_of  # noqa: F401
+from ..versions import supported_range
 
-SUPPORTED = "megatron-core 0.14 to 0.19"
+# "megatron-core >=0.16,<0.20 (tested: 0.16.1, 0.19.2)", from the supported-versions table.
+SUPPORTED = supported_range("megatron-core")
 
 
 class UnsupportedMegatronError(ImportError):
     """The installed megatron-core lacks a name the plugin needs."""
 
 
-def megatron_core_version() -> str:
-    """The version of the megatron-core that Python imports, with where it comes from.
+def megatron_core_release() -> str | None:
+    """The release number of the megatron-core that Python imports (``"0.19.2"``), None when it
+    cannot be imported.
 
-    ``"0.19.2 (/path/to/megatron/core)"``: read from the imported ``megatron.core`` (its
-    ``package_info``), not the installed wheel's metadata, so that a Megatron-LM checkout placed
-    first on ``sys.path`` is reported as itself. ``"not installed"`` when it cannot be imported.
+    Read from the imported ``megatron.core.package_info`` (its ``MAJOR.MINOR.PATCH`` and
+    pre-release tag), else ``megatron.core.__version__`` without its ``+local`` part: Megatron
+    appends ``+<git commit>`` to ``__version__`` from whatever git repository holds the installed
+    package, which for a virtual environment inside a clone of another project is that project's
+    commit.
     """
     try:
         import megatron.core
     except ImportError:
-        return "not installed"
-    version = getattr(megatron.core, "__version__", None)
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
+        return None
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        package_info = None
+    version = getattr(package_info, "VERSION", None)
+    if isinstance(version, tuple) and len(version) >= 3:
+        return ".".join(str(part) for part in version[:3]) + "".join(map(str, version[3:]))
+    return str(getattr(megatron.core, "__version__", "unknown")).split("+", 1)[0]
 
-            version = f"{dist_version('megatron-core')} (wheel metadata)"
-        except Exception:  # noqa: BLE001 - a source checkout may have no metadata
-            version = "unknown"
-    return f"{version} ({os.path.dirname(megatron.core.__file__)})"
+
+def _in_site_packages(path: str) -> bool:
+    return any(part in ("site-packages", "dist-packages") for part in path.split(os.sep))
+
+
+def megatron_core_version() -> str:
+    """The version of the megatron-core that Python imports, with where it comes from.
+
+    ``"0.19.2 (/path/to/megatron/core)"``: the release of :func:`megatron_core_release`, plus
+    Megatron's ``+<commit>`` only for a source checkout (a ``megatron/core`` outside
+    site-packages, e.g. a Megatron-LM clone first on ``sys.path``, whose commit it is).
+    ``"not installed"`` when it cannot be imported.
+    """
+    release = megatron_core_release()
+    if release is None:
+        return "not installed"
+    import megatron.core
+
+    where = os.path.dirname(megatron.core.__file__)
+    version = str(getattr(megatron.core, "__version__", release))
+    if "+" in version and not _in_site_packages(where):
+        release += "+" + version.split("+", 1)[1]
+    return f"{release} ({where})"
 
 
 def language_module_class():

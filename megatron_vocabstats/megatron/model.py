@@ -10,7 +10,7 @@ with the output layer deferred (:func:`.head.deferred_output_layer`) so that
 loss is :mod:`.mtp`'s.
 
 May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`,
-:mod:`.head` and torch.
+:mod:`.head`, :mod:`.announce` and torch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
-from . import settings
+from . import announce, settings
 from .compat import tp_group_of
 from .head import DeferredLogits, deferred_output_layer, fused_or_report, not_fused_reasons
 
@@ -87,6 +87,7 @@ def make_compute_language_model_loss(original):
             return fused_language_model_loss(self, logits, labels, cfg)
         if not cfg.active:
             return original(self, labels, logits)
+        announce.once(self, cfg, fused=False, device=logits.device)
         stats = vocab_parallel_stats(
             logits,
             labels.transpose(0, 1).contiguous(),
@@ -120,6 +121,8 @@ def fused_language_model_loss(module, logits: DeferredLogits, labels,
     """Per-token loss ``[b, s]`` straight from the hidden states ``[s(/tp), b, h]`` of the
     deferred ``logits`` (:func:`fused_stats`), no logits; its statistics are stashed on
     ``module`` as the unfused path's."""
+    announce.once(module if module is not None else logits.layer, cfg, fused=True,
+                  device=logits.hidden.device)
     stats = fused_stats(logits, labels, cfg)
     _stash(module, stats)
     return per_token_loss(stats, cfg).transpose(0, 1).contiguous()

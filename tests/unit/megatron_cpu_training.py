@@ -7,7 +7,7 @@ for on ``cuda`` on the CPU, for as long as it is entered. It changes ``torch.cud
 modules for the whole process and never undoes that: use it only in a process of its own (the
 torchrun script ``tests/unit/dist/megatron_training_run.py``), never in the pytest process. It is a
 no-op where CUDA is available. It is not part of the plugin. The flags a CPU run needs as well are
-listed in README.md, "Running Megatron's training loop on CPU". :data:`HYBRID_CPU_SPEC`: a
+listed in docs/megatron.md, "Running Megatron's training loop on CPU". :data:`HYBRID_CPU_SPEC`: a
 ``HybridModel`` stack of attention layers that runs on the CPU (``--spec megatron_cpu_training
 HYBRID_CPU_SPEC``).
 """

@@ -35,6 +35,25 @@ def test_version_is_the_imported_megatrons_not_the_wheels(tmp_path):
     assert out.strip() == f"0.99.0rc7-checkout ({core})"
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_version_drops_the_commit_of_the_repository_around_a_wheel(tmp_path, installed):
+    # Megatron appends `+<commit of the git repository holding the package>` to __version__: for
+    # a wheel in a virtual environment inside another project's clone that is the project's
+    # commit, so it is dropped; a source checkout keeps its own.
+    root = tmp_path / ("venv/lib/python3/site-packages" if installed else "Megatron-LM")
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (root / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("from .package_info import __version__\n")
+    (core / "package_info.py").write_text(
+        "VERSION = (0, 19, 2, '')\n__version__ = '0.19.2+8639773'\n")
+    out = _run("from megatron_vocabstats.megatron import compat; "
+               "print(compat.megatron_core_release(), compat.megatron_core_version())",
+               pythonpath=[str(root)])
+    suffix = "" if installed else "+8639773"
+    assert out.strip() == f"0.19.2 0.19.2{suffix} ({core})"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
                     reason="this megatron-core wheel has no megatron.training")
 def test_a_broken_megatron_training_import_patches_nothing_and_says_why():

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,8 +45,8 @@ NPROC, ITERS, MICRO_BATCH, SEQ = 2, 3, 2, 32
 RTOL = 1e-5
 TIMEOUT_S = 420  # per launch; a layout's launch takes 25-45 s here (2 loaded cores)
 
-# A tiny GPT on Megatron's mock data and null tokenizer, fp32, plus what a CPU run needs (README,
-# "Running Megatron's training loop on CPU").
+# A tiny GPT on Megatron's mock data and null tokenizer, fp32, plus what a CPU run needs
+# (docs/megatron.md, "Running Megatron's training loop on CPU").
 MEGATRON_FLAGS = [
     "--num-layers", "2", "--hidden-size", "64",
     "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
@@ -54,7 +55,7 @@ MEGATRON_FLAGS = [
     "--vocab-size", "250", "--optimizer", "sgd", "--lr", "0.1", "--lr-decay-style", "constant",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1",
     "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
-    # CPU: what each is for is in README.md, "Running Megatron's training loop on CPU"
+    # CPU: what each is for is in docs/megatron.md, "Running Megatron's training loop on CPU"
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--clip-grad", "0", "--rerun-mode", "disabled",
@@ -117,7 +118,8 @@ def _needs_training_loop():
 
 @functools.cache
 def _launch(layout: str) -> tuple[dict | None, str]:
-    """Launch ``layout``'s runs once: ``{run: per-rank results}``, or None and why not."""
+    """Launch ``layout``'s runs once: ``{run: per-rank results}`` and the log of both ranks, or
+    None and why not."""
     common, _, _, runs = LAYOUTS[layout]
     script_flags = {"--uneven-loss-mask", "--hybrid"}  # the run script's own, for every run
     own = [f for f in common if f in script_flags]
@@ -145,7 +147,7 @@ def _launch(layout: str) -> tuple[dict | None, str]:
                               f"rank {r}:\n{log[-8000:]}")
             with open(path) as f:
                 ranks.append(json.load(f))
-    return {name: [rank[name] for rank in ranks] for name in runs}, ""
+    return {name: [rank[name] for rank in ranks] for name in runs}, log
 
 
 def run(layout: str) -> dict:
@@ -242,3 +244,29 @@ def test_plugin_matches_megatron(layout, name):
             assert gap <= RTOL, f"rank {rank}: MTP loss off Megatron's by {gap:.2e} relative"
             for key in ("correct_values", "total_values"):
                 assert ours.get(key) == theirs.get(key), f"rank {rank}: MTP {key}"
+
+
+def _run_logs(log: str) -> dict[str, str]:
+    """The log of each run of a launch, cut at rank 0's ``@@run NAME`` markers (the run script
+    prints one before each run)."""
+    parts = re.split(r"^@@run (\S+) rank 0$", log, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_log_says_once_that_the_plugin_is_on():
+    """Megatron's log at its default level (INFO) shows one line from rank 0 saying the plugin is
+    on and how, on the first loss of the run, never again (3 iterations, 2 ranks); none without
+    the flag. (The launch's runs are new runs of one process: the run script re-arms the line
+    between them, as a new process would.)"""
+    run("tp2")
+    logs = _run_logs(_launch("tp2")[1])
+    for name, how in [("megatron", None), ("plugin_off", None),
+                      ("plugin", "on: unfused (chunk auto)"),
+                      ("fused", "on: fused LM head (chunk 16 tokens)")]:
+        lines = [line for line in logs[name].splitlines()
+                 if "megatron-vocabstats" in line and " on: " in line]
+        if how is None:
+            assert not lines, f"{name}: {lines}"
+            continue
+        assert len(lines) == 1, f"{name}: {len(lines)} lines, not 1: {lines}"
+        assert how in lines[0] and "tp 2, cp 1, sequence parallel off" in lines[0], lines[0]

@@ -231,6 +231,87 @@ def test_verl_linear_ce_outputs():
     _close(logprobs.mean(), lp_ref.mean(), what="reduction 'mean'")
 
 
+def test_fused_head_rounds_logits_to_the_model_dtype():
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(9, 48, generator=gen).bfloat16()
+    weight = (torch.randn(PADDED, 48, generator=gen) * 0.5).bfloat16()
+    labels = torch.randint(0, VOCAB, (9,), generator=gen)
+    exact = hidden.double() @ weight.double().T             # verl: the unrounded accumulator
+    rounded = exact.bfloat16().double()                     # ours: rounded once to bf16
+
+    def logprobs(z):
+        return torch.log_softmax(z, -1).gather(-1, labels[:, None])[:, 0]
+
+    ours = linear_vocab_parallel_stats(hidden, weight, labels).logprobs
+    _close(ours, logprobs(rounded), rtol=2e-6, atol=2e-6, what="ours vs the bf16 logits")
+    gap = (logprobs(exact) - logprobs(rounded)).abs().max().item()
+    assert gap > 50 * 2e-6, f"the bf16 rounding of the logits is invisible here ({gap:.2e})"
+    with pytest.raises(ValueError, match="hidden must be bf16, fp16 or fp32"):
+        linear_vocab_parallel_stats(hidden.double(), weight.double(), labels)
+
+
+# ------------------------------------------------------------------------------------ verl: RC
+
+
+def _verl_rs_keep(log_ratio, lower, upper, *, seq_sum=False):
+    """verl 0.9.1 ``compute_rollout_rejection_mask`` with ``token_k1`` / ``seq_sum_k1`` and
+    ``"lower_upper"``: k1 = -clamp(log rho, +-20) per token (summed over the row for seq_sum),
+    kept where log(lower) <= k1 <= log(upper)."""
+    import math
+
+    k1 = -log_ratio.clamp(-20.0, 20.0)
+    if seq_sum:
+        k1 = k1.sum(-1, keepdim=True).expand_as(log_ratio)
+    return (k1 >= math.log(lower)) & (k1 <= math.log(upper))
+
+
+def test_verl_rs_token_k1_bounds_the_inverse_ratio():
+    gen = torch.Generator().manual_seed(6)
+    old = torch.randn(4, 50, generator=gen, dtype=torch.float64)
+    rollout = old + torch.randn(4, 50, generator=gen, dtype=torch.float64)
+    mask = torch.ones(4, 50)
+    keep = _verl_rs_keep(old - rollout, 0.5, 5.0)           # verl "0.5_5": rho in [0.2, 2]
+    ours = mv.correction_weights(old, rollout, mask, mv.RolloutCorrection(mode="mis", low=0.2,
+                                                                          high=2.0))
+    assert torch.equal(~ours.flags, keep) and 0 < int(keep.sum()) < keep.numel()
+    rho = (old - rollout).exp()
+    assert torch.equal(keep, (rho >= 0.2) & (rho <= 2.0))
+    # The same string as an IS threshold (IcePop) is a band on rho itself: other tokens.
+    icepop = mv.correction_weights(old, rollout, mask, mv.RolloutCorrection(mode="icepop",
+                                                                            low=0.5, high=5.0))
+    assert not torch.equal(~icepop.flags, keep)
+    # Rejection sampling only masks (weight 1); ours weighs the kept tokens by rho.
+    _close(ours.weights[keep], rho[keep], what="mis weights on kept tokens")
+
+
+def test_verl_rs_seq_sum_k1_clamps_each_token():
+    # Rows 0 and 2 hold no |log rho| > 20: both decide alike (sum 0.2 kept, 1.3 dropped). Row 1:
+    # verl clamps to 20 - 20 + 0 = 0 and keeps it; ours sums 4.0 (rho = e^4) and drops it.
+    log_ratio = torch.tensor([[0.3, -0.2, 0.1, 0.0],
+                              [25.0, -21.0, 0.0, 0.0],
+                              [0.9, 0.4, 0.0, 0.0]], dtype=torch.float64)
+    keep = _verl_rs_keep(log_ratio, 0.5, 2.0, seq_sum=True)[:, 0]
+    ours = mv.correction_weights(log_ratio, torch.zeros_like(log_ratio), torch.ones(3, 4),
+                                 mv.RolloutCorrection(mode="mis", level="sequence", low=0.5,
+                                                      high=2.0))
+    assert keep.tolist() == [True, True, False]
+    assert (~ours.flags[:, 0]).tolist() == [True, False, False]
+
+
+def test_skyrl_fused_head_one_dtype():
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, 5, 24, generator=gen).bfloat16()
+    weight = torch.randn(PADDED, 24, generator=gen) * 0.5            # fp32 output layer
+    target = torch.randint(0, VOCAB, (2, 5), generator=gen)
+    # SkyRL: logits = hidden.to(weight.dtype) @ weight.T, then fp32 log-softmax over W·tp columns.
+    z = hidden.to(weight.dtype).double() @ weight.double().T
+    theirs = torch.log_softmax(z, -1).gather(-1, target[..., None])[..., 0]
+    with pytest.raises(ValueError, match="weight dtype torch.float32 differs from hidden dtype"):
+        linear_vocab_parallel_stats(hidden, weight, target)
+    ours = linear_vocab_parallel_stats(hidden.to(weight.dtype), weight, target).logprobs
+    _close(ours, theirs, what="logprobs with hidden cast to the weight's dtype")
+
+
 # ------------------------------------------------------------------------------------ torchtitan
 
 

@@ -232,7 +232,13 @@ def main() -> None:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         MTPLossLoggingHelper.tracker.clear()
+        # Where each run's log starts (the test cuts the log at rank 0's markers).
+        print(f"@@run {spec['name']} rank {os.environ.get('RANK', '0')}", flush=True)
         train(run, [*common, *megatron_flags])
+        if "megatron_vocabstats.patch" in sys.modules:  # the next run is a new run: its own line
+            from megatron_vocabstats.megatron import announce
+
+            announce.reset()
         if "megatron_vocabstats.patch" in sys.modules:
             from megatron_vocabstats import patch
             from megatron_vocabstats.megatron import settings

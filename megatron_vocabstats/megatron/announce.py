@@ -1,0 +1,126 @@
+"""The one log line that says the plugin is on, and how: rank 0, first loss of the run, once.
+
+The patched call sites (:mod:`.model`) call :func:`once` with the module and the settings of the
+call; the first call of the process logs, on global rank 0 only, one ``INFO`` record on the
+``megatron_vocabstats`` logger, which Megatron's training loop prints at its default level (its
+``logging.basicConfig(level=INFO)`` handler on the root logger)::
+
+    megatron-vocabstats 0.1.0 on: fused LM head (chunk 128 tokens), entropy off, kernel auto ->
+    torch, label smoothing 0.0, checks on, batch invariance off; tp 2, cp 1, sequence parallel
+    off; megatron-core 0.19.2
+
+Later calls do nothing (never per step); :func:`reset` (``patch.remove()`` and tests) re-arms
+it. A megatron-core or torch outside the supported-versions table makes the record a
+``WARNING`` that says so. :func:`describe` gives the same words for a settings object without a
+model (the GSM8K example prints it).
+
+May import: :mod:`.settings`, :mod:`.compat`, :mod:`megatron_vocabstats.ops.kernels`,
+:mod:`megatron_vocabstats.versions`, the standard library and torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import versions
+from ..ops.kernels import resolve_kernel
+from . import compat, settings
+
+logger = logging.getLogger("megatron_vocabstats")
+
+_ANNOUNCED = False
+# PluginSettings.batch_invariant (False, True, "tp") in the flag's words.
+_BATCH_INVARIANT_WORD = {False: "off", True: "batch"}
+
+
+def _on_off(flag) -> str:
+    return "on" if flag else "off"
+
+
+def describe(cfg: settings.PluginSettings, *, fused: bool | None = None,
+             device: torch.device | None = None) -> str:
+    """How the patched loss path computes with ``cfg``, in words (no parallel layout).
+
+    ``fused``: whether this call takes the fused LM head (None: ``lm_head_chunk_size > 0``);
+    ``device``: the tensors' device, for the backend ``kernel="auto"`` resolves to (None: not
+    resolved).
+    """
+    if not cfg.active:
+        return "off (the patched call sites run Megatron's own loss)"
+    fused = cfg.lm_head_chunk_size > 0 if fused is None else fused
+    if fused:
+        head = f"fused LM head (chunk {cfg.lm_head_chunk_size} tokens)"
+    else:
+        chunk = cfg.logprobs_chunk_size
+        head = f"unfused (chunk {f'{chunk} tokens' if chunk else 'auto'})"
+    kernel = cfg.kernel
+    if device is not None and kernel == "auto":
+        try:
+            kernel = f"auto -> {resolve_kernel('auto', device)}"
+        except ValueError:  # a bad VOCABSTATS_KERNEL: the op itself raises it, naming it
+            pass
+    parts = [head, f"entropy {cfg.entropy}"
+             + (f" (coef {cfg.entropy_coef})" if cfg.entropy_coef else ""),
+             f"kernel {kernel}", f"label smoothing {cfg.label_smoothing}",
+             f"checks {_on_off(cfg.validate)}",
+             f"batch invariance {_BATCH_INVARIANT_WORD.get(cfg.batch_invariant, 'tp')}"]
+    if cfg.vocab_size is not None:
+        parts.append(f"vocab size {cfg.vocab_size}")
+    return "on: " + ", ".join(parts)
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def layout(module) -> str:
+    """``"tp 2, cp 1, sequence parallel off"`` of a Megatron module (its groups and config)."""
+    config = getattr(module, "config", None)
+    cp_group = getattr(getattr(module, "pg_collection", None), "cp", None)
+    cp = _group_size(cp_group) if cp_group is not None else \
+        getattr(config, "context_parallel_size", 1) or 1
+    return (f"tp {_group_size(compat.tp_group_of(module))}, cp {cp}, sequence parallel "
+            f"{_on_off(getattr(config, 'sequence_parallel', False))}")
+
+
+def _rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _untested() -> list[str]:
+    problems = [versions.check_version("torch", torch.__version__)]
+    release = compat.megatron_core_release()
+    if release is not None:
+        problems.append(versions.check_version("megatron-core", release))
+    return [p for p in problems if p]
+
+
+def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.device) -> None:
+    """Log the line on rank 0 the first time a patched call site runs the plugin (then never
+    again until :func:`reset`). ``module``: the Megatron model whose loss is computed."""
+    global _ANNOUNCED
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED = True
+    if _rank() != 0:
+        return
+    from .. import __version__
+
+    untested = _untested()
+    message = (f"megatron-vocabstats {__version__} {describe(cfg, fused=fused, device=device)}; "
+               f"{layout(module)}; megatron-core {compat.megatron_core_release()}")
+    if untested:
+        message += "; untested: " + "; ".join(untested)
+    logger.log(logging.WARNING if untested else logging.INFO, message)
+
+
+def reset() -> None:
+    """Re-arm :func:`once` (the next patched loss call logs again)."""
+    global _ANNOUNCED
+    _ANNOUNCED = False

@@ -1,0 +1,81 @@
+"""``vocabstats-env`` (megatron_vocabstats.env): the versions Python actually imports, checked
+against the supported-versions table, the devices, what kernel="auto" picks and why, and which
+patch targets this Megatron has; never raises, never applies the patch."""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+
+import pytest
+import torch
+
+from megatron_vocabstats import env
+
+
+def _report(capsys) -> str:
+    assert env.main([]) == 0
+    return capsys.readouterr().out
+
+
+def _row(text: str, name: str) -> str:
+    match = re.search(rf"^{re.escape(name)}\s+(.*)$", text, re.M)
+    assert match, f"no row {name!r} in:\n{text}"
+    return match.group(1)
+
+
+def test_report_names_what_is_imported(capsys, monkeypatch):
+    monkeypatch.delenv("VOCABSTATS_KERNEL", raising=False)
+    text = _report(capsys)
+    for section in ("[versions]", "[devices]", "[kernels]"):
+        assert section in text
+    assert _row(text, "torch").startswith(f"{torch.__version__} (")
+    assert _row(text, "torch").endswith("[ok]")
+    assert _row(text, "Python").startswith(platform.python_version())
+    assert "transformer-engine" in text and "apex" in text
+    if not torch.cuda.is_available():
+        assert _row(text, 'kernel="auto" picks') == "torch"
+        assert "no CUDA device" in _row(text, "because")
+        assert _row(text, "CUDA devices") == "none available"
+
+
+def test_report_says_why_a_forced_kernel(capsys, monkeypatch):
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "torch")
+    assert _row(_report(capsys), "because") == "VOCABSTATS_KERNEL=torch is set"
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "bogus")
+    text = _report(capsys)
+    assert _row(text, 'kernel="auto" picks') == "error"
+    assert "VOCABSTATS_KERNEL must be one of" in _row(text, "because")
+
+
+def test_missing_and_broken_packages_are_reported_not_raised(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "apex", None)             # import fails: not installed
+    text = _report(capsys)
+    assert _row(text, "apex") == "not installed"
+    monkeypatch.setattr(torch, "__version__", "2.9.0a0+nv25.09")   # an NGC container's torch
+    assert _row(_report(capsys), "torch").endswith("[OUTSIDE the supported >=2.13,<2.14]")
+
+
+@pytest.mark.megatron
+def test_megatron_version_and_patch_targets(capsys, monkeypatch):
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from megatron_vocabstats.megatron import compat
+    from megatron_vocabstats.megatron._patching import PATCHER
+
+    applied = list(PATCHER.names())
+    text = _report(capsys)
+    release = compat.megatron_core_release()
+    assert _row(text, "megatron-core").startswith(f"{release} (")
+    assert "+" not in release and _row(text, "megatron-core").endswith("[ok]")
+    assert _row(text, "LanguageModule.compute_language_model_loss") == "found"
+    hook = ("GPTModel.forward(output_processor=...)" if release >= "0.18"
+            else "GPTModel._postprocess")
+    assert _row(text, hook).startswith("found")
+    assert list(PATCHER.names()) == applied, "the report changed what is patched"
+    # A release without the consumer the patch needs: reported as MISSING, not raised.
+    monkeypatch.delattr(LanguageModule, "compute_language_model_loss")
+    assert _row(_report(capsys), "LanguageModule.compute_language_model_loss").startswith(
+        "MISSING")

@@ -1,0 +1,111 @@
+"""The built wheel works outside the repository: what a user gets from ``pip install``.
+
+One build (``pip wheel --no-deps --no-build-isolation`` of a copy of the sources, so nothing is
+written into the checkout), one ``pip install --no-deps --target`` into a temporary directory,
+then this interpreter run from another directory with only that directory added to its path:
+the package, ``megatron_vocabstats.patch``, the shipped ``pretrain_gpt.py`` patches and the
+three command-line tools must all come from the wheel. Two interpreters, about 10 s of CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = ("vocabstats-env", "vocabstats-patch-megatron", "vocabstats-profile")
+
+
+def _run(cmd, **kwargs):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kwargs)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@functools.cache
+def _installed() -> tuple[str, str]:
+    """``(target directory, wheel file name)`` of the wheel built and installed once."""
+    tmp = tempfile.mkdtemp(prefix="vocabstats-wheel-")
+    src = os.path.join(tmp, "src")
+    os.makedirs(src)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src)
+    shutil.copytree(os.path.join(ROOT, "megatron_vocabstats"),
+                    os.path.join(src, "megatron_vocabstats"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist, site = os.path.join(tmp, "dist"), os.path.join(tmp, "site")
+    quiet = ["--quiet", "--disable-pip-version-check", "--no-input"]
+    _run([sys.executable, "-m", "pip", "wheel", *quiet, "--no-deps", "--no-build-isolation",
+          "-w", dist, src])
+    (wheel,) = glob.glob(os.path.join(dist, "*.whl"))
+    _run([sys.executable, "-m", "pip", "install", *quiet, "--no-deps", "--target", site, wheel])
+    return site, os.path.basename(wheel)
+
+
+def _elsewhere(site: str) -> tuple[dict, str]:
+    cwd = tempfile.mkdtemp(prefix="vocabstats-user-")
+    env = dict(os.environ, PYTHONPATH=site, PYTHONWARNINGS="ignore", PYTHONNOUSERSITE="1")
+    return env, cwd
+
+
+def test_wheel_imports_from_outside_the_repository():
+    site, wheel = _installed()
+    from megatron_vocabstats import __version__
+
+    assert wheel.startswith(f"megatron_vocabstats-{__version__}-py3-none-any")
+    env, cwd = _elsewhere(site)
+    megatron = importlib.util.find_spec("megatron.core") is not None
+    # One interpreter: the package, the patch, the shipped patches and every console script's
+    # entry point, each from the wheel.
+    code = """if True:
+        import inspect, json, importlib.metadata, importlib.resources, megatron_vocabstats
+        dist = importlib.metadata.distribution("megatron-vocabstats")
+        out = {"package": megatron_vocabstats.__file__, "version": megatron_vocabstats.__version__,
+               "dist": str(dist.locate_file("")), "dist_version": dist.version,
+               "patches": sorted(p.name for p in importlib.resources.files(
+                   "megatron_vocabstats.megatron_lm").iterdir() if p.name.endswith(".patch")),
+               "tools": {ep.name: inspect.getfile(ep.load()) for ep in dist.entry_points
+                         if ep.group == "console_scripts"}}
+        if MEGATRON:
+            import megatron_vocabstats.patch as patch
+            out["patch"] = patch.__file__
+            out["patched"] = patch.is_applied()
+        print(json.dumps(out))
+    """.replace("MEGATRON", str(megatron))
+    out = json.loads(_run([sys.executable, "-c", code], env=env, cwd=cwd).strip().splitlines()[-1])
+    assert out["package"].startswith(site), f"imported {out['package']}, not the wheel"
+    assert out["dist"].startswith(site) and out["version"] == out["dist_version"] == __version__
+    assert out["patches"] == [f"pretrain_gpt.core_v0.{m}.patch" for m in (16, 17, 18, 19)]
+    assert sorted(out["tools"]) == sorted(TOOLS)
+    assert all(path.startswith(site) for path in out["tools"].values()), out["tools"]
+    if megatron:
+        assert out["patch"].startswith(site) and out["patched"] is True
+
+
+def test_wheel_command_line_tool_runs():
+    site, _ = _installed()
+    env, cwd = _elsewhere(site)
+    for tool in TOOLS:
+        assert os.path.isfile(os.path.join(site, "bin", tool)), f"the wheel has no {tool}"
+    # The script wrapper pip wrote runs (the one tool that needs neither Megatron nor a report).
+    listed = _run([os.path.join(site, "bin", "vocabstats-patch-megatron"), "--list"], env=env,
+                  cwd=cwd)
+    assert listed.count(site) == 4, listed
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cleanup():
+    yield
+    if _installed.cache_info().currsize:
+        shutil.rmtree(os.path.dirname(_installed()[0]), ignore_errors=True)
+        _installed.cache_clear()
