@@ -1,0 +1,92 @@
+"""The static GPU model's pieces (``benchmarks/gpu_*.py``, ``docs/gpu-model.md``) on tiny inputs:
+the LRU simulation of the L2, occupancy, loop trip counts read from SASS, and the capture of a
+launch from the real op with the specialisation a GPU launch gets (no compilation here; the
+compiled variants are ``test_triton_kernels.py::test_kernels_compile_for_sm90``'s)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import HERE
+from megatron_vocabstats.ops.kernels import triton_available
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
+import gpu_cost  # noqa: E402
+import gpu_sass  # noqa: E402
+
+
+def test_l2_lru_counts_each_tile_once_while_it_fits():
+    tile = [(("w", 0), 10.0)]
+    # Two CTAs read the same tile four times each: one miss while it stays cached.
+    assert gpu_cost.l2_misses([[tile] * 4, [tile] * 4], resident=2, capacity=100) == 10
+    # A cyclic working set of three 10-byte tiles in a 25-byte LRU misses every time.
+    steps = [[(("h", i % 3), 10.0)] for i in range(9)]
+    assert gpu_cost.l2_misses([steps], resident=1, capacity=25) == 90
+    # The second CTA starts when the first finishes (one slot): its tiles are new.
+    assert gpu_cost.l2_misses([[[(("a", 0), 4.0)]], [[(("b", 0), 4.0)]]], 1, 100) == 8
+
+
+@pytest.mark.parametrize("regs, shared, warps, occ", [
+    (32, 0, 4, 16),       # threads: 2048 / 128
+    (200, 0, 8, 1),       # registers: 256 threads x 200 (rounded to 256/warp units)
+    (128, 73728, 4, 3),   # shared memory: 228 KiB / (72 + 1) KiB
+    (16, 0, 1, 32),       # CTAs per SM
+])
+def test_occupancy(regs, shared, warps, occ):
+    assert gpu_cost.occupancy(regs, shared, warps) == occ
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FFMA R2, R2, R3, R4 ;
+        /*0020*/                   MUFU.EX2 R5, R5 ;
+        /*0030*/                   LDG.E.128 R8, desc[UR4][R2.64] ;
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16].tnspB, R24 ;
+        /*0050*/              @!P0 BRA 0x40 ;
+        /*0060*/                   ISETP.GE.AND P0, PT, R0, 0x1, PT ;
+        /*0070*/              @!P1 BRA 0x10 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   BRA 0x90 ;
+"""
+
+
+def test_dynamic_counts_apply_trip_counts_per_loop_depth():
+    instrs = gpu_sass._parse(SASS)
+    sass = gpu_sass.Sass(instrs, regs=40, local_bytes=0, loops=gpu_sass._loops(instrs))
+    assert [(s, e, d) for s, e, d in sass.loops] == [(0x10, 0x70, 1), (0x40, 0x50, 2)]
+    c = gpu_sass.dynamic_counts(sass, [3, 5], num_warps=8)
+    # outer body: FFMA MUFU LDG ISETP BRA (5 x 3); inner: HGMMA BRA (2 x 15); MOV, EXIT, BRA.
+    assert c.issue == 5 * 3 + 2 * 15 + 3
+    assert c.pipes == {"fma": 3, "alu": 3, "xu": 3}
+    assert c.mio == 3 * 4  # a 16-byte load: 4 cycles of the SM's 128 bytes per clock
+    assert c.mma_flops == 15 * 2 * 64 * 128 * 16 * 2  # two warpgroups issue it
+    assert c.global_load_trips == 3
+    with pytest.raises(ValueError, match="depth 2"):
+        gpu_sass.dynamic_counts(sass, [3], num_warps=8)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_capture_specialises_as_a_launch():
+    """The fused head's launch passes a contiguous weight's stride_wk = 1, which Triton makes
+    constexpr (a runtime stride would compile scalar loads), and a row length that is a multiple
+    of 16 is marked divisible."""
+    import gpu_capture
+
+    import megatron_vocabstats as m
+
+    with gpu_capture.capturing() as cap:
+        h = torch.empty(8, 64, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(256, 64, dtype=torch.bfloat16, device="cuda")
+        m.linear_vocab_parallel_stats(h, w, torch.zeros(8, dtype=torch.long, device="cuda"),
+                                      kernel="triton", validate=False)
+    (launch,) = cap.triton()
+    assert launch.phase == "forward" and launch.arg("FUSED")
+    signature, constexprs, attrs, _ = gpu_capture.specialisation(launch)
+    names = launch.kernel.arg_names
+    assert signature["stride_wk"] == "constexpr"
+    assert constexprs[(names.index("stride_wk"),)] == 1
+    assert [["tt.divisibility", 16]] == attrs[(names.index("n_cols"),)]
