@@ -11,14 +11,15 @@ shapes. :mod:`gpu_cost` turns each into an estimated time (constants and assumpt
 A model, not a measurement: the first GPU run of ``tests/gpu/run.sh`` prints its measured times
 next to these estimates.
 
-Run (from the repo root; ``TRITON_CACHE_DIR`` keeps the compiled kernels between runs)::
+The scenarios are the rows of the GPU suite's speed tables (:mod:`gpu_scenarios`). Run (from the
+repo root; ``TRITON_CACHE_DIR`` keeps the compiled kernels between runs)::
 
-    python benchmarks/gpu_model.py [--tokens 8192] [--hidden 4096] [--vocab 151936]
-        [--scenario NAME ...] [--kernels] [--json OUT]
+    python benchmarks/gpu_model.py [--tokens 8192 ...] [--hidden 4096] [--vocab 151936]
+        [--scenario TEXT ...] [--summary] [--json OUT] [--speed-rows OUT]
 
 prints per scenario a table of its kernels (grid, CTAs per SM, waves, registers, spills, shared
 memory, 16-byte loads, wgmma, FLOPs, HBM bytes, estimated time and its bound, roofline) and the
-scenario's total against the sum of the rooflines.
+scenario's total against the sum of the rooflines, then one summary line per scenario.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Row:
 
 
 _COMPILED: dict = {}
+_MATMULS = ("mm", "addmm", "addmm_", "bmm")
+# torch ops that read a few elements of their first input, not all of it.
+_GATHERS = ("gather", "index", "index_select", "take_along_dim")
 
 
 def compiled(launch):
@@ -92,15 +96,22 @@ def triton_row(launch, mma_efficiency: float) -> Row:
 
 
 def torch_row(op) -> Row:
-    if op.name in ("mm", "addmm", "bmm"):
+    if op.name in _MATMULS:
         a, b = op.inputs[-2], op.inputs[-1]
         m, k = a.shape[-2], a.shape[-1]
         n = b.shape[-1]
-        in_bytes = sum(t.nbytes for t in op.inputs)
+        # beta = 0: the output is written, not read
+        read = op.inputs[1:] if op.kwargs.get("beta", 1) == 0 else op.inputs
+        in_bytes = sum(t.nbytes for t in read)
         est = gpu_cost.cublas(m, n, k, in_bytes, sum(t.nbytes for t in op.outputs))
         name = f"cuBLAS {op.name} {m}x{n}x{k}"
     else:
-        est = gpu_cost.torch_kernel(sum(t.nbytes for t in op.inputs + op.outputs))
+        if op.name in _GATHERS:  # reads only what it gathers: the output and the index
+            moved = 2 * sum(t.nbytes for t in op.outputs) + sum(
+                t.nbytes for t in op.inputs[1:])
+        else:
+            moved = sum(t.nbytes for t in op.inputs + op.outputs)
+        est = gpu_cost.torch_kernel(moved)
         name = "torch glue"
     return Row(op.phase, name, 1, (), None, None, None, None, None, "", None, est)
 
@@ -113,7 +124,7 @@ def rows_of(cap, mma_efficiency: float = 1.0) -> list:
         if triton:
             key = (e.phase, gpu_capture.specialisation_key(e), e.grid, _work_key(e))
         else:
-            is_mm = e.name in ("mm", "addmm", "bmm")
+            is_mm = e.name in _MATMULS
             shapes = tuple((t.shape, t.dtype) for t in e.inputs + e.outputs) if is_mm else ()
             key = (e.phase, e.name if is_mm else "glue", shapes)
         if key not in groups:
@@ -138,8 +149,9 @@ def _add(a: gpu_cost.Estimate, b: gpu_cost.Estimate) -> gpu_cost.Estimate:
                              a.hbm_bytes + b.hbm_bytes)
 
 
-def totals(rows) -> tuple:
-    """``(estimated seconds, sum of rooflines)`` of a scenario's rows."""
+def totals(rows, phase: str | None = None) -> tuple:
+    """``(estimated seconds, sum of rooflines)`` of a scenario's rows (of one ``phase``)."""
+    rows = [r for r in rows if phase is None or r.phase == phase]
     return (sum(r.count * r.est.time for r in rows),
             sum(r.count * r.est.floor for r in rows))
 
@@ -193,36 +205,63 @@ def _liger():
     return LigerFusedLinearCrossEntropyFunction
 
 
+def summary(results: dict) -> str:
+    """One line per scenario: modelled forward, backward and total ms, the sum of rooflines."""
+    lines = ["| scenario | fwd ms | bwd ms | est. ms | sum of rooflines ms | ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for title, r in results.items():
+        lines.append(f"| {title} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['est_ms']:.2f} | "
+                     f"{r['roofline_ms']:.2f} | {r['est_ms'] / r['roofline_ms']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192])
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--scenario", action="append", help="run only these (repeatable)")
+    p.add_argument("--scenario", action="append",
+                   help="run only scenarios whose title contains this (repeatable)")
     p.add_argument("--mma-efficiency", type=float, default=1.0,
                    help="fraction of the tensor peak the Triton kernels' wgmma sustain "
                         "(default 1.0: the bound; cuBLAS is at gpu_cost.CUBLAS_EFFICIENCY)")
-    p.add_argument("--json", help="write the rows and totals here")
+    p.add_argument("--summary", action="store_true", help="print the summary table only")
+    p.add_argument("--json", help="write every scenario's rows and totals here")
+    p.add_argument("--speed-rows", help="write the estimates keyed as the GPU suite's speed "
+                                        "tables' rows here (tests/gpu/_suite.py reads it)")
     args = p.parse_args(argv)
     import gpu_scenarios
 
-    out = {}
-    for name, run in gpu_scenarios.scenarios(args, _liger).items():
-        if args.scenario and name not in args.scenario:
+    results, speed = {}, []
+    for sc, run in gpu_scenarios.scenarios(args.tokens, args.hidden, args.vocab,
+                                           _liger).items():
+        if args.scenario and not any(f in sc.title for f in args.scenario):
             continue
         cap = run()
         if cap is None:
-            print(f"### {name}\n\nskipped: liger-kernel not found (bash "
-                  "tests/gpu/fetch_wheels.sh puts its wheel in .whl/)\n")
+            if not args.summary:
+                print(f"### {sc.title}\n\nskipped: liger-kernel not found (bash "
+                      "tests/gpu/fetch_wheels.sh puts its wheel in .whl/)\n")
             continue
         rows = rows_of(cap, args.mma_efficiency)
-        print(table(name, rows), flush=True)
+        if not args.summary:
+            print(table(sc.title, rows), flush=True)
         est, floor = totals(rows)
-        out[name] = {"est_ms": est * 1e3, "roofline_ms": floor * 1e3,
-                     "kernels": [_row_json(r) for r in rows]}
+        fwd, bwd = totals(rows, "forward")[0], totals(rows, "backward")[0]
+        results[sc.title] = {"est_ms": est * 1e3, "fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3,
+                             "roofline_ms": floor * 1e3,
+                             "kernels": [_row_json(r) for r in rows]}
+        speed.append({"table": sc.table, "provider": sc.provider, "mode": sc.mode,
+                      "tokens": sc.tokens, "hidden": sc.hidden, "fwd_ms": fwd * 1e3,
+                      "bwd_ms": bwd * 1e3, "time_ms": est * 1e3})
+    print(summary(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(results, f, indent=1)
+    if args.speed_rows:
+        with open(args.speed_rows, "w") as f:
+            json.dump({"model": "benchmarks/gpu_model.py (static, H200 constants)",
+                       "rows": speed}, f, indent=1)
     return 0
 
 

@@ -160,20 +160,34 @@ class Counts:
     outer_issue: float = 0.0
 
 
-def dynamic_counts(sass: Sass, trips: list, num_warps: int) -> Counts:
-    """Counts of one CTA of ``num_warps`` warps, with ``trips[d - 1]`` iterations of each loop
-    at depth d. Raises ``ValueError`` if the SASS has loops deeper than ``trips`` says."""
-    if sass.max_depth > len(trips):
-        raise ValueError(f"SASS has loops {sass.loops} of depth {sass.max_depth}, the model "
-                         f"gives trip counts for {len(trips)} levels")
+def loop_body(sass: Sass, loop: tuple) -> list:
+    """The instructions of ``loop`` (``(start, end, depth)``) outside its inner loops."""
+    s, e, d = loop
+    return [i for i in sass.instrs if s <= i.addr <= e and not any(
+        s2 <= i.addr <= e2 and d2 > d for s2, e2, d2 in sass.loops)]
+
+
+def dynamic_counts(sass: Sass, trips, num_warps: int) -> Counts:
+    """Counts of one CTA of ``num_warps`` warps. ``trips``: a list, ``trips[d - 1]`` iterations
+    of every loop at depth d; or a function of a loop ``(start, end, depth)`` and its body
+    (:func:`loop_body`) giving its iterations (per iteration of the loops around it). Raises
+    ``ValueError`` if the SASS has loops deeper than a list says."""
+    if not callable(trips):
+        if sass.max_depth > len(trips):
+            raise ValueError(f"SASS has loops {sass.loops} of depth {sass.max_depth}, the model "
+                             f"gives trip counts for {len(trips)} levels")
+        per_level = trips
+        trips = (lambda loop, body: per_level[loop[2] - 1])  # noqa: E731
+    count = {loop: trips(loop, loop_body(sass, loop)) for loop in sass.loops}
     c = Counts()
-    deepest = max(len(trips), 1)
-    sync_load_levels = set()
+    deepest = sass.max_depth
+    sync_loads: dict = {}
     for i in sass.instrs:
-        depth = sum(1 for s, e, _ in sass.loops if s <= i.addr <= e)
+        around = [loop for loop in sass.loops if loop[0] <= i.addr <= loop[1]]
+        depth = len(around)
         mult = 1.0
-        for d in range(depth):
-            mult *= trips[d]
+        for loop in around:
+            mult *= count[loop]
         c.issue += mult
         if depth < deepest or not sass.loops:
             c.outer_issue += mult
@@ -187,7 +201,7 @@ def dynamic_counts(sass: Sass, trips: list, num_warps: int) -> Counts:
         elif r in _MIO:
             c.mio += mult * _mio_cycles(i)
             if r in ("LDG", "LD") and depth:
-                sync_load_levels.add(depth)
+                sync_loads[around[-1]] = mult
         m = _HGMMA.match(i.opcode)
         if m:  # one per warpgroup: every warp of it issues the instruction
             flops = 2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3))
@@ -198,9 +212,6 @@ def dynamic_counts(sass: Sass, trips: list, num_warps: int) -> Counts:
             flops = 2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3))
             c.mma_flops += mult * flops * num_warps
             c.mma_instrs += mult * num_warps
-    for depth in sync_load_levels:
-        t = 1.0
-        for d in range(depth):
-            t *= trips[d]
-        c.global_load_trips = max(c.global_load_trips, t)
+    # Round trips that wait on a synchronous load: one per iteration of each loop that has one.
+    c.global_load_trips = sum(sync_loads.values())
     return c

@@ -13,6 +13,8 @@ chunk policy); never an op module nor ``megatron_vocabstats.megatron``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import _comm
@@ -124,10 +126,11 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                              accumulate_into_main_grad=accumulate_into_main_grad)
     if problem is None and local_error is not None:
         problem = local_error
+    auto = chunk_size is None and problem is None
     if problem is None:
         width = weight.shape[0]
         logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
-        if chunk_size is None:
+        if chunk_size is None:  # the Triton backend's own below, once the kernel is known
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
         logits = LogitsSpec((0,), torch.float32, first_device(hidden, weight, target))
@@ -140,6 +143,9 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
                            agree=agree, **options)
+    if auto and stats.kernel == "triton" and hidden.device.type != "cpu":
+        stats = dataclasses.replace(stats, chunk_size=auto_linear_chunk_size(
+            weight.shape[0], hidden.device, tiles=True, itemsize=hidden.element_size()))
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad

@@ -13,7 +13,8 @@ compiled once. Checks on what compiled:
 
 * no local memory (register spills) in any variant;
 * on 16-byte aligned bf16/fp16 rows (V = 151,936, as torch's tensors are launched) every global
-  load in a kernel's innermost loop is 16 bytes per thread (``.128``): the fused kernels' weight
+  load of a kernel's main innermost loop (the one with the widest loads: the unfused kernels'
+  masked tail loop may load narrow) is 16 bytes per thread (``.128``): the fused kernels' weight
   too, since the launch passes ``stride_wk == 1``, which Triton makes constexpr (a runtime
   stride compiles 2-byte loads);
 * the fused bf16/fp16 kernels use Hopper's ``wgmma`` (``HGMMA``);
@@ -41,7 +42,8 @@ import gpu_capture  # noqa: E402
 import gpu_sass  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# (name, kwargs): fused ops get hidden/weight, unfused logits; "grad" the upstream gradients.
+# (name, kwargs): fused ops get hidden/weight, unfused logits; "target": False for none,
+# "hidden": the fused head's H (default HIDDEN; one not a multiple of BLOCK_K keeps the K mask).
 CONFIGS = (
     ("unfused", dict(entropy="grad", temperature=0.7, label_smoothing=0.1)),
     ("unfused", dict(entropy="off")),
@@ -49,8 +51,9 @@ CONFIGS = (
     ("unfused", dict(entropy="metric", batch_invariant="tp")),
     ("fused", dict(entropy="grad", temperature=0.7, label_smoothing=0.1)),
     ("fused", dict(entropy="off")),
-    ("fused", dict(entropy="metric", grad_weights=True)),
+    ("fused", dict(entropy="metric", grad_weights=True, label_smoothing=0.1)),
     ("fused", dict(entropy="metric", batch_invariant="tp")),
+    ("fused", dict(entropy="grad", target=False, hidden=1000)),
 )
 # Shard widths: Qwen's 151,936 over tp 2 (a multiple of 128), and one no multiple of 16.
 WIDTHS = (75968, 1001)
@@ -59,9 +62,9 @@ TOKENS, HIDDEN = 1000, 4096
 COVERAGE = {
     "HAS_TARGET": (False, True), "ENTROPY": (False, True), "ZSUM": (False, True),
     "SCALE": (False, True), "BLOCKS": (False, True), "FUSED": (False, True),
-    "ROUND": (0, 1, 2), "HAS_LP": (False, True), "HAS_H": (False, True),
-    "SMOOTH": (False, True), "HAS_VALID": (False, True), "OUT_BF16": (False, True),
-    "GPU": (True,),
+    "STORE": (False, True), "EVEN_K": (False, True), "ROUND": (0, 1, 2),
+    "HAS_LP": (False, True), "HAS_H": (False, True), "SMOOTH": (False, True),
+    "HAS_VALID": (False, True), "GPU": (True,),
 }
 
 
@@ -76,8 +79,9 @@ def _run(kind: str, dtype, width: int, opts: dict) -> None:
         x = torch.empty(TOKENS, width, dtype=dtype, device="cuda", requires_grad=True)
         out = m.vocab_parallel_stats(x, t, **common)
     else:
-        h = torch.empty(TOKENS, HIDDEN, dtype=dtype, device="cuda", requires_grad=True)
-        w = torch.empty(width, HIDDEN, dtype=dtype, device="cuda", requires_grad=True)
+        hidden = common.pop("hidden", HIDDEN)
+        h = torch.empty(TOKENS, hidden, dtype=dtype, device="cuda", requires_grad=True)
+        w = torch.empty(width, hidden, dtype=dtype, device="cuda", requires_grad=True)
         if common.pop("grad_weights", False):
             common["grad_weights"] = torch.ones(TOKENS, device="cuda")
         out = m.linear_vocab_parallel_stats(h, w, t, **common)
@@ -107,13 +111,23 @@ def _compile(i: int) -> tuple:
     innermost loop)`` of variant ``i``."""
     kernel = gpu_capture.compile_launch(_TODO[i])
     sass = gpu_sass.read(kernel)
-    inner = [(s, e) for s, e, d in sass.loops if d == sass.max_depth]
-    loads = [i for i in sass.instrs if i.root in ("LDG", "LDGSTS", "UTMALDG")
-             and (not inner or any(s <= i.addr <= e for s, e in inner))]
-    wide = sum(i.root == "UTMALDG" or ".128" in i.opcode for i in loads)
-    # A kernel without a loop also loads its per-row vectors: only some wide load is required.
+    # The innermost loops that load: the K loop of the fused kernels, the column loops of the
+    # unfused ones (whose masked tail loop may load narrow).
+    inner = [[i for i in gpu_sass.loop_body(sass, loop) if i.root in _LOADS]
+             for loop in sass.loops if loop[2] == sass.max_depth]
+    inner = [loads for loads in inner if loads]
+    best = max(inner, key=lambda loads: sum(_wide_load(i) for i in loads) / len(loads),
+               default=[])
+    wide = sum(_wide_load(i) for i in best)
     return (sass.local_bytes + sass.spill_instrs, sass.count(lambda i: i.root == "HGMMA"),
-            (wide, len(loads) - wide if inner else 0))
+            (wide, len(best) - wide))
+
+
+_LOADS = ("LDG", "LDGSTS", "UTMALDG")
+
+
+def _wide_load(i) -> bool:
+    return i.root == "UTMALDG" or ".128" in i.opcode
 
 
 def _consts(launch) -> dict:
@@ -121,12 +135,14 @@ def _consts(launch) -> dict:
 
 
 def _wide(launch) -> bool:
-    """Whether 16-byte loads are expected: bf16/fp16 logits or hidden rows 16-byte aligned, and
-    a tile of at least 8 columns per thread (not the per-128-column blocks of one row)."""
+    """Whether 16-byte loads are expected: bf16/fp16 logits or hidden rows 16-byte aligned and
+    the tile wide enough (not the per-128-column blocks of one stored row), no K mask (an H that
+    is no multiple of 16 masks single elements)."""
     x = launch.arg("x_ptr")
     aligned = x.itemsize < 4 and x.stride[0] * x.itemsize % 16 == 0 and x.data_ptr() % 16 == 0
-    narrow = not launch.arg("FUSED") and launch.arg("BLOCK_N") * launch.arg("ROWS") < 1024
-    return aligned and not narrow
+    narrow = launch.name == "_tile_stats_kernel" and not launch.arg("FUSED")
+    masked_k = "EVEN_K" in launch.kernel.arg_names and not launch.arg("EVEN_K")
+    return aligned and not (narrow or masked_k)
 
 
 def main() -> int:
@@ -148,13 +164,14 @@ def main() -> int:
         results = list(pool.map(_compile, range(len(_TODO))))
     for launch, (spills, wgmma, wide) in zip(_TODO, results, strict=True):
         what = f"{launch.name} {_consts(launch)} {launch.arg('x_ptr').dtype}"
-        if spills and launch.arg("x_ptr").itemsize < 4:  # fp32 fused tiles: issue 22, phase 2
+        if spills:
             errors.append(f"{what}: {spills} bytes/instructions of local memory (spills)")
-        if launch.arg("FUSED") and launch.arg("x_ptr").itemsize < 4 and not wgmma:
+        fused = launch.name.startswith("_tile") and launch.arg("hidden") > 1
+        if fused and launch.arg("x_ptr").itemsize < 4 and not wgmma:
             errors.append(f"{what}: no wgmma")
         if _wide(launch) and (wide[1] or not wide[0]):
-            errors.append(f"{what}: {wide[1]} of {sum(wide)} global loads in its innermost "
-                          "loop are narrower than 16 bytes")
+            errors.append(f"{what}: {wide[1]} of {sum(wide)} global loads in its widest "
+                          "innermost loop are narrower than 16 bytes")
     for e in errors:
         print(e)
     print(f"compiled {len(variants)} launched variants for sm_90")
