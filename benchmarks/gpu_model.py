@@ -68,18 +68,58 @@ _MATMULS = ("mm", "addmm", "addmm_", "bmm")
 _GATHERS = ("gather", "index", "index_select", "take_along_dim")
 
 
-def compiled(launch):
+@dataclass
+class Compiled:
+    """What the model reads of a compiled variant."""
+
+    num_warps: int
+    shared: int
+    sass: gpu_sass.Sass
+
+
+def _compile(launch) -> tuple:
+    k = gpu_capture.compile_launch(launch)
+    return bytes(k.asm["cubin"]), k.metadata.num_warps, k.metadata.shared
+
+
+_PENDING: list = []  # launches to compile (read by forked workers)
+
+
+def _compile_pending(i: int) -> tuple:
+    return _compile(_PENDING[i])
+
+
+def precompile(launches, jobs: int) -> None:
+    """Compile the distinct variants of ``launches`` in ``jobs`` forked processes."""
+    todo = {}
+    for launch in launches:
+        key = gpu_capture.specialisation_key(launch)
+        if key not in _COMPILED and key not in todo:
+            todo[key] = launch
+    if jobs <= 1 or len(todo) <= 1:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    _PENDING[:] = todo.values()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        for key, (cubin, warps, shared) in zip(todo, pool.map(_compile_pending,
+                                                              range(len(_PENDING)))):
+            _COMPILED[key] = Compiled(warps, shared, gpu_sass.read_cubin(cubin))
+
+
+def compiled(launch) -> Compiled:
     key = gpu_capture.specialisation_key(launch)
     if key not in _COMPILED:
-        k = gpu_capture.compile_launch(launch)
-        _COMPILED[key] = (k, gpu_sass.read(k))
+        cubin, warps, shared = _compile(launch)
+        _COMPILED[key] = Compiled(warps, shared, gpu_sass.read_cubin(cubin))
     return _COMPILED[key]
 
 
 def triton_row(launch, mma_efficiency: float) -> Row:
-    kernel, sass = compiled(launch)
-    warps = kernel.metadata.num_warps
-    occ = gpu_cost.occupancy(sass.regs, kernel.metadata.shared, warps)
+    kernel = compiled(launch)
+    sass, warps = kernel.sass, kernel.num_warps
+    occ = gpu_cost.occupancy(sass.regs, kernel.shared, warps)
     work = gpu_work.work_of(launch, occ)
     counts = gpu_sass.dynamic_counts(sass, work.trips, warps)
     ctas = launch.ctas()
@@ -91,7 +131,7 @@ def triton_row(launch, mma_efficiency: float) -> Row:
         i.root in ("LDG", "LDGSTS") and ".128" in i.opcode))
     return Row(launch.phase, launch.name, 1, launch.grid, occ,
                math.ceil(ctas / (gpu_cost.SMS * max(occ, 1))), sass.regs,
-               sass.spill_instrs + sass.local_bytes, kernel.metadata.shared,
+               sass.spill_instrs + sass.local_bytes, kernel.shared,
                f"{wide}/{loads}", sass.count(lambda i: i.root == "HGMMA"), est)
 
 
@@ -226,18 +266,22 @@ def main(argv=None) -> int:
                    help="fraction of the tensor peak the Triton kernels' wgmma sustain "
                         "(default 1.0: the bound; cuBLAS is at gpu_cost.CUBLAS_EFFICIENCY)")
     p.add_argument("--summary", action="store_true", help="print the summary table only")
+    p.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes compiling the kernels (default: CPUs, at most 8)")
     p.add_argument("--json", help="write every scenario's rows and totals here")
     p.add_argument("--speed-rows", help="write the estimates keyed as the GPU suite's speed "
                                         "tables' rows here (tests/gpu/_suite.py reads it)")
     args = p.parse_args(argv)
     import gpu_scenarios
 
-    results, speed = {}, []
+    results, speed, captures = {}, [], {}
     for sc, run in gpu_scenarios.scenarios(args.tokens, args.hidden, args.vocab,
                                            _liger).items():
-        if args.scenario and not any(f in sc.title for f in args.scenario):
-            continue
-        cap = run()
+        if not args.scenario or any(f in sc.title for f in args.scenario):
+            captures[sc] = run()
+    precompile([e for cap in captures.values() if cap is not None for e in cap.triton()],
+               args.jobs)
+    for sc, cap in captures.items():
         if cap is None:
             if not args.summary:
                 print(f"### {sc.title}\n\nskipped: liger-kernel not found (bash "

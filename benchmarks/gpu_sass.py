@@ -130,7 +130,12 @@ def _disassemble(cubin: bytes) -> tuple:
 
 def read(compiled) -> Sass:
     """The :class:`Sass` of a ``triton.compile`` result."""
-    text, res = _disassemble(bytes(compiled.asm["cubin"]))
+    return read_cubin(bytes(compiled.asm["cubin"]))
+
+
+def read_cubin(cubin: bytes) -> Sass:
+    """The :class:`Sass` of a cubin."""
+    text, res = _disassemble(cubin)
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     local = int(re.search(r"LOCAL:(\d+)", res).group(1))
     instrs = _parse(text)
