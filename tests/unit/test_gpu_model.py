@@ -90,3 +90,36 @@ def test_capture_specialises_as_a_launch():
     assert signature["stride_wk"] == "constexpr"
     assert constexprs[(names.index("stride_wk"),)] == 1
     assert [["tt.divisibility", 16]] == attrs[(names.index("n_cols"),)]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_captured_forward_gradient_mode_has_three_gemms_per_chunk():
+    """What a GPU run of the forward-gradient mode with the Triton kernels launches (issue 22):
+    chunks of TILE_CHUNK_ROWS within TILE_CHUNK_BYTES (2,176 rows at V = 151,936 in bf16), each
+    a statistics launch over (row tile, column split) programs that stores the logits, the
+    unfused gradient kernel on them, and two cuBLAS GEMMs (dX, dW; the first dW written with
+    beta = 0): no recomputing gradient kernel, no zero fill of the dW sums."""
+    import gpu_capture
+
+    import megatron_vocabstats as m
+    from megatron_vocabstats.ops.kernels import LINEAR_BLOCKS
+
+    tokens, width, hidden = 4096, 151936, 64
+    with gpu_capture.capturing() as cap:
+        h = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        w = torch.empty(width, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        mask = torch.ones(tokens, device="cuda")
+        m.linear_vocab_parallel_stats(h, w, torch.zeros(tokens, dtype=torch.long, device="cuda"),
+                                      entropy="off", grad_weights=mask, kernel="triton",
+                                      validate=False)
+    names = [e.name for e in cap.triton()]
+    assert names == ["_tile_stats_kernel", "_row_grad_kernel"] * 2, names
+    stats = cap.triton()[0]
+    splits = -(-width // LINEAR_BLOCKS["SPLIT_N"])
+    assert stats.arg("STORE") and stats.grid == (17 * splits,)  # 2,176 rows: 17 tiles of 128
+    assert [e.grid for e in cap.triton()[1::2]] == [(2176,), (tokens - 2176,)]
+    gemms = [e for e in cap.events if getattr(e, "name", "") in ("mm", "addmm")]
+    assert [(e.name, e.kwargs.get("beta", 1)) for e in gemms] == [
+        ("mm", 1), ("addmm", 0.0), ("mm", 1), ("addmm", 1.0)], gemms
+    assert not [e for e in cap.events if e.name == "zeros" and e.outputs[0].shape == (width,
+                                                                                      hidden)]

@@ -30,10 +30,10 @@ from .triton_tiles import (
     FLOOR,
     grad_rows,
     grad_values,
-    lane_update,
     load_logits,
     matmul_logits,
     merge_lanes,
+    online_update,
     round_to,
     scaled_z,
     store_stats,
@@ -63,18 +63,18 @@ def _row_stats_kernel(x_ptr, stride_xm, stride_xk, index_ptr, owned_ptr, out_ptr
     for start in range(0, full, block):
         x = tl.load(x_row + (start + offs).to(tl.int64) * stride_xk).to(tl.float32)
         seen = tl.cast(start // LANES, tl.float32)  # each lane's real columns before this block
-        m, s, u, a, floor = lane_update(scaled_z(x, temperature, SCALE), m, s, u, a, floor,
-                                        seen, None, zscale, ENTROPY, ZSUM)
+        m, s, u, a, floor = online_update(scaled_z(x, temperature, SCALE), None, seen, m, s, u,
+                                          a, floor, zscale, ENTROPY, ZSUM)
     counts = tl.zeros((LANES,), tl.float32) + tl.cast(full // LANES, tl.float32)
     if full < end:
         cols = full + offs
         inside = cols < end
         x = tl.load(x_row + cols.to(tl.int64) * stride_xk, mask=inside, other=0.0)
         z = tl.where(inside, scaled_z(x.to(tl.float32), temperature, SCALE), FLOOR)
-        real = tl.minimum(tl.maximum(end - (full + lanes * GROUP), 0), GROUP).to(tl.float32)
-        m, s, u, a, floor = lane_update(z, m, s, u, a, floor, counts, real, zscale, ENTROPY,
-                                        ZSUM)
-        counts += real
+        real = tl.minimum(tl.maximum(end - (full + lanes * GROUP), 0), GROUP)
+        m, s, u, a, floor = online_update(z, inside, counts, m, s, u, a, floor, zscale, ENTROPY,
+                                          ZSUM)
+        counts += real.to(tl.float32)
     mx, s_row, u_row, a_row, floor_row = merge_lanes(m, s, u, a, floor, counts, zscale,
                                                      ENTROPY, ZSUM)
     t, own = 0.0, row < 0

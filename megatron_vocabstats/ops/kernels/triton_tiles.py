@@ -8,12 +8,12 @@ statistics or gradient out.
 * :func:`load_logits` / :func:`matmul_logits` (``hidden @ weight.T`` by ``tl.dot``, rounded once
   to the model dtype) and :func:`scaled_z`: ``z = logits / tau`` with the floor and the padding
   columns as ``_math.load_chunk`` makes them;
-* tiles of rows (``[R, BLOCK_N]``, the fused kernels and the per-block statistics):
-  :func:`tile_update` folds a tile into each row's running statistics, :func:`store_stats`
-  stores one part; :func:`tile_order`, the grouped launch order of the fused statistics;
-* one row in lanes (``[LANES, GROUP]``, the unfused statistics): :func:`lane_update` keeps one
-  running maximum and sums per lane of ``GROUP`` consecutive columns (no cross-thread reduction
-  inside the loop), :func:`merge_lanes` combines the lanes once per row;
+* :func:`online_update` folds a tile ``[R, C]`` into R running statistics: a tile's rows (the
+  fused kernels and the per-block statistics, :func:`tile_update` with the target logit), or the
+  lanes of one row (``[LANES, GROUP]``, the unfused statistics: one running maximum and sums per
+  lane of ``GROUP`` consecutive columns, no cross-thread reduction inside the loop), which
+  :func:`merge_lanes` combines once per row; :func:`store_stats` stores one part;
+  :func:`tile_order`, the grouped launch order of the fused statistics;
 * :func:`target_rows`, :func:`grad_rows` / :func:`grad_values`: each row's target and the
   gradient of ``_grad.chunk_grad``.
 
@@ -150,16 +150,14 @@ def tile_order(pid, row_tiles, col_tiles, GROUP: tl.constexpr):
 
 
 @triton.jit
-def tile_update(z, cols, seen, m, s, u, a, t, floor, idx, start, real_width, zscale,
-                HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
-    """Fold the tile ``z`` ``[R, BLOCK_N]`` (columns ``cols`` from ``start``) into each row's
-    running maximum ``m``, sum ``s`` of ``e^(z - m)``, entropy sum ``u`` of ``e^(z - m)(z - m)``,
-    smoothing sum ``a`` of ``zscale (z - m)`` over the real columns (``seen`` of them came
-    before), target logit ``t`` (at local column ``idx``, int32) and floor flag ``floor``."""
-    if HAS_TARGET:
-        inside = (idx >= start) & (idx < start + z.shape[1])
-        if tl.max(inside.to(tl.int32), 0) > 0:  # some row's target is in this tile
-            t += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
+def online_update(z, live, seen, m, s, u, a, floor, zscale, ENTROPY: tl.constexpr,
+                  ZSUM: tl.constexpr):
+    """Fold ``z`` ``[R, C]`` into the running maximum ``m``, sum ``s`` of ``e^(z - m)``, entropy
+    sum ``u`` of ``e^(z - m)(z - m)``, smoothing sum ``a`` of ``zscale (z - m)`` over the real
+    columns (``seen`` of them came before) and floor flag ``floor`` of each of its R rows (a
+    tile's rows, or the lanes of one row: ``GROUP`` consecutive columns each, in one thread, so
+    the reductions stay inside it). ``live``: which entries are real columns (broadcast to
+    ``z``), or None for all."""
     m_new = tl.maximum(m, tl.max(z, 1))
     d = m - m_new
     scale = exp_(d)
@@ -169,37 +167,28 @@ def tile_update(z, cols, seen, m, s, u, a, t, floor, idx, start, real_width, zsc
         # A part whose scale underflows to 0 adds 0 (never 0 * inf from d * s).
         u = tl.where(scale == 0.0, 0.0, scale * (u + d * s)) + tl.sum(e * x, 1)
     s = s * scale + tl.sum(e, 1)
-    if ZSUM:
-        real = (cols < real_width)[None, :]
-        a = a + (zscale * seen) * d + tl.sum(tl.where(real, x * zscale, 0.0), 1)
-        floor = tl.maximum(floor, tl.max((real & (z <= FLOOR)).to(tl.int32), 1))
-    return m_new, s, u, a, t, floor
-
-
-@triton.jit
-def lane_update(z, m, s, u, a, floor, seen, real, zscale, ENTROPY: tl.constexpr,
-                ZSUM: tl.constexpr):
-    """:func:`tile_update` of one row held in lanes: ``z`` ``[LANES, GROUP]`` (each lane's
-    ``GROUP`` consecutive columns, in one thread), the running statistics ``[LANES]`` per lane;
-    ``seen``/``real``: each lane's real columns before / in this block (``[LANES]`` fp32; with
-    ``ZSUM`` only, ``real`` None when every column is real). Reductions stay inside a thread."""
-    m_new = tl.maximum(m, tl.max(z, 1))
-    d = m - m_new
-    scale = exp_(d)
-    x = z - m_new[:, None]
-    e = exp_(x)
-    if ENTROPY:
-        u = tl.where(scale == 0.0, 0.0, scale * (u + d * s)) + tl.sum(e * x, 1)
-    s = s * scale + tl.sum(e, 1)
-    if ZSUM:
-        if real is None:
+    if ZSUM:  # (zscale is a power of two: scaling the sum or its terms rounds the same)
+        if live is None:
             a = a + (zscale * seen) * d + tl.sum(x, 1) * zscale
             floor = tl.maximum(floor, tl.max((z <= FLOOR).to(tl.int32), 1))
         else:
-            live = tl.arange(0, z.shape[1])[None, :] < real[:, None]
             a = a + (zscale * seen) * d + tl.sum(tl.where(live, x, 0.0), 1) * zscale
             floor = tl.maximum(floor, tl.max((live & (z <= FLOOR)).to(tl.int32), 1))
     return m_new, s, u, a, floor
+
+
+@triton.jit
+def tile_update(z, cols, seen, m, s, u, a, t, floor, idx, start, real_width, zscale,
+                HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
+    """:func:`online_update` of the tile ``z`` ``[R, BLOCK_N]`` (columns ``cols`` from
+    ``start``), and each row's target logit ``t`` (at local column ``idx``, int32)."""
+    if HAS_TARGET:
+        inside = (idx >= start) & (idx < start + z.shape[1])
+        if tl.max(inside.to(tl.int32), 0) > 0:  # some row's target is in this tile
+            t += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
+    m, s, u, a, floor = online_update(z, (cols < real_width)[None, :], seen, m, s, u, a, floor,
+                                      zscale, ENTROPY, ZSUM)
+    return m, s, u, a, t, floor
 
 
 @triton.jit
