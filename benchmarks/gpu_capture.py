@@ -10,8 +10,9 @@ launches are recorded by a patched ``JITFunction.run`` instead of compiled and r
 kernels by a ``TorchDispatchMode`` on top of the fake mode. What a GPU-less process cannot fake is
 patched for the capture only: the current stream and events (``ops.workspace``), the device
 capability (``(9, 0)``, an H100/H200), the weight-gradient GEMM mode (``"addmm"``, what
-``engine.wgrad`` probes on a CUDA build of torch >= 2.8) and ``.item()`` (a value the caller
-gives; Liger reads a count of valid targets on the host).
+``engine.wgrad`` probes on a CUDA build of torch >= 2.8), ``.item()`` (a value the caller
+gives; Liger reads a count of valid targets on the host), and the workspace cache, whose free
+buffers the capture's fake ones never join.
 
 :func:`specialisation` then turns a recorded launch into what ``JITFunction.run`` would compile:
 Triton's own binder (``create_function_from_signature``) and argument packing on the recorded
@@ -171,6 +172,7 @@ def capturing(item_value=lambda t: 1):
     ``cap.events`` then holds its launches. ``item_value(t)``: what ``t.item()`` returns."""
     import triton.runtime.jit as jit
 
+    from megatron_vocabstats.ops import workspace
     from megatron_vocabstats.ops.engine import wgrad
 
     cap = Capture()
@@ -181,6 +183,10 @@ def capturing(item_value=lambda t: 1):
 
     saved = (jit.JITFunction.run, torch.cuda.current_stream, torch.cuda.Event,
              torch.cuda.get_device_capability, dict(wgrad._WGRAD_MODES))
+    # The workspace cache (a process-wide object) holds the capture's fake buffers only while
+    # it runs: its real free buffers are set aside and given back untouched afterwards.
+    saved_free, saved_release = workspace.WORKSPACE._free, workspace._release
+    workspace.WORKSPACE._free, workspace._release = [], (lambda entry: None)
     jit.JITFunction.run = run
     torch.cuda.current_stream = lambda device=None: _Stream()
     torch.cuda.Event = _Event
@@ -194,6 +200,7 @@ def capturing(item_value=lambda t: 1):
          torch.cuda.get_device_capability) = saved[:4]
         wgrad._WGRAD_MODES.clear()
         wgrad._WGRAD_MODES.update(saved[4])
+        workspace.WORKSPACE._free, workspace._release = saved_free, saved_release
 
 
 def _spec_arg(v):

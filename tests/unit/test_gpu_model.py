@@ -98,13 +98,17 @@ def test_captured_forward_gradient_mode_has_three_gemms_per_chunk():
     chunks of TILE_CHUNK_ROWS within TILE_CHUNK_BYTES (2,176 rows at V = 151,936 in bf16), each
     a statistics launch over (row tile, column split) programs that stores the logits, the
     unfused gradient kernel on them, and two cuBLAS GEMMs (dX, dW; the first dW written with
-    beta = 0): no recomputing gradient kernel, no zero fill of the dW sums."""
+    beta = 0): no recomputing gradient kernel, no zero fill of the dW sums. The workspace cache
+    is left as it was."""
     import gpu_capture
 
     import megatron_vocabstats as m
     from megatron_vocabstats.ops.kernels import LINEAR_BLOCKS
 
+    from megatron_vocabstats.ops.workspace import WORKSPACE
+
     tokens, width, hidden = 4096, 151936, 64
+    cached = WORKSPACE.cached()
     with gpu_capture.capturing() as cap:
         h = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         w = torch.empty(width, hidden, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -123,3 +127,5 @@ def test_captured_forward_gradient_mode_has_three_gemms_per_chunk():
         ("mm", 1), ("addmm", 0.0), ("mm", 1), ("addmm", 1.0)], gemms
     assert not [e for e in cap.events if e.name == "zeros" and e.outputs[0].shape == (width,
                                                                                       hidden)]
+    # The capture's fake CUDA buffers never stay in the process's workspace cache.
+    assert WORKSPACE.cached() == cached

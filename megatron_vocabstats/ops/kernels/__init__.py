@@ -3,11 +3,11 @@
 Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
 argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``),
 :func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`) and fused
-tiles (:data:`LINEAR_BLOCKS`). The Triton
-kernels themselves live in :mod:`.triton_stats`, which imports ``triton``: nothing here does
-(``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU. May
-import :mod:`.._argtypes`, the standard library and torch only (``triton_stats`` and
-``triton_tiles``, the kernels, import triton and are imported only once chosen).
+tiles (:data:`LINEAR_BLOCKS`, :func:`linear_blocks`). The Triton kernels themselves live in
+:mod:`.triton_kernels` (host side :mod:`.triton_stats`, building blocks :mod:`.triton_tiles`),
+which import ``triton``: nothing here does (``importlib.util.find_spec`` only), so importing the
+package never needs triton or a GPU. May import :mod:`.._argtypes`, the standard library and
+torch only (the Triton modules are imported only once chosen).
 """
 
 from __future__ import annotations
