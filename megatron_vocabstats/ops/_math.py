@@ -289,13 +289,14 @@ def log_normaliser(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reduce_blocks(blocks: torch.Tensor, out: torch.Tensor, *, entropy: bool, target: bool,
-                  zsum: bool, layout: ShardLayout) -> None:
+                  zsum: bool, layout: ShardLayout, part_width: int = BLOCK) -> None:
     """Shard statistics ``out`` [NUM_STATS, n] (the format of :func:`chunk_stats`) from the
-    :func:`block_stats` ``blocks`` [NUM_STATS, n, nb], combined in a fixed order."""
+    :func:`block_stats` ``blocks`` [NUM_STATS, n, nb] (or any parts of ``part_width``
+    consecutive columns each, in the same format), combined in a fixed order."""
     parts = blocks.permute(2, 0, 1)
     if zsum:
-        rebase_zsum_(parts, real_columns(parts.shape[0], BLOCK, layout.real_width, parts.device),
-                     layout.vocab_size)
+        rebase_zsum_(parts, real_columns(parts.shape[0], part_width, layout.real_width,
+                                         parts.device), layout.vocab_size)
     c = _combine(parts, entropy=entropy, target=target, zsum=zsum, ordered=True)
     out[STAT_MAX] = c.max
     out[STAT_SUMEXP] = c.sumexp

@@ -222,9 +222,11 @@ def linear_vocab_parallel_stats(
             temperature scales each fp32 chunk and the gradients; the weight is never copied.
             Here ``chunk_size`` and ``batch_invariant`` also shape the GEMMs (below).
         chunk_size: tokens per chunk; workspace one ``[chunk, W]`` buffer of the model dtype, two
-            fp32 ``[chunk, W]`` (plus an fp32 ``[chunk, H]`` on CPU). None:
-            :func:`auto_linear_chunk_size` (64 MiB per fp32 buffer on CPU, 256 MiB on GPU).
-            Results do not depend on it (up to the matmul rounding noted above).
+            fp32 ``[chunk, W]`` (plus an fp32 ``[chunk, H]`` on CPU; none with
+            ``kernel="triton"``). None: :func:`auto_linear_chunk_size` (64 MiB per fp32 buffer
+            on CPU, 256 MiB on GPU; with the Triton kernels on GPU up to 4,096 rows within
+            640 MiB of the one buffer, for the weight gradient's fp32 sums). Results do not
+            depend on it (up to the matmul rounding noted above).
         grad_weights: forward-gradient mode, for losses whose per-token weights are known in
             forward (masked SFT cross-entropy): fp32 (any float) weights ``w`` shaped like
             ``target``. Valid only when the upstream gradient of ``logprobs`` is ``c * w`` for a
@@ -271,8 +273,11 @@ def linear_vocab_parallel_stats(
             launch over all tokens: no ``[chunk, W]`` buffer at all; backward recomputes each
             tile the same way and writes the chunk's logits gradient once in the model dtype
             (one ``[chunk, W]`` buffer, no fp32 ones), from which cuBLAS makes ``dX`` and
-            ``dW``. Same tolerances; a logit may round one ulp away from the torch path's
-            (another accumulation order), so the bits differ.
+            ``dW``; the forward-gradient mode stores each chunk's logits tiles in that buffer
+            as it takes the statistics and turns them into the gradient (3 GEMMs per chunk).
+            Same tolerances; a logit may round one ulp away from the torch path's (another
+            accumulation order), so the bits differ. Modelled H200 times:
+            ``docs/gpu-model.md``.
         return_argmax: also return the global id of each row's largest logit, as
             ``torch.argmax(logits / temperature, dim=-1)`` over the whole (gathered) vocabulary
             would give it (ties to the lowest id; padding columns beyond ``vocab_size`` never
@@ -317,7 +322,7 @@ def linear_vocab_parallel_stats(
             or with a kernel that resolves to "triton". Without ``validate`` those fail, hang or
             give wrong gradients.
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
-            supported: the gradients stored in forward are scaled in place by the first).
+            supported: the gradients stored in forward are used up by the first).
     """
     check_keywords("linear_vocab_parallel_stats", options, StatsKwargs)
     cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,

@@ -14,6 +14,8 @@ chunk policy); never an op module nor ``megatron_vocabstats.megatron``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import _comm
@@ -136,12 +138,13 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                              partial_hidden_grad=partial_hidden_grad)
     if problem is None and local_error is not None:
         problem = local_error
+    auto = chunk_size is None and problem is None
     if problem is None:
         problem = _argmax_problem(argmax, grad_weights)
     if problem is None:
         width = weight.shape[0]
         logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
-        if chunk_size is None:
+        if chunk_size is None:  # the Triton backend's own below, once the kernel is known
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
         logits = LogitsSpec((0,), torch.float32, first_device(hidden, weight, target))
@@ -159,6 +162,9 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     if argmax and stats.kernel != "torch":  # the resolved kernel is agreed: every rank raises
         raise ValueError(f"return_argmax=True is computed by the torch statistics only; the "
                          f"resolved kernel is {stats.kernel!r}: pass kernel='torch'")
+    if auto and stats.kernel == "triton" and hidden.device.type != "cpu":
+        stats = dataclasses.replace(stats, chunk_size=auto_linear_chunk_size(
+            weight.shape[0], hidden.device, tiles=True, itemsize=hidden.element_size()))
     grad_on = torch.is_grad_enabled()
     grad_hidden = grad_on and hidden.requires_grad
     grad_weight = grad_on and weight.requires_grad

@@ -6,8 +6,10 @@ Nothing here needs CUDA; ``tests/unit/test_gpu_suite.py`` tests it on CPU.
 The table: ``python tests/gpu/_suite.py OUT`` reads what ``run.sh`` left in ``OUT`` (``steps.tsv``
 with one ``name<TAB>limit_s<TAB>exit code<TAB>seconds`` line per step, a JUnit XML file
 ``<name>.xml`` per pytest step, ``speed.json`` from ``tests/gpu/speed.py`` with the fused LM-head
-table of ``tests/gpu/speed_fused.py`` under ``"fused"``), prints the speed tables and then one row
-per test function, and exits 1 if any test or step failed (skips are fine).
+table of ``tests/gpu/speed_fused.py`` under ``"fused"``, and with a GPU ``gpu_model.json``, the
+static model's estimates of the same rows from ``benchmarks/gpu_model.py``), prints the speed
+tables, the measured times next to the model's, and then one row per test function, and exits 1
+if any test or step failed (skips are fine).
 """
 
 from __future__ import annotations
@@ -318,10 +320,50 @@ def _fused_targets(rows: list[dict], times: dict) -> str:
             f"{vs_liger} x Liger.")
 
 
+# run.sh's file of the static model's estimates (benchmarks/gpu_model.py --speed-rows).
+MODEL_JSON = "gpu_model.json"
+MODEL_CHECK = "static model estimates"
+
+
+def model_lines(report: dict, model: dict) -> list[str]:
+    """Each measured row of ``speed.json`` (and of its fused table) next to the static model's
+    estimate of the same launch (``model``: ``benchmarks/gpu_model.py --speed-rows``'s
+    ``{"rows": [{"table", "provider", "mode", "tokens", "hidden", "fwd_ms", "bwd_ms",
+    "time_ms"}]}``, ``docs/gpu-model.md``): forward, backward and total ms and measured over
+    modelled, the numbers that calibrate the model. Empty if no row has an estimate."""
+    est = {(m["table"], m["provider"], m["mode"], m["tokens"], m.get("hidden")): m
+           for m in model.get("rows", [])}
+    fused = report.get("fused") or {}
+    measured = [("unfused", r, None) for r in report.get("rows", [])] + [
+        ("fused", r, (r.get("extra") or {}).get("hidden")) for r in fused.get("rows", [])]
+    lines = []
+    for table, r, hidden in measured:
+        m = est.get((table, r["provider"], r["mode"], r["tokens"], hidden))
+        if m is None or r.get("skipped") or r.get("time_ms") is None:
+            continue
+        x = r.get("extra") or {}
+        fwd, bwd = x.get("fwd_ms"), x.get("bwd_ms")
+        split = (f"{fwd:.2f} | {m['fwd_ms']:.2f} | {bwd:.2f} | {m['bwd_ms']:.2f}"
+                 if fwd is not None and bwd is not None else
+                 f"n/a | {m['fwd_ms']:.2f} | n/a | {m['bwd_ms']:.2f}")
+        lines.append(f"| {table} | {r['tokens']} | {hidden or ''} | {r['provider']} | "
+                     f"{r['mode']} | {split} | {r['time_ms']:.2f} | {m['time_ms']:.2f} | "
+                     f"{r['time_ms'] / m['time_ms']:.2f} |")
+    if not lines:
+        return []
+    return ["Measured against the static model of the same launches (benchmarks/gpu_model.py, "
+            "H200 constants; docs/gpu-model.md):", "",
+            "| table | T | H | provider | mode | fwd ms | model fwd | bwd ms | model bwd | ms | "
+            "model ms | measured / model |",
+            "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|", *lines]
+
+
 def read_results(out: str) -> tuple[str, list[Row]]:
     """Everything ``run.sh`` left in ``out``: (speed table text, summary rows in step order)."""
     rows: list[Row] = []
     speed_text = ""
+    speed_report = None
+    model_path = os.path.join(out, MODEL_JSON)
     steps_path = os.path.join(out, "steps.tsv")
     steps = []
     if os.path.exists(steps_path):
@@ -339,9 +381,14 @@ def read_results(out: str) -> tuple[str, list[Row]]:
             except ET.ParseError:
                 found = []
         json_path = os.path.join(out, f"{name}.json")
-        if os.path.exists(json_path):
+        if name == "model" and os.path.exists(model_path):
+            with open(model_path) as f:
+                found = [Row(name, MODEL_CHECK,
+                             f"ok ({len(json.load(f).get('rows', []))} rows)")]
+        elif os.path.exists(json_path):
             with open(json_path) as f:
-                speed_text, found = speed_table(json.load(f))
+                speed_report = json.load(f)
+            speed_text, found = speed_table(speed_report)
         bad = step_row(name, limit, code, tail)
         # A failing step whose own rows already show the failure needs no extra row.
         if bad is not None and not (code not in TIMEOUT_CODES and any(r.failed for r in found)):
@@ -351,6 +398,11 @@ def read_results(out: str) -> tuple[str, list[Row]]:
         rows.extend(found)
     if not steps:
         rows.append(Row("suite", "(run.sh)", f"FAIL: no steps recorded in {out}"))
+    if speed_report is not None and os.path.exists(model_path):
+        with open(model_path) as f:
+            lines = model_lines(speed_report, json.load(f))
+        if lines:
+            speed_text = "\n".join([speed_text, "", *lines]) if speed_text else "\n".join(lines)
     return speed_text, rows
 
 

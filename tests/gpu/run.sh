@@ -22,8 +22,11 @@
 #           bandwidth floor; then the fused LM-head table (tests/gpu/speed_fused.py: T = 8192,
 #           H = 4096) of ours (torch, Triton) against Megatron's two pairs and Liger's fused linear
 #           cross-entropy: forward / backward ms, TFLOP/s and ratio to the matmul floor
-# then prints the speed tables and a summary table (tests/gpu/_suite.py), last, even when a step
-# failed or timed out. Exit status: 0 if nothing failed (skips are fine), 1 otherwise.
+#   model   (with a GPU, in the background from the start, limit 300 s: within the steps' own
+#           time, so the worst case stays as above) python benchmarks/gpu_model.py --speed-rows:
+#           the static model's estimate of each speed-table row (docs/gpu-model.md)
+# then prints the speed tables, the measured times next to the model's, and a summary table
+# (tests/gpu/_suite.py), last, even when a step failed or timed out. Exit status: 0 if nothing failed (skips are fine), 1 otherwise.
 # Without CUDA every check skips with its reason and the run takes seconds.
 # Environment: PYTHON (default .venv/bin/python if present, else python3, else python),
 # GPU_SUITE_LIMIT (seconds, overrides every step's limit), GPU_SUITE_SITE (see wheels).
@@ -34,6 +37,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"  # ROOT (now the working directo
 OUT=${1:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-suite.XXXXXX")}
 mkdir -p "$OUT"
 : >"$OUT/steps.tsv"
+rm -f "$OUT/gpu_model.json"  # the model's estimates of an earlier run (see model below)
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 # The package from this checkout, installed or not (a device machine has only the files).
@@ -63,10 +67,23 @@ run_step() {
   printf '%s\t%s\t%s\t%s\n' "$name" "$limit" "$rc" "$((SECONDS - start))" >>"$OUT/steps.tsv"
 }
 
+# The static model's estimates of the speed tables' rows (benchmarks/gpu_model.py: compiles the
+# kernels for sm_90 on the CPU and reads their SASS; docs/gpu-model.md), alongside the GPU steps
+# and only with a GPU (nothing is measured without one); the table prints them next to the
+# measured times. GPU_SUITE_MODEL=0 turns it off.
+MODEL_PID=
+if [[ ${GPU_SUITE_MODEL:-1} != 0 ]] &&
+   "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  run_step model 300 "$PY" benchmarks/gpu_model.py --summary --tokens 4096 8192 \
+    --speed-rows "$OUT/gpu_model.json" &
+  MODEL_PID=$!
+fi
+
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o junit_family=xunit2)
 run_step single 170 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_parity_dist.py \
   --junitxml="$OUT/single.xml"
 run_step parity 40 "${PYTEST[@]}" tests/gpu/test_parity_dist.py --junitxml="$OUT/parity.xml"
 run_step speed 170 "$PY" tests/gpu/speed.py --iters 5 --warmup 2 --out "$OUT/speed.json"
 
+if [[ -n $MODEL_PID ]]; then wait "$MODEL_PID" || true; fi
 timeout 20 "$PY" tests/gpu/_suite.py "$OUT"

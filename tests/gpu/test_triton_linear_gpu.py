@@ -94,7 +94,7 @@ def _check_against_the_exact_product(st, h_leaf, w_leaf, hidden, weight, target,
     (lp * w_lp + ent * w_h).sum().backward()
     z, dz = linear_logits_error(hidden, weight, vocab)
     b = stats_bounds(z, dz=dz, width=width,
-                     parts=online_parts(width, LINEAR_BLOCKS["BLOCK_N"]))
+                     parts=online_parts(width, LINEAR_BLOCKS["BLOCK_N"]), exp2=True)
     valid = target != IGNORE_INDEX
     safe = torch.where(valid, target, 0)
     assert_within(st.logsumexp, lse, b.logsumexp, "logsumexp")
@@ -159,8 +159,10 @@ def test_cuda_graph_replays_the_eager_bits():
 
 def test_forward_holds_no_chunk_buffer():
     """The Triton forward folds each logits tile into the statistics: its peak beyond the inputs
-    is O(T) fp32 vectors (under 64 per token), never a ``[chunk, W]`` buffer (the torch path's
-    is ~256 MiB here); backward holds one bf16 ``[chunk, W]`` gradient buffer, no fp32 one."""
+    is O(T) fp32 vectors (under 64 per token, and the statistics of each split of SPLIT_N
+    columns with their merge's temporaries, under 10 per split), never a ``[chunk, W]`` buffer
+    (the torch path's is ~256 MiB here); backward holds one bf16 ``[chunk, W]`` gradient buffer,
+    no fp32 one."""
     from megatron_vocabstats import reset_workspace
     from megatron_vocabstats.profiling import peak_memory_bytes
 
@@ -184,9 +186,11 @@ def test_forward_holds_no_chunk_buffer():
 
     inputs = torch.cuda.memory_allocated(CUDA)  # the peak below counts every allocation
     forward_peak = peak_memory_bytes(forward, device=CUDA) - inputs
-    assert forward_peak <= 64 * 4 * tokens, forward_peak
+    splits = -(-width // LINEAR_BLOCKS["SPLIT_N"])
+    per_token = 64 + 10 * splits
+    assert forward_peak <= per_token * 4 * tokens, forward_peak
     # Backward: dX (bf16 [T, H]), the fp32 dW sums, their bf16 cast, one bf16 [chunk, W] buffer.
     bound = (2 * tokens * hidden_size + 6 * width * hidden_size + 2 * chunk * width
-             + 64 * 4 * tokens + 2**24)
+             + per_token * 4 * tokens + 2**24)
     step_peak = peak_memory_bytes(step, device=CUDA) - inputs
     assert step_peak <= bound, (step_peak, bound)

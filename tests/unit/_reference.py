@@ -115,7 +115,7 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 
 def stats_bounds(z: torch.Tensor, *, dz: torch.Tensor | None = None, width: int | None = None,
-                 parts: int = 1) -> StatsBounds:
+                 parts: int = 1, exp2: bool = False) -> StatsBounds:
     """Error bounds of the op's logsumexp, entropy and log-probs of the tempered logits ``z``.
 
     Args:
@@ -126,6 +126,8 @@ def stats_bounds(z: torch.Tensor, *, dz: torch.Tensor | None = None, width: int 
             the fused op); None for exact (tau = 1).
         width: number of columns the op sums over (the padded shard width); default V.
         parts: shards or batch-invariant blocks merged per row (1: none).
+        exp2: exp computed as ``exp2(x * log2 e)`` (the Triton kernels): the product and the fp32
+            constant each round, relative ``2 u |x|`` more per exp.
 
     Derivation (first order in u; x_j = z_j - max z <= 0, p the softmax, H the entropy,
     S = sum_j e^{x_j} >= 1, E_p the mean under p):
@@ -158,10 +160,15 @@ def stats_bounds(z: torch.Tensor, *, dz: torch.Tensor | None = None, width: int 
     if parts > 1:
         rel_s = rel_s + gamma(parts - 1) + (LIBM_ULPS + 4) * u + u * a1
         rel_u = rel_u + gamma(parts - 1) + (LIBM_ULPS + 4) * u + u * a2_over_a1
+    if exp2:
+        rel_s = rel_s + 2 * u * a1
+        rel_u = rel_u + 2 * u * a2_over_a1
     d_log_s = rel_s + LIBM_ULPS * u * log_s
     d_h = d_log_s + a1 * (rel_u + rel_s + u) + u * ent.abs()
     d_lse = d_log_s + u * lse.abs()
     d_logp = d_lse.unsqueeze(-1) + u * x.abs() + u * _finite(logp).abs()
+    if exp2:  # the gradient's p = exp2((z - lse) log2 e)
+        d_logp = d_logp + 2 * u * _finite(logp).abs()
     if dz is not None:
         dz = torch.where(live, dz.double(), 0.0)
         p_dz = (p * dz).sum(-1)

@@ -1,100 +1,180 @@
-"""Compile the Triton kernels of ``ops.kernels.triton_stats`` (unfused and fused, per-row and
-per-block statistics, gradient) for an H100/H200 (sm_90) without a GPU: Triton's front end, its
-GPU passes and the wheel's ``ptxas``, for every dtype and a spread of the constexpr flags. Catches what the interpreter lets through (non-constexpr globals, types
-that do not unify across loop iterations, unsupported ops). Also checks that the bf16 statistics
-kernel loads 16 bytes per thread per block when the row is 16-byte aligned, as a launch on
-torch's tensors (V = 151,936) specialises it, and that the fused bf16/fp16 kernels use Hopper's
-``wgmma`` tensor-core instructions. Run by ``test_triton_kernels.py`` in a subprocess
-(``python tests/unit/_triton_compile.py``): prints ``compiled N kernels`` and exits 0.
+"""Compile, for an H100/H200 (sm_90) without a GPU, every variant of the Triton kernels of
+``ops.kernels`` that the ops launch: Triton's front end, its GPU passes and the wheel's
+``ptxas``. Catches what the interpreter lets through (non-constexpr globals, types that do not
+unify across loop iterations, unsupported ops) and what only the compiled code shows.
+
+The variants are not restated here: the ops run on fake CUDA tensors
+(``benchmarks/gpu_capture.py``) over :data:`CONFIGS` (every dtype; unfused and fused; every
+entropy mode, targets or not, temperature, label smoothing, batch-invariant modes, the
+forward-gradient mode; shard widths that are and are not multiples of 16), their launches are
+recorded, and each distinct specialisation (Triton's own binder on the recorded arguments: the
+same constexprs, 16-byte alignment and ``== 1`` specialisation of ints and strides, dtypes) is
+compiled once. Checks on what compiled:
+
+* no local memory (register spills) in any variant;
+* on 16-byte aligned bf16/fp16 rows (V = 151,936, as torch's tensors are launched) every global
+  load of a kernel's main innermost loop (the one with the widest loads: the unfused kernels'
+  masked tail loop may load narrow) is 16 bytes per thread (``.128``): the fused kernels' weight
+  too, since the launch passes ``stride_wk == 1``, which Triton makes constexpr (a runtime
+  stride compiles 2-byte loads);
+* the fused bf16/fp16 kernels use Hopper's ``wgmma`` (``HGMMA``);
+* coverage: every constexpr parameter of each kernel takes each value in :data:`COVERAGE` in some
+  compiled variant, so a flag value the ops can launch cannot go unchecked.
+
+Run by ``test_triton_kernels.py`` in a subprocess (``python tests/unit/_triton_compile.py``):
+prints ``compiled N launched variants for sm_90`` and exits 0, or prints what failed and exits
+1.
 """
 
 from __future__ import annotations
 
-import itertools
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch
 
-from megatron_vocabstats.ops.kernels import triton_stats as ts
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
 
-TARGET = GPUTarget("cuda", 90, 32)
-ALIGNED = [["tt.divisibility", 16]]
-SOURCE = dict(x_ptr="*{dt}", stride_xm="i64", w_ptr="*{dt}", stride_wn="i64", stride_wk="i32",
-              hidden="i32")
-STATS = dict(SOURCE, index_ptr="*i64", owned_ptr="*i8", out_ptr="*fp32", stride_stat="i32",
-             stride_tok="i32", stride_blk="i32", n_rows="i32", n_cols="i32", real_width="i32",
-             temperature="fp32", zscale="fp32")
-GRAD = dict(SOURCE, out_ptr="*{dt}", stride_om="i64", lse_ptr="*fp32", ent_ptr="*fp32",
-            coef_lp_ptr="*fp32", coef_h_ptr="*fp32", index_ptr="*i64", owned_ptr="*i8",
-            valid_ptr="*i8", n_rows="i32", n_cols="i32", real_width="i32", temperature="fp32",
-            uniform_w="fp32", hit_w="fp32")
-ROUND = {"fp32": ts.ROUND_FP32, "bf16": ts.ROUND_BF16, "fp16": ts.ROUND_FP16}
+import gpu_capture  # noqa: E402
+import gpu_sass  # noqa: E402
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# (name, kwargs): fused ops get hidden/weight, unfused logits; "target": False for none,
+# "hidden": the fused head's H (default HIDDEN; one not a multiple of BLOCK_K keeps the K mask).
+CONFIGS = (
+    ("unfused", dict(entropy="grad", temperature=0.7, label_smoothing=0.1)),
+    ("unfused", dict(entropy="off")),
+    ("unfused", dict(entropy="grad", target=False)),
+    ("unfused", dict(entropy="metric", batch_invariant="tp")),
+    ("fused", dict(entropy="grad", temperature=0.7, label_smoothing=0.1)),
+    ("fused", dict(entropy="off")),
+    ("fused", dict(entropy="metric", grad_weights=True, label_smoothing=0.1)),
+    ("fused", dict(entropy="metric", batch_invariant="tp")),
+    ("fused", dict(entropy="grad", target=False, hidden=1000)),
+)
+# Shard widths: Qwen's 151,936 over tp 2 (a multiple of 128), and one no multiple of 16 (its
+# unaligned rows: for the first configuration, whose flags reach every part of the kernels).
+WIDTHS = (75968, 1001)
+TOKENS, HIDDEN = 1000, 4096
+# constexpr -> values every kernel that has it must be compiled with.
+COVERAGE = {
+    "HAS_TARGET": (False, True), "ENTROPY": (False, True), "ZSUM": (False, True),
+    "SCALE": (False, True), "BLOCKS": (False, True), "FUSED": (False, True),
+    "STORE": (False, True), "EVEN_K": (False, True), "ROUND": (0, 1, 2),
+    "HAS_LP": (False, True), "HAS_H": (False, True), "SMOOTH": (False, True),
+    "HAS_VALID": (False, True), "GPU": (True,),
+}
 
 
-def compile_kernel(fn, types: dict, dtype: str, consts: dict, fused: bool = False):
-    names = list(fn.arg_names)
-    # Pointers and the row length / stride 16-byte aligned, as torch's tensors are launched.
-    aligned = ("x_ptr", "w_ptr", "hidden", "stride_xm", "stride_wn") if fused else (
-        "x_ptr", "stride_xm", "n_cols")
-    attrs = {(names.index(n),): ALIGNED for n in aligned}
-    consts = dict(consts, FUSED=fused, GPU=True)
-    if fused:
-        consts.update(stride_xk=1, ROUND=ROUND[dtype], ROWS=ts.LINEAR_BLOCKS["BLOCK_M"],
-                      BLOCK_K=ts.LINEAR_BLOCKS["BLOCK_K"])
-        consts.setdefault("BLOCK_N", ts.LINEAR_BLOCKS["BLOCK_N"])
+def _run(kind: str, opts: dict, dtype, width: int) -> None:
+    import megatron_vocabstats as m
+
+    opts = dict(opts)
+    has_target = opts.pop("target", True)
+    t = torch.zeros(TOKENS, dtype=torch.long, device="cuda") if has_target else None
+    common = dict(kernel="triton", validate=False, vocab_size=width, **opts)
+    if kind == "unfused":
+        x = torch.empty(TOKENS, width, dtype=dtype, device="cuda", requires_grad=True)
+        out = m.vocab_parallel_stats(x, t, **common)
     else:
-        consts.update(stride_xk=1, ROUND=0, ROWS=1, BLOCK_K=16)
-        consts.setdefault("BLOCK_N", ts.MAX_BLOCK_N)
-    sig = {name: "constexpr" if name in consts else types[name].format(dt=dtype)
-           for name in names}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                          target=TARGET)
+        hidden = common.pop("hidden", HIDDEN)
+        h = torch.empty(TOKENS, hidden, dtype=dtype, device="cuda", requires_grad=True)
+        w = torch.empty(width, hidden, dtype=dtype, device="cuda", requires_grad=True)
+        if common.pop("grad_weights", False):
+            common["grad_weights"] = torch.ones(TOKENS, device="cuda")
+        out = m.linear_vocab_parallel_stats(h, w, t, **common)
+    ones = torch.ones(TOKENS, device="cuda")
+    grads = (ones if t is not None else None, ones if opts["entropy"] == "grad" else None, None)
+    if any(g is not None for g in grads):
+        gpu_capture.backward(out.logprobs if t is not None else out.entropy, *grads)
 
 
-def _stats(dt, fused, has_target, scale, entropy, blocks=False):
-    k = compile_kernel(ts._stats_kernel, STATS, dt, dict(
-        HAS_TARGET=has_target, ENTROPY=entropy, ZSUM=entropy, SCALE=scale, BLOCKS=blocks,
-        **({"BLOCK_N": 128} if blocks else {})), fused)
-    if dt == "bf16" and not fused and not blocks and "ld.global.v4.b32" not in k.asm["ptx"]:
-        raise SystemExit("bf16 statistics kernel: no 16-byte loads")
-    if fused and dt != "fp32" and "wgmma" not in k.asm["ptx"]:
-        raise SystemExit(f"fused {dt} statistics kernel: no wgmma")
+def launches() -> list:
+    """Every Triton launch of :data:`CONFIGS` over the dtypes and widths."""
+    with gpu_capture.capturing() as cap:
+        for dtype in DTYPES:
+            for kind, opts in CONFIGS:
+                _run(kind, opts, dtype, WIDTHS[0])
+            _run(*CONFIGS[0], dtype=dtype, width=WIDTHS[1])
+    return cap.triton()
 
 
-def _grad(dt, fused, has_target, scale, has_lp, has_h):
-    compile_kernel(ts._grad_kernel, GRAD, dt, dict(
-        stride_on=1, HAS_LP=has_lp, HAS_H=has_h, HAS_TARGET=has_lp and has_target,
-        SMOOTH=has_lp and has_target and scale, HAS_VALID=has_target, SCALE=scale,
-        OUT_BF16=dt == "bf16"), fused)
+_TODO: list = []  # the variants to compile (read by the forked workers)
+
+
+def _compile(i: int) -> tuple:
+    """``(spilled bytes or instructions, wgmma count, (wide, narrow) global loads in the
+    innermost loop)`` of variant ``i``."""
+    kernel = gpu_capture.compile_launch(_TODO[i])
+    sass = gpu_sass.read(kernel)
+    # The innermost loops that load: the K loop of the fused kernels, the column loops of the
+    # unfused ones (whose masked tail loop may load narrow).
+    inner = [[i for i in gpu_sass.loop_body(sass, loop) if i.root in _LOADS]
+             for loop in sass.loops if loop[2] == sass.max_depth]
+    inner = [loads for loads in inner if loads]
+    best = max(inner, key=lambda loads: sum(_wide_load(i) for i in loads) / len(loads),
+               default=[])
+    wide = sum(_wide_load(i) for i in best)
+    return (sass.local_bytes + sass.spill_instrs, sass.count(lambda i: i.root == "HGMMA"),
+            (wide, len(best) - wide))
+
+
+_LOADS = ("LDG", "LDGSTS", "UTMALDG")
+
+
+def _wide_load(i) -> bool:
+    return i.root == "UTMALDG" or ".128" in i.opcode
+
+
+def _consts(launch) -> dict:
+    return {name: launch.arg(name) for name in COVERAGE if name in launch.kernel.arg_names}
+
+
+def _wide(launch) -> bool:
+    """Whether 16-byte loads are expected: bf16/fp16 logits or hidden rows 16-byte aligned and
+    the tile wide enough (not the per-128-column blocks of one stored row), no K mask (an H that
+    is no multiple of 16 masks single elements)."""
+    x = launch.arg("x_ptr")
+    aligned = x.itemsize < 4 and x.stride[0] * x.itemsize % 16 == 0 and x.data_ptr() % 16 == 0
+    narrow = launch.name == "_tile_stats_kernel" and not launch.arg("FUSED")
+    masked_k = "EVEN_K" in launch.kernel.arg_names and not launch.arg("EVEN_K")
+    return aligned and not (narrow or masked_k)
 
 
 def main() -> int:
-    """Every dtype; the unfused kernels with every (target, temperature) pair, the per-block and
-    the fused ones with both or neither (their flags reach the same code as the unfused ones)."""
-    count = 0
-    for dt in ("bf16", "fp16", "fp32"):
-        for has_target, scale in itertools.product((False, True), repeat=2):
-            both = has_target == scale
-            for entropy in (True, False):
-                _stats(dt, False, has_target, scale, entropy)
-                count += 1
-            for fused in (False, True) if both else (False,):
-                terms = ((True, True), (True, False), (False, True)) if not fused else (
-                    (True, True), (True, False))
-                for has_lp, has_h in terms if both else ():
-                    _grad(dt, fused, has_target, scale, has_lp, has_h)
-                    count += 1
-            if both:
-                for entropy in (True, False):
-                    _stats(dt, True, has_target, scale, entropy)
-                    count += 1
-        for fused in (False, True):
-            _stats(dt, fused, True, True, True, blocks=True)
-            count += 1
-    print(f"compiled {count} kernels for sm_90")
-    return 0
+    variants: dict = {}
+    for launch in launches():
+        variants.setdefault(gpu_capture.specialisation_key(launch), launch)
+    errors = []
+    seen: dict = {}
+    for launch in variants.values():
+        for name, value in _consts(launch).items():
+            seen.setdefault((launch.name, name), set()).add(value)
+    for (kernel, name), values in sorted(seen.items()):
+        missing = set(COVERAGE[name]) - values
+        if missing:
+            errors.append(f"{kernel}: no launched variant with {name} in {sorted(missing)}")
+    _TODO[:] = variants.values()
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_compile, range(len(_TODO))))
+    for launch, (spills, wgmma, wide) in zip(_TODO, results, strict=True):
+        what = f"{launch.name} {_consts(launch)} {launch.arg('x_ptr').dtype}"
+        if spills:
+            errors.append(f"{what}: {spills} bytes/instructions of local memory (spills)")
+        fused = launch.name.startswith("_tile") and launch.arg("hidden") > 1
+        if fused and launch.arg("x_ptr").itemsize < 4 and not wgmma:
+            errors.append(f"{what}: no wgmma")
+        if _wide(launch) and (wide[1] or not wide[0]):
+            errors.append(f"{what}: {wide[1]} of {sum(wide)} global loads in its widest "
+                          "innermost loop are narrower than 16 bytes")
+    for e in errors:
+        print(e)
+    print(f"compiled {len(variants)} launched variants for sm_90")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ interpreter's subprocess, with ``_triton_interp.py``. Values and the gradients o
 weight are checked against the float64 reference of the fused op's own tests
 (``dist/fused_linear_cases.run_and_check``: logits ``round_dtype(hidden @ W.T)``, the same
 tolerances, which allow a logit one model-dtype ulp off the float64 product, as another
-accumulation order rounds). Every case runs with the kernels' own tiles (64 x 128, K steps of
-64: one tile for these shapes) and with 16 x 16 tiles (many row, column and K blocks, every
-mask at a width that is no multiple of the block).
+accumulation order rounds). Every case runs with the kernels' own tiles (128 x 256 for bf16/fp16,
+64 x 64 for fp32, K steps of 64/32: one tile and one split for these shapes) and with 16 x 16
+tiles (many row, column and K blocks, splits of two column tiles merged, grouped launch order,
+every mask at a width that is no multiple of the block).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from dist.fused_linear_cases import run_and_check
 from megatron_vocabstats.ops import kernels
 from megatron_vocabstats.ops.kernels import triton_stats
 
-SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+# Many row, column and K tiles, two column tiles per split (several splits merged), groups of
+# two row tiles in the launch order.
+SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_N=32, GROUP_M=2)
 
 
 @pytest.fixture(params=["own_tiles", "small_tiles"])
@@ -35,6 +38,7 @@ def tiles(request, monkeypatch):
     if request.param == "small_tiles":
         for key, value in SMALL_TILES.items():
             monkeypatch.setitem(kernels.LINEAR_BLOCKS, key, value)
+            monkeypatch.setitem(kernels.LINEAR_BLOCKS_FP32, key, value)
     return request.param
 
 
@@ -131,8 +135,7 @@ def test_the_kernels_run(forced, monkeypatch):
     launched = []
 
     def spy(kernel, grid, *args, **consts):
-        launched.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__,
-                         consts["FUSED"]))
+        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
         return launch(kernel, grid, *args, **consts)
 
     launch = triton_stats.launch
@@ -142,8 +145,8 @@ def test_the_kernels_run(forced, monkeypatch):
     opts = {} if forced else {"kernel": "triton"}
     hidden, weight, target = _problem(rows=6)
     _run(hidden, weight, target, **opts)
-    assert sorted(set(launched)) == [("_grad_kernel", True), ("_stats_kernel", True)], launched
+    assert sorted(set(launched)) == ["_tile_grad_kernel", "_tile_stats_kernel"], launched
     launched.clear()
     logits = (hidden.float() @ weight.float().T).requires_grad_()
     vocab_parallel_stats(logits, target, **opts).logprobs.sum().backward()
-    assert sorted(set(launched)) == [("_grad_kernel", False), ("_stats_kernel", False)], launched
+    assert sorted(set(launched)) == ["_row_grad_kernel", "_row_stats_kernel"], launched

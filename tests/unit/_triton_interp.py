@@ -60,20 +60,22 @@ def _pair_bounds(z64: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor
     of a row's ``S = sum_j e^x_j``/``U = sum_j e^x_j x_j`` and of ``A = sum_j x_j`` (``x = z -
     max z``, before the scale ``c``), first order in u.
 
-    Per term: ``x_j`` is rounded once (relative u, which moves ``e^x_j`` by ``u |x_j|``), exp
-    costs ``LIBM_ULPS`` u, the product ``e^x x`` one u; the W terms are summed (``gamma_W``) and
-    the kernel rescales its partial sums nb - 1 times, each an exp, a product and an add (and for
-    U the ``d s`` correction, whose terms are bounded by ``e^x_j |x_j|``), ``(nb - 1)(LIBM_ULPS +
-    4) u`` relative. The terms of S and U are bounded together by ``e^x (1 + |x|)``; every term of
-    A has one sign, so ``A`` gets ``sum |x| (u + gamma_(W + 2nb))``. Both evaluations meet the
-    bound, so their difference is within twice it.
+    Per term: ``x_j`` is rounded once (relative u, which moves ``e^x_j`` by ``u |x_j|``), the
+    kernel's ``exp2(x log2 e)`` two more (``2 u |x_j|``, the exponents of its rescalings add up to
+    the same), exp costs ``LIBM_ULPS`` u, the product ``e^x x`` one u; the W terms are summed
+    (``gamma_W``) and the kernel rescales a lane's partial sums up to nb - 1 times and once more
+    as the lanes merge, each an exp, a product and an add (and for U the ``d s`` correction, whose
+    terms are bounded by ``e^x_j |x_j|``), ``nb (LIBM_ULPS + 4) u`` relative. The terms of S and
+    U are bounded together by ``e^x (1 + |x|)``; every term of A has one sign, so ``A`` gets
+    ``sum |x| (u + gamma_(W + 2nb))``. Both evaluations meet the bound, so their difference is
+    within twice it.
     """
     u = U32
     width = z64.shape[-1]
     x = z64 - z64.amax(-1, keepdim=True)
     weight = x.exp() * (1 + x.abs())
-    rescale = gamma(width + 3 * nb) + (nb - 1) * (LIBM_ULPS + 4) * u
-    d_su = (weight * (u * x.abs() + (LIBM_ULPS + 1) * u)).sum(-1) + rescale * weight.sum(-1)
+    rescale = gamma(width + 3 * nb) + nb * (LIBM_ULPS + 4) * u
+    d_su = (weight * (3 * u * x.abs() + (LIBM_ULPS + 1) * u)).sum(-1) + rescale * weight.sum(-1)
     d_a = x.abs().sum(-1) * (u + gamma(width + 2 * nb))
     return 2 * d_su, 2 * d_a
 

@@ -117,6 +117,40 @@ def test_table_of_a_fixed_run(tmp_path, capsys):
     assert printed.index(header) < summary_header
 
 
+def test_measured_times_next_to_the_model(tmp_path):
+    """With the static model's estimates (run.sh's model step, ``benchmarks/gpu_model.py
+    --speed-rows``), each measured row that has one is printed next to it: forward, backward,
+    total and measured / model; rows without an estimate or not measured are left out."""
+    out = _results_dir(tmp_path, [("single", 0), ("speed", 0), ("model", 0)])
+    speed = dict(SPEED, rows=[dict(SPEED["rows"][0], provider="ours_triton",
+                                   extra={"fwd_ms": 1.5, "bwd_ms": 2.5, "fwd_tbps": 1.0,
+                                          "bwd_tbps": 1.0, "floor_ms": 1.0, "vs_floor": 4.0}),
+                             *SPEED["rows"][1:]])
+    speed["fused"] = {"config": "c", "rows": [
+        {"provider": "liger", "mode": "logprob fwd-grad", "tokens": 8192, "time_ms": 50.0,
+         "peak_bytes": GiB, "skipped": None, "extra": {
+             "hidden": 4096, "fwd_ms": 50.0, "bwd_ms": 0.0, "fwd_tflops": 0.0, "bwd_tflops": 0.0,
+             "tflops": 0.0, "vs_floor": 1.6, "grads_in_forward": True}}]}
+    (tmp_path / "speed.json").write_text(json.dumps(speed))
+    model = {"rows": [
+        {"table": "unfused", "provider": "ours_triton", "mode": "logprob", "tokens": 2048,
+         "hidden": None, "fwd_ms": 1.0, "bwd_ms": 2.0, "time_ms": 3.0},
+        {"table": "unfused", "provider": "ours", "mode": "logprob+entropy", "tokens": 2048,
+         "hidden": None, "fwd_ms": 9.0, "bwd_ms": 9.0, "time_ms": 18.0},
+        {"table": "fused", "provider": "liger", "mode": "logprob fwd-grad", "tokens": 8192,
+         "hidden": 4096, "fwd_ms": 40.0, "bwd_ms": 0.0, "time_ms": 40.0}]}
+    (tmp_path / _suite.MODEL_JSON).write_text(json.dumps(model))
+    speed_text, rows = _suite.read_results(out)
+    assert ("| unfused | 2048 |  | ours_triton | logprob | 1.50 | 1.00 | 2.50 | 2.00 | 4.00 | "
+            "3.00 | 1.33 |") in speed_text
+    assert ("| fused | 8192 | 4096 | liger | logprob fwd-grad | 50.00 | 40.00 | 0.00 | 0.00 | "
+            "50.00 | 40.00 | 1.25 |") in speed_text
+    assert "| ours | logprob+entropy | 9.00" not in speed_text  # not measured (it errored)
+    assert ("model", _suite.MODEL_CHECK, "ok (3 rows)") in [(r.step, r.check, r.status)
+                                                             for r in rows]
+    assert _suite.model_lines(SPEED, {"rows": []}) == []
+
+
 def test_a_crashed_step_without_a_report_fails(tmp_path):
     out = _results_dir(tmp_path, [("parity", 1)])
     _, rows = _suite.read_results(out)

@@ -9,6 +9,7 @@ set before triton decorates the kernels, so the interpreter cannot leak into thi
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -125,12 +126,14 @@ def test_kernels_under_the_interpreter():
 
 @needs_triton
 def test_kernels_compile_for_sm90(tmp_path):
+    """Every variant the ops launch compiles for sm_90 without spills, with the expected loads
+    and wgmma (``_triton_compile.py``, which captures the launches from the ops)."""
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_triton_compile.py")],
                           capture_output=True, text=True, cwd=ROOT, timeout=540,
                           env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore",
                                "TRITON_CACHE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "compiled 72 kernels for sm_90" in proc.stdout
+    assert re.search(r"compiled [1-9]\d* launched variants for sm_90", proc.stdout), proc.stdout
 
 
 @needs_triton

@@ -38,17 +38,33 @@ from .kernel import Chunk
 # 32/64/128/256/512: H=512 2304/1649/1603/1575/1748, H=1024 3703/3262/3096/2740/3027. 64 MiB
 # (220 tokens at W=76,032) sits at the optimum for 167 MB of chunk buffers.
 CPU_LINEAR_CHUNK_BYTES = 64 * 2**20
+# GPU chunks of a backend that computes the logits itself (Triton: no fp32 chunk buffers), for the
+# backward and the forward-gradient mode. Every chunk reads and writes the fp32 [W, H] dW sums
+# (8 W H bytes) around a dW GEMM of 2 chunk W H FLOPs: at TILE_CHUNK_ROWS rows that traffic is
+# 4 x 989e12 / (4096 x 3.35e12) = 0.29 of the GEMM's time at H100/H200 peaks (the torch path's
+# 441 rows at V = 151,936: 2.7 times the GEMM). Its one buffer, [chunk, W] in the model dtype,
+# stays within TILE_CHUNK_BYTES: the torch path's three buffers at 441 rows (670 MB); whole
+# 128-row tiles (docs/gpu-model.md).
+TILE_CHUNK_ROWS = 4096
+TILE_CHUNK_BYTES = 640 * 2**20
 
 
-def auto_linear_chunk_size(width: int, device: torch.device) -> int:
+def auto_linear_chunk_size(width: int, device: torch.device, *, tiles: bool = False,
+                           itemsize: int = 2) -> int:
     """Tokens per chunk of ``linear_vocab_parallel_stats`` (and every fused op) when
     ``chunk_size=None``.
 
     CPU: ``CPU_LINEAR_CHUNK_BYTES // (4 * width)`` (220 tokens at W = 76,032; see the comment on
-    the constant). Other devices: the core op's ``auto_chunk_size`` (256 MiB per fp32 buffer).
+    the constant). Other devices: the core op's ``auto_chunk_size`` (256 MiB per fp32 buffer),
+    or with ``tiles`` (a backend that computes the logits itself; ``itemsize``: bytes of the
+    model dtype) :data:`TILE_CHUNK_ROWS` within :data:`TILE_CHUNK_BYTES` (2,176 rows at W =
+    151,936 in bf16), a multiple of 128.
     """
     if device.type == "cpu":
         return max(1, CPU_LINEAR_CHUNK_BYTES // (4 * width))
+    if tiles:
+        rows = min(TILE_CHUNK_ROWS, TILE_CHUNK_BYTES // (itemsize * max(width, 1)))
+        return max(128, rows // 128 * 128)
     return auto_chunk_size(width, device)
 
 

@@ -32,7 +32,12 @@ from .linear import (
     fused_chunks,
     reduce_hidden_grad,
 )
-from .wgrad import finish_weight_grad, input_grads_of_chunk, weight_grad_buffer
+from .wgrad import (
+    finish_weight_grad,
+    fresh_weight_grad,
+    input_grads_of_chunk,
+    weight_grad_buffer,
+)
 
 
 def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
@@ -52,17 +57,22 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
     names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
     out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
-    acc = weight_grad_buffer(weight, None) if cfg.grad_weight else None
+    fresh = cfg.grad_weight and fresh_weight_grad(None, kernels.tiles)
+    acc = weight_grad_buffer(weight, None, fresh=fresh) if cfg.grad_weight else None
     for chunk in fused_chunks(hidden2d, weight, target1d, valid, sc, bufs, padded=True):
         rows = chunk.rows
         n = rows.stop - rows.start
         local = chunk._replace(rows=slice(0, n))  # the chunk's own [n] vectors below
+        if kernels.tiles:  # the statistics store the chunk's logits: its gradient reads them
+            local = local._replace(logits=bufs.logits[:n])
         parts = gathered_stats([local], n, sc, tp_group, has_target=True,
                                device=hidden2d.device)
         part = merge(parts, valid[rows], in_range=in_range[rows])
         for name in names:
             out[name][rows] = getattr(part, name)
-        if not kernels.tiles:  # the statistics overwrote z
+        if kernels.tiles:  # 3 GEMMs: the gradient from the stored logits, not recomputed
+            local = local._replace(hidden=None, weight=None)
+        else:  # the statistics overwrote z
             local = local._replace(z=load_chunk(chunk.logits, bufs.z, sc.layout, sc.temperature),
                                    scratch=bufs.scratch)
         grad = StatsGrad(finite_lse(part.logsumexp, valid[rows]), None, coef_lp[rows], None,
@@ -70,7 +80,10 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
         g = bufs.logits[:n]
         kernels.stats_grad(grad, sc.temperature)(local, g)
         input_grads_of_chunk(g, hidden2d[rows], weight,
-                             dx2d[rows] if dx2d is not None else None, acc, bufs)
+                             dx2d[rows] if dx2d is not None else None, acc, bufs, fresh=fresh)
+        fresh = False
+    if fresh:  # no chunk (no tokens): the uninitialised sums are zero
+        acc.zero_()
     return MergedStats(**{name: out.get(name) for name in ("logsumexp", "logprobs", "entropy")}), \
         dx2d, acc
 
@@ -78,12 +91,12 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
 def scaled_forward_grads(ctx, grad_logprobs):
     """``(grad_hidden, grad_weight)`` of the forward-gradient mode: the gradients stored by
     :func:`forward_with_grads` scaled by :func:`upstream_scale` (once per forward)."""
-    # Checked before ctx.saved_tensors: the first backward scaled acc in place, and unpacking it
-    # again would raise torch's version-counter error instead.
+    # Checked before ctx.saved_tensors: the first backward may have scaled acc in place, and
+    # unpacking it again would raise torch's version-counter error instead.
     if ctx.used:
         raise RuntimeError("linear_vocab_parallel_stats: with grad_weights (forward-gradient "
                            "mode) backward runs once per forward: the gradients stored in "
-                           "forward were scaled in place by the first backward. Run the forward "
+                           "forward were used up (scaled) by the first backward. Run the forward "
                            "again, or pass grad_weights=None to backpropagate more than once")
     ctx.used = True
     weight, target, grad_weights, grad_hidden, acc = ctx.saved_tensors
@@ -93,7 +106,11 @@ def scaled_forward_grads(ctx, grad_logprobs):
     if grad_hidden is not None:
         grad_hidden = grad_hidden.mul(scale)
     grad_weight = None
-    if acc is not None:
+    if acc is not None and not cfg.accumulate_into_main_grad and weight.dtype != acc.dtype:
+        # The scaling and the cast to the weight's dtype in one pass (fp32 product, one rounding:
+        # the bits of acc.mul_(scale).to(dtype), a read of acc fewer).
+        grad_weight = torch.mul(acc, scale, out=torch.empty_like(weight))
+    elif acc is not None:
         grad_weight = finish_weight_grad(acc.mul_(scale), weight, ctx.main_grad, cfg)
     return grad_hidden, grad_weight
 
@@ -150,8 +167,9 @@ def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, 
     total = full_hidden(hidden, cfg, tp_group)
     hidden2d = total.reshape(-1, total.shape[-1])
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
-    acc = weight_grad_buffer(weight, main_grad) if cfg.grad_weight else None
     kernels = grad_backend(sc, grad)
+    fresh = cfg.grad_weight and fresh_weight_grad(main_grad, kernels.tiles)
+    acc = weight_grad_buffer(weight, main_grad, fresh=fresh) if cfg.grad_weight else None
     grad = kernels.stats_grad(grad, sc.temperature)
     bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size,
                         batch_invariant=bool(sc.batch_invariant), tiles=kernels.tiles)
@@ -161,9 +179,13 @@ def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, 
             g = bufs.logits[:chunk.rows.stop - chunk.rows.start]
             grad(chunk, g)
             input_grads_of_chunk(g, hidden2d[chunk.rows], weight,
-                                 dx2d[chunk.rows] if dx2d is not None else None, acc, bufs)
+                                 dx2d[chunk.rows] if dx2d is not None else None, acc, bufs,
+                                 fresh=fresh)
+            fresh = False
     finally:
         bufs.release()
+    if fresh:  # no chunk (no tokens): the uninitialised sums are zero
+        acc.zero_()
     grad_hidden = None
     if dx2d is not None:
         grad_hidden = reduce_hidden_grad(dx2d, total.shape, cfg, tp_group)

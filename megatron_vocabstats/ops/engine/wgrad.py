@@ -4,8 +4,9 @@
 * :func:`accumulate_wgrad`: the fp32 accumulation ``acc += g.T @ h`` from model-dtype
   operands, by the GEMM mode probed once per device type (:func:`wgrad_mode`: ``"addmm"``,
   ``"mm"`` or ``"upcast"``);
-* :func:`weight_grad_buffer` / :func:`finish_weight_grad`: the fp32 ``[W, H]`` sums and
-  Megatron's ``main_grad`` contract (gradient-accumulation fusion).
+* :func:`weight_grad_buffer` / :func:`fresh_weight_grad` / :func:`finish_weight_grad`: the fp32
+  ``[W, H]`` sums (zero-filled, or written by the first chunk) and Megatron's ``main_grad``
+  contract (gradient-accumulation fusion).
 
 May import: ``torch``, :mod:`..workspace` and :mod:`.linear` (the buffers and the config);
 never an op module nor ``megatron_vocabstats.megatron``.
@@ -61,36 +62,53 @@ def _probe_wgrad_mode(device_type: str) -> str:
 
 
 def accumulate_wgrad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor,
-                      bufs: ChunkBuffers) -> None:
+                     bufs: ChunkBuffers, *, fresh: bool = False) -> None:
     """``acc += grad.T @ h`` accumulated in fp32 (``acc`` fp32 ``[W, H]``; ``grad`` ``[n, W]`` and
-    ``h`` ``[n, H]`` in the model dtype). Clobbers ``bufs.grad32``."""
+    ``h`` ``[n, H]`` in the model dtype), or with ``fresh`` ``acc = grad.T @ h`` whatever ``acc``
+    holds (the GEMM's ``beta = 0``: no zero fill before the first chunk, no read of it).
+    Clobbers ``bufs.grad32``."""
+    beta = 0.0 if fresh else 1.0
     if grad.dtype == acc.dtype:
-        acc.addmm_(grad.t(), h)
+        acc.addmm_(grad.t(), h, beta=beta)
         return
     mode = wgrad_mode(acc.device.type)
     if mode == "addmm":
-        torch.addmm(acc, grad.t(), h, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, grad.t(), h, beta=beta, out_dtype=acc.dtype, out=acc)
     elif mode == "mm":
-        acc.add_(torch.mm(grad.t(), h, out_dtype=acc.dtype))
+        product = torch.mm(grad.t(), h, out_dtype=acc.dtype)
+        acc.copy_(product) if fresh else acc.add_(product)
     else:
         n = grad.shape[0]
-        acc.addmm_(bufs.grad32(n).copy_(grad).t(), bufs.h32(n).copy_(h))
+        acc.addmm_(bufs.grad32(n).copy_(grad).t(), bufs.h32(n).copy_(h), beta=beta)
 
 
-def input_grads_of_chunk(grad, h, weight, dx_rows, acc, bufs: ChunkBuffers) -> None:
+def input_grads_of_chunk(grad, h, weight, dx_rows, acc, bufs: ChunkBuffers, *,
+                         fresh: bool = False) -> None:
     """From one chunk's logits gradient ``grad`` [n, W]: ``dx_rows = grad @ weight`` (if given) and
-    ``acc += grad.T @ h`` (if given)."""
+    ``acc += grad.T @ h`` (if given; ``fresh``: ``acc = grad.T @ h``, see
+    :func:`accumulate_wgrad`)."""
     if dx_rows is not None:
         torch.matmul(grad, weight, out=dx_rows)
     if acc is not None:
-        accumulate_wgrad(acc, grad, h, bufs)
+        accumulate_wgrad(acc, grad, h, bufs, fresh=fresh)
 
 
-def weight_grad_buffer(weight, main_grad) -> torch.Tensor:
-    """The fp32 ``[W, H]`` accumulator: an fp32 ``main_grad`` itself, else fresh zeros."""
+def weight_grad_buffer(weight, main_grad, *, fresh: bool = False) -> torch.Tensor:
+    """The fp32 ``[W, H]`` accumulator: an fp32 ``main_grad`` itself, else fresh zeros (with
+    ``fresh``: uninitialised, for a first chunk written with ``fresh=True``; see
+    :func:`fresh_weight_grad`)."""
     if main_grad is not None and main_grad.dtype == torch.float32:
         return main_grad
-    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    make = torch.empty if fresh else torch.zeros
+    return make(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def fresh_weight_grad(main_grad, tiles: bool) -> bool:
+    """Whether the first chunk writes the weight-gradient sums instead of adding to them: for a
+    backend that computes the logits itself (the Triton kernels, whose bits are their own) and
+    sums of our own (not an fp32 ``main_grad``). The torch path keeps its zero fill and
+    additions, bit for bit."""
+    return tiles and (main_grad is None or main_grad.dtype != torch.float32)
 
 
 def finish_weight_grad(acc, weight, main_grad, cfg: LinearStatsConfig):

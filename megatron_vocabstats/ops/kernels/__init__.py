@@ -3,11 +3,11 @@
 Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
 argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``),
 :func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`) and fused
-tiles (:data:`LINEAR_BLOCKS`). The Triton
-kernels themselves live in :mod:`.triton_stats`, which imports ``triton``: nothing here does
-(``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU. May
-import :mod:`.._argtypes`, the standard library and torch only (``triton_stats`` and
-``triton_tiles``, the kernels, import triton and are imported only once chosen).
+tiles (:data:`LINEAR_BLOCKS`, :func:`linear_blocks`). The Triton kernels themselves live in
+:mod:`.triton_kernels` (host side :mod:`.triton_stats`, building blocks :mod:`.triton_tiles`),
+which import ``triton``: nothing here does (``importlib.util.find_spec`` only), so importing the
+package never needs triton or a GPU. May import :mod:`.._argtypes`, the standard library and
+torch only (the Triton modules are imported only once chosen).
 """
 
 from __future__ import annotations
@@ -20,20 +20,37 @@ import torch
 
 from .._argtypes import check_choice
 
-# Columns per block of the Triton kernels: a power of two, at most this many (fewer for narrow
-# shards).
-MAX_BLOCK_N = 1024
-# The fused LM-head kernels' tile: BLOCK_M rows x BLOCK_N columns, BLOCK_K of the hidden size per
-# tl.dot. Fixed (never autotuned: a row's reduction order must not depend on the batch). Chosen
-# for Hopper's wgmma (64-row warpgroup tiles, 128-byte K slices of bf16), not yet tuned on a GPU.
-LINEAR_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64)
+# Columns per block of the unfused Triton kernels: a power of two, at most this many (fewer for
+# narrow shards) and MAX_BLOCK_BYTES of logits: 4 KiB per program and step in flight.
+MAX_BLOCK_N = 2048
+MAX_BLOCK_BYTES = 4096
+# The fused LM-head kernels' tiles (bf16/fp16): BLOCK_M rows x BLOCK_N columns, BLOCK_K of the
+# hidden size per tl.dot, SPLIT_N columns (a multiple of BLOCK_N) per statistics program, GROUP_M
+# row tiles per group of the launch order (triton_tiles.tile_order), and the launch's warps and
+# pipeline stages. Fixed, never autotuned (a row's reduction order must not depend on the batch).
+# Chosen with the static H200 model (docs/gpu-model.md): 128 x 256 tiles in two warpgroups load
+# 2 bytes from L2 per 85 FLOPs; 2,048-column splits give T = 4096 over 2,000 programs.
+LINEAR_BLOCKS = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, SPLIT_N=2048, GROUP_M=16,
+                     num_warps=8, num_stages=3)
+# fp32 models: IEEE fp32 products on the CUDA cores (no tensor cores), tiles that fit in
+# registers without spilling (checked by tests/unit/_triton_compile.py).
+LINEAR_BLOCKS_FP32 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, SPLIT_N=2048, GROUP_M=16,
+                          num_warps=4, num_stages=2)
 
 
-def block_columns(width: int, max_block: int = MAX_BLOCK_N) -> int:
-    """``BLOCK_N`` of the Triton kernels for a shard of ``width`` columns: the next power of two
-    >= width, at least 16 and at most ``max_block`` (a power of two). Here, not in
-    :mod:`.triton_stats`, so that the tests' error bounds can read it without triton."""
-    return max(16, min(max_block, 1 << (max(width, 1) - 1).bit_length()))
+def linear_blocks(dtype: torch.dtype, blocks: dict | None = None) -> dict:
+    """The fused kernels' tiles for model dtype ``dtype`` (keys of :data:`LINEAR_BLOCKS`),
+    updated by ``blocks``."""
+    return {**(LINEAR_BLOCKS_FP32 if dtype == torch.float32 else LINEAR_BLOCKS), **(blocks or {})}
+
+
+def block_columns(width: int, itemsize: int = 2, max_block: int = MAX_BLOCK_N) -> int:
+    """``BLOCK_N`` of the unfused Triton kernels for a shard of ``width`` columns of
+    ``itemsize`` bytes: the next power of two >= width, at least 16, at most ``max_block`` (a
+    power of two) and :data:`MAX_BLOCK_BYTES` of logits. Here, not in :mod:`.triton_stats`, so
+    that the tests' error bounds can read it without triton."""
+    cap = min(max_block, MAX_BLOCK_BYTES // itemsize)
+    return max(16, min(cap, 1 << (max(width, 1) - 1).bit_length()))
 
 
 # Resolved backends (``StatsConfig.kernel``) and the values the ops accept.

@@ -1,39 +1,36 @@
-"""The Triton kernels behind the engine's per-chunk seam: statistics and gradient of a chunk, from
-stored logits (the unfused op) or from hidden states (the fused LM head).
+"""The host side of the Triton kernels behind the engine's per-chunk seam: statistics and
+gradient of a chunk, from stored logits (the unfused op) or from hidden states (the fused LM
+head). The kernels live in :mod:`.triton_kernels`, their building blocks in
+:mod:`.triton_tiles`.
 
-Two kernels, each with a constexpr ``FUSED`` choosing where a tile of logits comes from
-(:mod:`.triton_tiles`): the stored logits ``[n, W]`` (``load_logits``, one program per row,
-``ROWS = 1``), or ``hidden [n, H] @ weight [W, H].T`` by ``tl.dot`` (``matmul_logits``,
-``BLOCK_M`` rows per program), never stored:
-
-* :func:`_stats_kernel`: a chunk's shard statistics (the ``[NUM_STATS, n]`` of
-  ``_math.chunk_stats``) in one pass over the columns with online rescaling, or with ``BLOCKS``
-  the per-block statistics of ``_math.block_stats`` (``[NUM_STATS, n, nb]``, blocks of
-  ``_layout.BLOCK`` columns, batch-invariant mode "tp");
-* :func:`_grad_kernel`: the chunk's logits gradient (``_grad.chunk_grad``, both upstream
-  gradients folded) in one pass, one program per (rows, block of columns), written once in the
-  model dtype: in place of the logits (unfused) or into the fused head's gradient buffer, from
+* :func:`shard_stats`: a chunk's shard statistics (the ``[NUM_STATS, n]`` of
+  ``_math.chunk_stats``), or with ``per_block`` those of each block of ``_layout.BLOCK`` columns
+  (``[NUM_STATS, n, nb]``, batch-invariant mode "tp"). Stored logits: one program per row,
+  per-lane partial statistics merged once per row. Fused: programs of ``BLOCK_M`` rows times
+  one split of the columns in a grouped order, each split's statistics merged by
+  ``_math.reduce_blocks`` as per-block statistics are; the logits tiles are never stored unless
+  the caller gives a buffer (the forward-gradient mode, whose gradient then reads them).
+* :func:`stats_grad`: the chunk's logits gradient (``_grad.chunk_grad``, both upstream gradients
+  folded), written once in the model dtype: in place of the logits (unfused, one row per
+  program) or into the fused head's gradient buffer (one recomputed tile per program), from
   which cuBLAS makes ``dX`` and ``dW`` (``engine.wgrad``).
 
-The host wrappers are :func:`shard_stats` / :func:`stats_grad`; the seam's objects
-(:class:`TritonShardStats`, :class:`TritonStatsGrad`) call them with what the chunk holds: its
-logits, or (``chunk.logits`` None) its hidden rows and the weight shard.
+The seam's objects (:class:`TritonShardStats`, :class:`TritonStatsGrad`) call them with what the
+chunk holds: its logits, or its hidden rows and the weight shard (``chunk.hidden`` given).
 
 Same formulas as the torch path (``docs/numerics.md``), not the same bits. Batch invariance: a
-row's statistics depend only on its own logits, the shard width and the block sizes, which
-depend on nothing else (no autotuning), so ``batch_invariant=True`` holds as it is; ``"tp"``
-takes ``BLOCKS``, whose parts the torch merge combines in its fixed tree.
+row's statistics depend only on its own logits, the shard width and the tile sizes and splits,
+which depend on nothing else (no autotuning), so ``batch_invariant=True`` holds as it is;
+``"tp"`` takes ``per_block``, whose parts the torch merge combines in its fixed tree.
 
 Supported: logits or hidden/weight bf16/fp16/fp32 with any strides, W >= 1, H >= 1, any n
-(grid dimension 0); fp32 statistics; int64 target index. Blocks: powers of two, ``BLOCK_N`` <=
-1024 columns (unfused; 128 for ``BLOCKS`` and the fused kernels), ``BLOCK_M`` and ``BLOCK_K``
->= 16 (``tl.dot``). Logits below ``Z_FLOOR`` (-inf too) and padding columns (local id >=
-``real_width``) count as the floor; a row with a NaN logit gets NaN statistics; ``+inf`` gives
-NaN as in the torch path.
+(grid dimension 0); fp32 statistics; int64 target index. Logits below ``Z_FLOOR`` (-inf too) and
+padding columns (local id >= ``real_width``) count as the floor; a row with a NaN logit gets NaN
+statistics; ``+inf`` gives NaN as in the torch path.
 
 Imports ``triton`` at import time: only :mod:`..engine.backends` imports this module, lazily,
 once ``kernels.resolve_kernel`` chose ``"triton"``. May import triton, torch, :mod:`.._layout`,
-:mod:`.._math` (constants), :mod:`..options` and :mod:`.triton_tiles`.
+:mod:`.._math`, :mod:`..options`, :mod:`.triton_tiles` and :mod:`.triton_kernels`.
 """
 
 from __future__ import annotations
@@ -42,115 +39,24 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from .._layout import BLOCK, ShardLayout
-from .._math import NUM_STATS, zsum_scale
-from . import LINEAR_BLOCKS, MAX_BLOCK_N, block_columns
-from .triton_tiles import (
-    FLOOR,
-    ROUND_BF16,
-    ROUND_FP16,
-    ROUND_FP32,
-    grad_rows,
-    grad_tile,
-    load_logits,
-    matmul_logits,
-    online_update,
-    round_bf16,
-    scaled_z,
-    store_stats,
-    target_rows,
+from .._math import NUM_STATS, STAT_TARGET, Z_FLOOR, reduce_blocks, zsum_scale
+from . import MAX_BLOCK_N, block_columns, linear_blocks
+from .triton_kernels import (
+    _row_grad_kernel,
+    _row_stats_kernel,
+    _tile_grad_kernel,
+    _tile_stats_kernel,
 )
+from .triton_tiles import ROUND_BF16, ROUND_FP16, ROUND_FP32
 
 _ROUND = {torch.float32: ROUND_FP32, torch.bfloat16: ROUND_BF16, torch.float16: ROUND_FP16}
 
 
-@triton.jit
-def _tile(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, rows, cols, n_rows,
-          n_cols, real_width, temperature, SCALE: tl.constexpr, FUSED: tl.constexpr,
-          ROUND: tl.constexpr, BLOCK_K: tl.constexpr, GPU: tl.constexpr):
-    """The ``z`` tile ``[R, BLOCK_N]`` at (``rows``, ``cols``): from the stored logits ``x`` or,
-    ``FUSED``, from ``x`` = hidden times the weight shard ``w``."""
-    if FUSED:
-        x = matmul_logits(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, rows, cols,
-                          n_rows, n_cols, hidden, ROUND, BLOCK_K, GPU)
-    else:
-        x = load_logits(x_ptr, rows, cols, stride_xm, stride_xk, n_rows, n_cols)
-    return scaled_z(x, cols, real_width, temperature, SCALE)
-
-
-@triton.jit
-def _stats_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, index_ptr,
-                  owned_ptr, out_ptr, stride_stat, stride_tok, stride_blk, n_rows, n_cols,
-                  real_width, temperature, zscale, HAS_TARGET: tl.constexpr,
-                  ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SCALE: tl.constexpr,
-                  BLOCKS: tl.constexpr, FUSED: tl.constexpr, ROUND: tl.constexpr,
-                  GPU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """``ROWS`` rows' shard statistics: ``out[k, row]`` for k in (max, sum-exp, entropy sum,
-    target logit, smoothing sum), relative to the row's shard maximum (the last one scaled by
-    ``zscale``), or with ``BLOCKS`` ``out[k, row, b]`` of each block b of ``BLOCK_N`` columns,
-    relative to the block's maximum."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    mask = rows < n_rows
-    zero = tl.zeros((ROWS,), tl.float32)
-    flag = tl.zeros((ROWS,), tl.int32)
-    idx, own = target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET)
-    m, s, u, a, t, bad, floor = zero + FLOOR, zero, zero, zero, zero, flag, flag
-    ptrs = out_ptr + rows.to(tl.int64) * stride_tok
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        z = _tile(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, rows, cols,
-                  n_rows, n_cols, real_width, temperature, SCALE, FUSED, ROUND, BLOCK_K, GPU)
-        if BLOCKS:
-            bm, bs, bu, ba, bt, bbad, bfloor = online_update(
-                z, cols, 0.0, zero + FLOOR, zero, zero, zero, zero, flag, flag, idx,
-                real_width, zscale, HAS_TARGET, ENTROPY, ZSUM, GPU)
-            block = tl.cast(start // BLOCK_N, tl.int64)
-            store_stats(ptrs + block * stride_blk, mask, stride_stat, bm, bs, bu,
-                        ba, bt, bbad, bfloor, own, start < real_width, HAS_TARGET, ENTROPY, ZSUM)
-        else:
-            # start real columns came before this block (all of them, when start < real_width).
-            seen = tl.minimum(start, real_width).to(tl.float32)
-            m, s, u, a, t, bad, floor = online_update(
-                z, cols, seen, m, s, u, a, t, bad, floor, idx, real_width, zscale, HAS_TARGET,
-                ENTROPY, ZSUM, GPU)
-    if not BLOCKS:
-        store_stats(ptrs, mask, stride_stat, m, s, u, a, t, bad, floor, own, real_width > 0,
-                    HAS_TARGET, ENTROPY, ZSUM)
-
-
-@triton.jit
-def _grad_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, out_ptr,
-                 stride_om, stride_on, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr,
-                 owned_ptr, valid_ptr, n_rows, n_cols, real_width, temperature, uniform_w, hit_w,
-                 HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
-                 SMOOTH: tl.constexpr, HAS_VALID: tl.constexpr, SCALE: tl.constexpr,
-                 FUSED: tl.constexpr, ROUND: tl.constexpr, OUT_BF16: tl.constexpr,
-                 GPU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """One tile (``ROWS`` rows x ``BLOCK_N`` columns) of ``d loss / d logits``, cast once."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = rows < n_rows
-    z = _tile(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, rows, cols,
-              n_rows, n_cols, real_width, temperature, SCALE, FUSED, ROUND, BLOCK_K, GPU)
-    lse, ent, c_lp, c_h, idx, own, valid = grad_rows(
-        rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr, valid_ptr,
-        HAS_LP, HAS_H, HAS_TARGET, HAS_VALID)
-    grad = grad_tile(z, cols, lse, ent, c_lp, c_h, idx, own, valid, real_width, uniform_w,
-                     hit_w, HAS_LP, HAS_H, HAS_TARGET, SMOOTH, HAS_VALID, GPU)
-    if OUT_BF16:
-        grad = round_bf16(grad)
-    offs = rows[:, None].to(tl.int64) * stride_om + cols[None, :].to(tl.int64) * stride_on
-    tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty),
-             mask=mask[:, None] & (cols < n_cols)[None, :])
-
-
-def _block(block_n: int | None, width: int) -> int:
+def _block(block_n: int | None, width: int, itemsize: int) -> int:
     if block_n is None:
-        return block_columns(width)
+        return block_columns(width, itemsize)
     if not (isinstance(block_n, int) and 16 <= block_n <= MAX_BLOCK_N
             and block_n & (block_n - 1) == 0):
         raise ValueError(f"block_n must be a power of two in [16, {MAX_BLOCK_N}], got "
@@ -175,63 +81,115 @@ def _flag(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.to(torch.int8)
 
 
-def _source(logits, hidden, weight, blocks: dict | None):
-    """``(x, w, hidden size, width, fused, launch constexprs)`` of one launch: the stored logits
-    ``[n, W]``, or (``logits`` None) ``hidden [n, H]`` and ``weight [W, H]``."""
+def _operands(logits, hidden, weight):
+    """``(x, w, hidden size, width, fused)``: the stored logits ``[n, W]`` (then ``w`` is a
+    placeholder), or (``logits`` None) ``hidden [n, H]`` and ``weight [W, H]``."""
     if logits is not None:
-        return logits, logits, 1, logits.shape[1], False, dict(ROUND=ROUND_FP32, BLOCK_K=16)
+        return logits, logits, 1, logits.shape[1], False
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [n, H] and weight [W, H] must share H, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
-    tiles = {**LINEAR_BLOCKS, **(blocks or {})}
-    return hidden, weight, hidden.shape[1], weight.shape[0], True, dict(
-        ROUND=_ROUND[hidden.dtype], BLOCK_K=tiles["BLOCK_K"], ROWS=tiles["BLOCK_M"],
-        BLOCK_N=tiles["BLOCK_N"])
+    return hidden, weight, hidden.shape[1], weight.shape[0], True
+
+
+def _tiles(x, hidden_size: int, blocks: dict | None, per_block: bool = False,
+           store: bool = False) -> tuple:
+    """``(launch constexprs and options, columns per split, row tiles per group)`` of the fused
+    kernels for ``x``'s dtype. Per-block statistics: 128-column tiles (``_layout.BLOCK``).
+    Storing the logits too: half the K step and one more stage (registers for the store). An H
+    that is no multiple of the K step: steps of 16 (the masked loads of an H that is no multiple
+    of 16 are scalar; wider steps spill registers). All fixed by the dtype and H alone."""
+    t = linear_blocks(x.dtype, blocks)
+    block_n = BLOCK if per_block else t["BLOCK_N"]
+    block_k, stages = t["BLOCK_K"], t["num_stages"]
+    if store:
+        block_k, stages = max(16, block_k // 2), stages + 1
+    if hidden_size % block_k:
+        block_k = 16
+    split = -(-t["SPLIT_N"] // block_n) * block_n
+    return dict(ROWS=t["BLOCK_M"], BLOCK_N=block_n, BLOCK_K=block_k,
+                EVEN_K=hidden_size % block_k == 0, num_warps=t["num_warps"],
+                num_stages=stages), split, t["GROUP_M"]
 
 
 def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
                 temperature: float, entropy: bool, zsum: bool, per_block: bool = False,
                 hidden=None, weight=None, block_n: int | None = None,
-                blocks: dict | None = None) -> None:
+                blocks: dict | None = None, store: torch.Tensor | None = None) -> None:
     """Write the shard statistics of a chunk into ``out``, as ``_math.chunk_stats`` of
     ``load_chunk(logits)`` does (same rows written, same units).
 
     The chunk: ``logits`` ``[n, W]`` (bf16/fp16/fp32, this shard's columns, any strides), or
     with ``logits=None`` its rows ``hidden`` ``[n, H]`` and the weight shard ``weight`` ``[W,
-    H]`` (same dtype): the logits ``hidden @ weight.T`` tile by tile, rounded to that dtype.
-    ``out``: fp32 ``[NUM_STATS, n]`` (any strides), or with ``per_block`` ``[NUM_STATS, n, nb]``
-    (``_math.block_stats``: blocks of ``BLOCK`` columns, nb = ceil(W / BLOCK)).
-    ``index``/``owned``: ``[n]`` int64 / bool from ``local_target_index`` or None.
-    ``block_n``: columns per block of the unfused pass (a power of two in [16, 1024]; default
-    :func:`block_columns`); ``blocks``: the fused tiles (keys of :data:`LINEAR_BLOCKS`).
+    H]`` (same dtype): the logits ``hidden @ weight.T`` tile by tile, rounded to that dtype, and
+    written into ``store`` (``[n, W]``, that dtype) if given. ``out``: fp32 ``[NUM_STATS, n]``
+    (any strides), or with ``per_block`` ``[NUM_STATS, n, nb]`` (``_math.block_stats``: blocks of
+    ``BLOCK`` columns, nb = ceil(W / BLOCK)). ``index``/``owned``: ``[n]`` int64 / bool from
+    ``local_target_index`` or None. ``block_n``: columns per step of the unfused pass (a power
+    of two in [16, 2048]; default :func:`block_columns`); ``blocks``: the fused tiles (keys of
+    ``LINEAR_BLOCKS``).
     Method: one pass over the columns with online rescaling (Milakov & Gimelshein 2018,
     "Online normalizer calculation for softmax", extended to the entropy and smoothing sums,
-    :mod:`.triton_tiles`); the fused tiles as in cut cross-entropy (Wijmans et al. 2024,
-    arXiv:2411.09009): never stored.
-    Raises ``ValueError`` for a misshaped ``out``, bad ``block_n`` or mismatched hidden/weight.
+    :mod:`.triton_tiles`), per lane of a row (unfused) or per split of the columns (fused),
+    the parts merged by ``_math.reduce_blocks``; the fused tiles as in cut cross-entropy
+    (Wijmans et al. 2024, arXiv:2411.09009): never stored unless asked.
+    Raises ``ValueError`` for a misshaped ``out`` or ``store``, bad ``block_n`` or mismatched
+    hidden/weight.
     """
-    x, w, hidden_size, width, fused, consts = _source(logits, hidden, weight, blocks)
+    x, w, hidden_size, width, fused = _operands(logits, hidden, weight)
     n = x.shape[0]
-    nb = -(-width // BLOCK)
-    want = (NUM_STATS, n, nb) if per_block else (NUM_STATS, n)
+    want = (NUM_STATS, n, -(-width // BLOCK)) if per_block else (NUM_STATS, n)
     if out.shape != want or out.dtype != torch.float32:
         raise ValueError(f"out must be fp32 {list(want)}, got {out.dtype} {tuple(out.shape)}")
+    if store is not None and (store.shape != (n, width) or store.dtype != x.dtype):
+        raise ValueError(f"store must be {x.dtype} [{n}, {width}], got {store.dtype} "
+                         f"{tuple(store.shape)}")
     if n == 0:
         return
-    if per_block:
-        consts["BLOCK_N"] = BLOCK
-    consts.setdefault("ROWS", 1)
-    consts.setdefault("BLOCK_N", _block(block_n, width))
     has_target = index is not None
-    dummy = out  # never read: the constexpr flags turn those loads off
-    launch(
-        _stats_kernel, (triton.cdiv(n, consts["ROWS"]),),
-        x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), hidden_size,
-        index if has_target else dummy, _flag(owned) if has_target else dummy,
-        out, out.stride(0), out.stride(1), out.stride(2) if per_block else 0, n, width,
-        layout.real_width, float(temperature), zsum_scale(layout.vocab_size),
-        HAS_TARGET=has_target, ENTROPY=entropy, ZSUM=zsum, SCALE=temperature != 1.0,
-        BLOCKS=per_block, FUSED=fused, GPU=x.is_cuda, **consts)
+    # With the logits stored, the shard's target logits are read from there (fewer registers in
+    # the kernel: none of its tiles look for a target); per block, the kernel places them.
+    picked = has_target and (store is None or per_block)
+    flags = dict(HAS_TARGET=picked, ENTROPY=entropy, ZSUM=zsum, SCALE=temperature != 1.0)
+    targets = (index, _flag(owned)) if picked else (out, out)  # placeholders: never read
+    scalars = (float(temperature), zsum_scale(layout.vocab_size))
+    if not (fused or per_block):
+        block = _block(block_n, width, x.element_size())
+        group = min(16 // x.element_size(), block)  # one 16-byte load per lane and step
+        launch(_row_stats_kernel, (n,), x, x.stride(0), x.stride(1), *targets, out,
+               out.stride(0), out.stride(1), width, layout.real_width, *scalars,
+               LANES=block // group, GROUP=group, **flags)
+        return
+    if fused:
+        consts, split, group = _tiles(x, hidden_size, blocks, per_block, store is not None)
+    else:  # per-block statistics of stored logits: one row per program, every block
+        consts = dict(ROWS=1, BLOCK_N=BLOCK, BLOCK_K=16, EVEN_K=True)
+        split, group = want[2] * BLOCK, 1
+    splits = -(-width // split)
+    parts = out if per_block or splits == 1 else out.new_empty((NUM_STATS, n, splits))
+    dest = store if store is not None else x
+    grid = (triton.cdiv(n, consts["ROWS"]) * splits,)
+    launch(_tile_stats_kernel, grid, x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1),
+           hidden_size, *targets, parts, parts.stride(0), parts.stride(1),
+           parts.stride(2) if parts.dim() == 3 else 0, dest, dest.stride(0), dest.stride(1), n,
+           width, layout.real_width, *scalars, split, BLOCKS=per_block, FUSED=fused,
+           STORE=store is not None, ROUND=_ROUND[x.dtype], GPU=x.is_cuda, GROUP=group,
+           **consts, **flags)
+    if parts is not out:
+        reduce_blocks(parts, out, entropy=entropy, target=picked, zsum=zsum, layout=layout,
+                      part_width=split)
+    if has_target and not picked:
+        out[STAT_TARGET] = _target_logits(store, index, owned, layout, temperature)
+
+
+def _target_logits(logits, index, owned, layout: ShardLayout, temperature: float):
+    """``[n]`` fp32 ``z`` of each row's target column in ``logits`` where this shard owns it, else
+    0: ``_math.load_chunk``'s value there (IEEE division by tau, the floor, padding)."""
+    z = logits.gather(1, index.unsqueeze(1)).squeeze(1).float()
+    if temperature != 1.0:
+        z = z / temperature
+    z = torch.where(index < layout.real_width, z.clamp(min=Z_FLOOR), Z_FLOOR)
+    return torch.where(owned, z, 0.0)
 
 
 def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, owned, valid,
@@ -240,14 +198,15 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
     """Write ``d loss / d logits`` of a chunk into ``out`` (``[n, W]``, the model dtype).
 
     The chunk as in :func:`shard_stats`: ``logits`` (then ``out`` may be ``logits`` itself:
-    each element is read before it is written by the same program) or ``hidden``/``weight``
+    each row is read before it is written, by the same program) or ``hidden``/``weight``
     (``out`` then must not overlap them). The other arguments are those of
     ``_grad.chunk_grad`` (``[n]`` fp32 vectors of this chunk's rows; ``coef_lp``/``coef_h``
     already carry ``1 / temperature``); ``block_n``/``blocks`` as in :func:`shard_stats`.
-    Method: ``_grad.chunk_grad``'s closed form (``docs/numerics.md``), one tile per program.
+    Method: ``_grad.chunk_grad``'s closed form (``docs/numerics.md``): one row per program
+    (unfused, the target's term added once per row), one recomputed tile per program (fused).
     Raises ``ValueError`` for a misshaped ``out`` or neither coefficient given.
     """
-    x, w, hidden_size, width, fused, consts = _source(logits, hidden, weight, blocks)
+    x, w, hidden_size, width, fused = _operands(logits, hidden, weight)
     n = x.shape[0]
     if out.shape != (n, width):
         raise ValueError(f"out must be [{n}, {width}] like the chunk's logits, got "
@@ -257,31 +216,33 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
     has_lp, has_h = coef_lp is not None, coef_h is not None
     if not (has_lp or has_h):
         raise ValueError("stats_grad needs coef_lp or coef_h")
-    consts.setdefault("ROWS", 1)
-    consts.setdefault("BLOCK_N", _block(block_n, width))
     has_target = has_lp and index is not None
-    dummy = lse
+    flags = dict(HAS_LP=has_lp, HAS_H=has_h, HAS_TARGET=has_target,
+                 SMOOTH=has_target and label_smoothing > 0.0, HAS_VALID=valid is not None,
+                 SCALE=temperature != 1.0, ROUND=_ROUND[out.dtype], GPU=x.is_cuda)
+    dummy = lse  # placeholders: the constexpr flags turn those loads off
+    rows = (lse, ent if has_h else dummy, coef_lp if has_lp else dummy,
+            coef_h if has_h else dummy, index if has_target else dummy,
+            _flag(owned) if has_target else dummy, _flag(valid) if valid is not None else dummy)
+    scalars = (layout.real_width, float(temperature), label_smoothing / layout.vocab_size,
+               1.0 - label_smoothing)
+    if not fused:
+        launch(_row_grad_kernel, (n,), x, x.stride(0), x.stride(1), out, out.stride(0),
+               out.stride(1), *rows, width, *scalars,
+               BLOCK_N=_block(block_n, width, x.element_size()), **flags)
+        return
+    consts, _, _ = _tiles(x, hidden_size, blocks)
     grid = (triton.cdiv(n, consts["ROWS"]), triton.cdiv(width, consts["BLOCK_N"]))
-    launch(
-        _grad_kernel, grid,
-        x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), hidden_size,
-        out, out.stride(0), out.stride(1),
-        lse, ent if has_h else dummy, coef_lp if has_lp else dummy,
-        coef_h if has_h else dummy, index if has_target else dummy,
-        _flag(owned) if has_target else dummy,
-        _flag(valid) if valid is not None else dummy,
-        n, width, layout.real_width, float(temperature),
-        label_smoothing / layout.vocab_size, 1.0 - label_smoothing,
-        HAS_LP=has_lp, HAS_H=has_h, HAS_TARGET=has_target, SMOOTH=label_smoothing > 0.0,
-        HAS_VALID=valid is not None, SCALE=temperature != 1.0, FUSED=fused,
-        OUT_BF16=out.dtype == torch.bfloat16, GPU=x.is_cuda, **consts)
+    launch(_tile_grad_kernel, grid, x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1),
+           hidden_size, out, out.stride(0), out.stride(1), *rows, n, width, *scalars, **consts,
+           **flags)
 
 
 def _chunk_source(chunk) -> dict:
-    """The chunk's logits, or its hidden rows and the weight shard (``chunk.logits`` None)."""
-    if chunk.logits is not None:
-        return dict(logits=chunk.logits)
-    return dict(logits=None, hidden=chunk.hidden, weight=chunk.weight)
+    """The chunk's hidden rows and the weight shard (a fused chunk), or its logits."""
+    if chunk.hidden is not None:
+        return dict(logits=None, hidden=chunk.hidden, weight=chunk.weight)
+    return dict(logits=chunk.logits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,9 +258,11 @@ class TritonShardStats:
     blocks: bool = False
 
     def __call__(self, chunk, out: torch.Tensor) -> None:
+        # A fused chunk that also carries a logits buffer gets its logits stored there.
+        store = chunk.logits if chunk.hidden is not None else None
         shard_stats(index=chunk.index, owned=chunk.owned, out=out, layout=self.layout,
                     temperature=self.temperature, entropy=self.entropy, zsum=self.zsum,
-                    per_block=self.blocks, **_chunk_source(chunk))
+                    per_block=self.blocks, store=store, **_chunk_source(chunk))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,62 +1,58 @@
-"""The Triton building blocks shared by the kernels of the unfused op (:mod:`.triton_stats`) and of
-the fused LM head (:mod:`.triton_linear`): one tile of logits in, statistics or gradient out.
+"""The Triton building blocks of the kernels (:mod:`.triton_kernels`): a tile of logits in,
+statistics or gradient out.
 
-Every helper works on a tile ``[R, BLOCK_N]`` of rows x columns (R = 1 for the unfused kernels'
-one row per program, ``BLOCK_M`` for the fused kernels) and on per-row vectors ``[R]``:
-
-* :func:`load_logits` (a tile of stored logits, upcast) and :func:`matmul_logits` (the tile
-  ``hidden @ weight.T`` by ``tl.dot``, rounded once to the model dtype as the LM head's GEMM
-  output is), then :func:`scaled_z`: ``z = logits / tau`` with the floor and the padding columns
-  as ``_math.load_chunk`` makes them;
-* :func:`online_update` / :func:`store_stats`: the online shard statistics of a row over its
-  blocks of columns, and their store in the ``[NUM_STATS, n(, nb)]`` layout of ``_math``;
-* :func:`target_rows`: each row's target column in the shard (both kernels);
-* :func:`grad_rows` / :func:`grad_tile`: the per-row coefficients of ``_grad.chunk_grad`` and the
-  gradient of one tile;
-* :func:`exp_` (libdevice's ``expf`` on a GPU) and :func:`round_bf16` (fp32 -> bf16, nearest
-  even, the same bits on a GPU and in the interpreter).
+* :func:`exp_` (``exp2`` of a ``log2 e`` prescaled argument: one ``MUFU.EX2`` on a GPU, 2 ulp,
+  plus two roundings of the argument, ``docs/numerics.md``) and :func:`round_to` (fp32 -> the
+  model dtype, nearest even: the GPU's ``cvt.rn``, and :func:`round_bf16` by integer ops in the
+  interpreter, whose own cast truncates);
+* :func:`load_logits` / :func:`matmul_logits` (``hidden @ weight.T`` by ``tl.dot``, rounded once
+  to the model dtype) and :func:`scaled_z`: ``z = logits / tau`` with the floor and the padding
+  columns as ``_math.load_chunk`` makes them;
+* :func:`online_update` folds a tile ``[R, C]`` into R running statistics: a tile's rows (the
+  fused kernels and the per-block statistics, :func:`tile_update` with the target logit), or the
+  lanes of one row (``[LANES, GROUP]``, the unfused statistics: one running maximum and sums per
+  lane of ``GROUP`` consecutive columns, no cross-thread reduction inside the loop), which
+  :func:`merge_lanes` combines once per row; :func:`store_stats` stores one part;
+  :func:`tile_order`, the grouped launch order of the fused statistics;
+* :func:`target_rows`, :func:`grad_rows` / :func:`grad_values`: each row's target and the
+  gradient of ``_grad.chunk_grad``.
 
 Online rescaling (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax",
-extended to the entropy and smoothing sums): ``s <- s e^(m_old - m) + sum_blk e^(z - m)``,
-``u <- e^(m_old - m)(u + (m_old - m) s) + sum_blk e^(z - m)(z - m)``, ``a <- a + c k (m_old - m)
-+ sum_blk c (z - m)`` over the k real columns seen before the block. Every term of ``u`` and
-``a`` is <= 0, so large logits (fp16 65504) neither overflow nor cancel, as in the torch path.
+extended to the entropy and smoothing sums): ``s <- s e^d + sum e^(z - m)``, ``u <- e^d (u + d s)
++ sum e^(z - m)(z - m)``, ``a <- a + c k d + sum c (z - m)`` over the k real columns seen before,
+``d = m_old - m <= 0``. Every term of ``u`` and ``a`` is <= 0, so large logits (fp16 65504)
+neither overflow nor cancel, as in the torch path. A NaN logit makes the sums NaN (``exp`` of it),
+which the stored statistics keep.
 
-Only constructs that compile on CUDA GPUs as they run under ``TRITON_INTERPRET=1``:
-power-of-two blocks (``tl.arange``), masked loads and stores, ``tl.dot`` with every dimension
->= 16, constexpr flags for every optional part. Imports ``triton`` at import time (only the
-Triton kernel modules import this one). May import triton, :mod:`.._math` (constants) and
-:mod:`..options`.
+Only constructs that compile on CUDA GPUs as they run under ``TRITON_INTERPRET=1``: power-of-two
+blocks, masked loads and stores, ``tl.dot`` with every dimension >= 16, constexpr flags for every
+optional part, scalar branches. Imports ``triton`` at import time (only the Triton kernel modules
+import this one). May import triton, :mod:`.._math` (constants) and :mod:`..options`.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .._math import STAT_ENT, STAT_MAX, STAT_SUMEXP, STAT_TARGET, STAT_ZSUM, Z_FLOOR
 from ..options import LOGP_MIN
 
 # The constants the kernels read, as constexpr globals (a compiled kernel may read no other).
 FLOOR = tl.constexpr(Z_FLOOR)
+LOG2E = tl.constexpr(1.4426950408889634)
 _LOGP_MIN = tl.constexpr(LOGP_MIN)
 _MAX, _SUMEXP, _ENT, _TARGET, _ZSUM = (tl.constexpr(k) for k in (
     STAT_MAX, STAT_SUMEXP, STAT_ENT, STAT_TARGET, STAT_ZSUM))
-# ROUND values of matmul_logits: the model dtype the GEMM output is rounded to.
+# ROUND values: the model dtype a GEMM output is rounded to.
 ROUND_FP32, ROUND_BF16, ROUND_FP16 = 0, 1, 2
 
 
 @triton.jit
-def exp_(x, GPU: tl.constexpr):
-    """``exp``: libdevice's ``expf`` (within 2 ulp, as torch's CUDA kernels) when ``GPU``
-    (compiled for a GPU), else ``tl.exp`` (the interpreter's numpy exp; on a GPU it would be
-    ``ex2.approx`` of a rounded ``x log2 e``, whose error grows with ``|x|``)."""
-    if GPU:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
+def exp_(x):
+    """``e^x`` as ``2^(x log2 e)``: the product rounds once and ``log2 e`` is an fp32 constant
+    (relative error ``2 u |x|`` on top of exp2's 2 ulp, ``docs/numerics.md``)."""
+    return tl.exp2(x * LOG2E)
 
 
 @triton.jit
@@ -72,6 +68,22 @@ def round_bf16(x):
 
 
 @triton.jit
+def round_to(x, ROUND: tl.constexpr, GPU: tl.constexpr):
+    """fp32 ``x`` rounded (nearest even) to the model dtype ``ROUND`` and kept in it (fp32 for
+    ``ROUND_FP32``): the GPU's conversion, :func:`round_bf16` in the interpreter."""
+    if ROUND == 1:
+        if GPU:
+            y = x.to(tl.bfloat16)
+        else:
+            y = round_bf16(x)
+    elif ROUND == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def load_logits(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
     """The stored logits ``[R, BLOCK_N]`` at (``rows``, ``cols``) upcast to fp32 (0 outside)."""
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -82,13 +94,14 @@ def load_logits(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
 @triton.jit
 def matmul_logits(h_ptr, stride_hm, stride_hk, w_ptr, stride_wn, stride_wk, rows, cols, n_rows,
                   n_cols, hidden, ROUND: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GPU: tl.constexpr):
+                  EVEN_K: tl.constexpr, GPU: tl.constexpr):
     """The logits tile ``h[rows] @ w[cols].T`` ``[BLOCK_M, BLOCK_N]`` fp32: ``tl.dot`` over
     ``hidden`` in ``BLOCK_K`` steps (fp32 accumulation; IEEE fp32 products, never TF32, for fp32
     models), rounded once to the model dtype (``ROUND``) as the output layer's GEMM is; 0 outside
-    the rows and columns. The K order is fixed by ``BLOCK_K`` alone (batch-invariant).
-    Outside a GPU (the interpreter, whose ``tl.dot`` misreads bf16 operands) bf16/fp16 operands
-    are upcast first: their products are exact in fp32 either way."""
+    the rows and columns. ``EVEN_K``: ``hidden`` is a multiple of ``BLOCK_K`` (no K mask). The K
+    order is fixed by ``BLOCK_K`` alone (batch-invariant). Outside a GPU (the interpreter, whose
+    ``tl.dot`` misreads bf16 operands) bf16/fp16 operands are upcast first: their products are
+    exact in fp32 either way."""
     ks = tl.arange(0, BLOCK_K).to(tl.int64)  # offsets in int64: any strides
     row_in = (rows < n_rows)[:, None]
     col_in = (cols < n_cols)[None, :]
@@ -97,133 +110,169 @@ def matmul_logits(h_ptr, stride_hm, stride_hk, w_ptr, stride_wn, stride_wk, rows
     acc = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32)
     for k in range(0, hidden, BLOCK_K):
         kk = k + ks
-        a = tl.load(h_rows + kk[None, :] * stride_hk, mask=row_in & (kk < hidden)[None, :],
-                    other=0.0)
-        b = tl.load(w_cols + kk[:, None] * stride_wk, mask=col_in & (kk < hidden)[:, None],
-                    other=0.0)
+        if EVEN_K:
+            a = tl.load(h_rows + kk[None, :] * stride_hk, mask=row_in, other=0.0)
+            b = tl.load(w_cols + kk[:, None] * stride_wk, mask=col_in, other=0.0)
+        else:
+            a = tl.load(h_rows + kk[None, :] * stride_hk, mask=row_in & (kk < hidden)[None, :],
+                        other=0.0)
+            b = tl.load(w_cols + kk[:, None] * stride_wk, mask=col_in & (kk < hidden)[:, None],
+                        other=0.0)
         if ROUND == 0 or not GPU:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    if ROUND == 1:
-        acc = round_bf16(acc).to(tl.float32)
-    elif ROUND == 2:
-        acc = acc.to(tl.float16).to(tl.float32)
     return acc
 
 
 @triton.jit
-def scaled_z(x, cols, real_width, temperature, SCALE: tl.constexpr):
-    """``z`` of an fp32 logits tile as ``_math.load_chunk`` makes it: ``x / tau`` (IEEE
-    division), below the floor (or padding, or past the row) -> ``FLOOR``; NaN stays NaN."""
+def scaled_z(x, temperature, SCALE: tl.constexpr):
+    """``z`` of fp32 logits as ``_math.load_chunk`` makes it: ``x / tau`` (IEEE division),
+    below the floor (-inf too) -> ``FLOOR``; NaN stays NaN. Padding columns are the caller's."""
     if SCALE:
         x = tl.math.div_rn(x, temperature)
-    x = tl.where(x < FLOOR, FLOOR, x)
-    return tl.where((cols < real_width)[None, :], x, FLOOR)
+    return tl.maximum(x, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def online_update(z, cols, seen, m, s, u, a, t, bad, floor, idx, real_width, zscale,
-                  HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
-                  GPU: tl.constexpr):
-    """Fold the tile ``z`` ``[R, BLOCK_N]`` (columns ``cols``) into each row's running maximum
-    ``m``, sum ``s`` of ``e^(z - m)``, entropy sum ``u`` of ``e^(z - m)(z - m)``, smoothing sum
-    ``a`` of ``zscale (z - m)`` over the real columns (``seen`` of them came before), target
-    logit ``t`` (at local column ``idx``), NaN flag ``bad`` and floor flag ``floor``."""
-    bad = tl.maximum(bad, tl.max((z != z).to(tl.int32), 1))
-    if HAS_TARGET:
-        t += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
+def tile_order(pid, row_tiles, col_tiles, GROUP: tl.constexpr):
+    """``(row tile, column tile)`` of program ``pid`` in grouped order: ``GROUP`` consecutive row
+    tiles take each column tile in turn, so the programs resident together share a few weight
+    tiles and a few hidden tiles in the L2. Plain integer arithmetic: the host (the GPU model)
+    calls ``tile_order.fn`` with ints to get the same order."""
+    per_group = GROUP * col_tiles
+    first = (pid // per_group) * GROUP
+    size = row_tiles - first
+    if size > GROUP:
+        size = GROUP
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+@triton.jit
+def online_update(z, live, seen, m, s, u, a, floor, zscale, ENTROPY: tl.constexpr,
+                  ZSUM: tl.constexpr):
+    """Fold ``z`` ``[R, C]`` into the running maximum ``m``, sum ``s`` of ``e^(z - m)``, entropy
+    sum ``u`` of ``e^(z - m)(z - m)``, smoothing sum ``a`` of ``zscale (z - m)`` over the real
+    columns (``seen`` of them came before) and floor flag ``floor`` of each of its R rows (a
+    tile's rows, or the lanes of one row: ``GROUP`` consecutive columns each, in one thread, so
+    the reductions stay inside it). ``live``: which entries are real columns (broadcast to
+    ``z``), or None for all."""
     m_new = tl.maximum(m, tl.max(z, 1))
     d = m - m_new
-    scale = exp_(d, GPU)
+    scale = exp_(d)
     x = z - m_new[:, None]
-    e = exp_(x, GPU)
+    e = exp_(x)
     if ENTROPY:
         # A part whose scale underflows to 0 adds 0 (never 0 * inf from d * s).
         u = tl.where(scale == 0.0, 0.0, scale * (u + d * s)) + tl.sum(e * x, 1)
     s = s * scale + tl.sum(e, 1)
-    if ZSUM:
-        real = (cols < real_width)[None, :]
-        a = a + (zscale * seen) * d + tl.sum(tl.where(real, x * zscale, 0.0), 1)
-        floor = tl.maximum(floor, tl.max((real & (z <= FLOOR)).to(tl.int32), 1))
-    return m_new, s, u, a, t, bad, floor
+    if ZSUM:  # (zscale is a power of two: scaling the sum or its terms rounds the same)
+        if live is None:
+            a = a + (zscale * seen) * d + tl.sum(x, 1) * zscale
+            floor = tl.maximum(floor, tl.max((z <= FLOOR).to(tl.int32), 1))
+        else:
+            a = a + (zscale * seen) * d + tl.sum(tl.where(live, x, 0.0), 1) * zscale
+            floor = tl.maximum(floor, tl.max((live & (z <= FLOOR)).to(tl.int32), 1))
+    return m_new, s, u, a, floor
 
 
 @triton.jit
-def store_stats(ptrs, mask, stride_stat, m, s, u, a, t, bad, floor, own, has_real,
+def tile_update(z, cols, seen, m, s, u, a, t, floor, idx, start, real_width, zscale,
+                HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
+    """:func:`online_update` of the tile ``z`` ``[R, BLOCK_N]`` (columns ``cols`` from
+    ``start``), and each row's target logit ``t`` (at local column ``idx``, int32)."""
+    if HAS_TARGET:
+        inside = (idx >= start) & (idx < start + z.shape[1])
+        if tl.max(inside.to(tl.int32), 0) > 0:  # some row's target is in this tile
+            t += tl.sum(tl.where(cols[None, :] == idx[:, None], z, 0.0), 1)
+    m, s, u, a, floor = online_update(z, (cols < real_width)[None, :], seen, m, s, u, a, floor,
+                                      zscale, ENTROPY, ZSUM)
+    return m, s, u, a, t, floor
+
+
+@triton.jit
+def merge_lanes(m, s, u, a, floor, counts, zscale, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
+    """A row's statistics from its lanes' (``[LANES]`` each; ``counts`` each lane's real columns,
+    fp32): the merge of ``_math`` over parts (``docs/numerics.md``), the smoothing sums rebased
+    on the row's maximum (``a + c n d``)."""
+    mx = tl.max(m, 0)
+    d = m - mx
+    scale = exp_(d)
+    s_row = tl.sum(s * scale, 0)
+    u_row = 0.0
+    if ENTROPY:
+        u_row = tl.sum(tl.where(scale == 0.0, 0.0, scale * (u + d * s)), 0)
+    a_row = 0.0
+    floor_row = 0
+    if ZSUM:
+        a_row = tl.sum(a + (zscale * counts) * d, 0)
+        floor_row = tl.max(floor, 0)
+    return mx, s_row, u_row, a_row, floor_row
+
+
+@triton.jit
+def store_stats(ptrs, mask, stride_stat, m, s, u, a, t, floor, own, has_real,
                 HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
     """Store one part's statistics at ``ptrs`` (``[R]`` pointers to the max row, the other rows
     ``stride_stat`` apart): max (-inf where no column is live), sums (0 there), target logit
     where this shard owns the target (0 elsewhere), smoothing sum (-inf when a real column is at
-    the floor, 0 where the part has no real column, ``has_real``); NaN where a logit is NaN."""
-    live = m > FLOOR
-    nan = bad > 0
-    tl.store(ptrs + _MAX * stride_stat,
-             tl.where(nan, float("nan"), tl.where(live, m, float("-inf"))), mask=mask)
-    tl.store(ptrs + _SUMEXP * stride_stat, tl.where(nan, float("nan"), tl.where(live, s, 0.0)),
-             mask=mask)
+    the floor, 0 where the part has no real column, ``has_real``). A NaN sum (a NaN logit) is
+    live, so it reaches the merged results."""
+    live = (m > FLOOR) | (s != s)
+    tl.store(ptrs + _MAX * stride_stat, tl.where(live, m, float("-inf")), mask=mask)
+    tl.store(ptrs + _SUMEXP * stride_stat, tl.where(live, s, 0.0), mask=mask)
     if ENTROPY:
-        tl.store(ptrs + _ENT * stride_stat, tl.where(nan, float("nan"), tl.where(live, u, 0.0)),
-                 mask=mask)
+        tl.store(ptrs + _ENT * stride_stat, tl.where(live, u, 0.0), mask=mask)
     if HAS_TARGET:
         tl.store(ptrs + _TARGET * stride_stat, tl.where(own, t, 0.0), mask=mask)
     if ZSUM:
         a = tl.where(floor > 0, float("-inf"), a)
-        tl.store(ptrs + _ZSUM * stride_stat,
-                 tl.where(nan, float("nan"), tl.where(has_real, a, 0.0)), mask=mask)
+        tl.store(ptrs + _ZSUM * stride_stat, tl.where(has_real, a, 0.0), mask=mask)
 
 
 @triton.jit
 def target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET: tl.constexpr):
-    """``(idx, own)`` of ``rows`` (``[R]``): each row's local target column and whether this
-    shard owns it; ``(0, False)`` without targets."""
+    """``(idx, own)`` of ``rows``: each row's local target column (int32: a column of the shard)
+    and whether this shard owns it; ``(0, False)`` without targets."""
     if HAS_TARGET:
-        idx = tl.load(index_ptr + rows, mask=mask, other=-1)
+        idx = tl.load(index_ptr + rows, mask=mask, other=-1).to(tl.int32)
         own = tl.load(owned_ptr + rows, mask=mask, other=0) != 0
     else:
-        idx = rows.to(tl.int64) * 0
+        idx = rows.to(tl.int32) * 0
         own = mask & (rows < 0)
     return idx, own
 
 
 @triton.jit
-def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr,
-              valid_ptr, HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
-              HAS_VALID: tl.constexpr):
-    """The per-row inputs of :func:`grad_tile` for ``rows`` (``[R]``): ``(lse, ent, c_lp, c_h,
-    idx, own, valid)``, 0 / False where a flag turns one off."""
+def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, valid_ptr,
+              HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_VALID: tl.constexpr):
+    """The per-row inputs of :func:`grad_values` for ``rows``: ``(lse, shift, c_lp, c_h,
+    valid)``, 0 / True where a flag turns one off; ``shift = c_h H + c_lp``. A row that is not
+    valid gets ``lse = +inf``, so its ``p`` is ``e^-inf = 0``: no exp of a placeholder lse."""
+    valid = tl.load(valid_ptr + rows, mask=mask, other=0) != 0 if HAS_VALID else mask | True
     lse = tl.load(lse_ptr + rows, mask=mask, other=0.0)
+    lse = tl.where(valid, lse, float("inf"))
     zero = tl.zeros_like(lse)
-    ent = tl.load(ent_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
     c_lp = tl.load(coef_lp_ptr + rows, mask=mask, other=0.0) if HAS_LP else zero
     c_h = tl.load(coef_h_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
-    idx, own = target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET)
-    valid = tl.load(valid_ptr + rows, mask=mask, other=0) != 0 if HAS_VALID else lse == lse
-    return lse, ent, c_lp, c_h, idx, own, valid
+    shift = c_lp
+    if HAS_H:
+        shift = c_h * tl.load(ent_ptr + rows, mask=mask, other=0.0)
+        if HAS_LP:
+            shift = shift + c_lp
+    return lse, shift, c_lp, c_h, valid
 
 
 @triton.jit
-def grad_tile(z, cols, lse, ent, c_lp, c_h, idx, own, valid, real_width, uniform_w, hit_w,
-              HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
-              SMOOTH: tl.constexpr, HAS_VALID: tl.constexpr, GPU: tl.constexpr):
-    """``p (-c_h (log p + H) - c_lp)`` of the tile ``z`` (+ ``c_lp eps / V`` on real columns,
-    + ``c_lp (1 - eps)`` at an owned target), 0 on rows not valid; fp32 ``[R, BLOCK_N]``."""
-    logp = z - lse[:, None]
-    p = exp_(logp, GPU)
+def grad_values(z, lse, shift, c_lp, c_h, HAS_H: tl.constexpr):
+    """``p (-c_h log p - shift)`` (``shift = c_h H + c_lp``) of logits ``z`` for per-row ``lse``
+    etc. (scalars, or ``[R]`` expanded by the caller to ``z``'s shape); fp32."""
+    logp = z - lse
+    p = exp_(logp)
     if HAS_H:
-        logp = tl.where(logp < _LOGP_MIN, _LOGP_MIN, logp)
-        shift = c_h * ent
-        if HAS_LP:
-            shift = shift + c_lp
-        grad = p * (logp * (-c_h[:, None]) - shift[:, None])
+        logp = tl.maximum(logp, _LOGP_MIN)
+        grad = p * (logp * (-c_h) - shift)
     else:
-        grad = p * (-c_lp[:, None])
-    if HAS_LP and HAS_TARGET:
-        if SMOOTH:
-            grad = tl.where((cols < real_width)[None, :], grad + (c_lp * uniform_w)[:, None],
-                            grad)
-        hit = tl.where(own, c_lp * hit_w, 0.0)
-        grad = tl.where(cols[None, :] == idx[:, None], grad + hit[:, None], grad)
-    if HAS_VALID:
-        grad = tl.where(valid[:, None], grad, 0.0)
+        grad = p * (-c_lp)
     return grad

@@ -63,8 +63,8 @@ def _parity(group, dtype, *, width, vocab, tau, eps):
                           label_smoothing=eps)
     ((ref[0] * w_lp.double()).sum() + (ref[1] * w_h.double()).sum()).backward()
     z = full.double()[:, :vocab] / tau
-    parts = tp * online_parts(width, block_columns(width))
-    b = stats_bounds(z, dz=temperature_dz(z, tau), width=width, parts=parts)
+    parts = tp * online_parts(width, block_columns(width, dtype.itemsize))
+    b = stats_bounds(z, dz=temperature_dz(z, tau), width=width, parts=parts, exp2=True)
     assert_within(st.logsumexp, ref[2], b.logsumexp, "logsumexp")
     assert_within(st.entropy[valid], ref[1][valid], b.entropy[valid], "entropy")
     safe = torch.where(valid, target, 0)
