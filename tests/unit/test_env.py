@@ -95,3 +95,10 @@ def test_install_md_sample_lists_every_patch_target_row(capsys):
         sample = f.read().split("[patch targets in this Megatron]\n", 1)[1].split("```", 1)[0]
     assert [line.split("  ")[0] for line in sample.splitlines()] == \
         [name for name, _ in env.patch_targets()]
+
+
+def test_help_is_usage_and_status_0_other_arguments_2(capsys):
+    assert env.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: vocabstats-env (no arguments)\n")
+    assert env.main(["--bogus"]) == 2
+    assert "usage: vocabstats-env" in capsys.readouterr().err
