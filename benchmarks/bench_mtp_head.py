@@ -20,7 +20,9 @@ allocated, and counted, inside it) and the peak minus the inputs and their gradi
 
     python benchmarks/bench_mtp_head.py --tokens 1024 --hidden 256 --tp 1
 
-writes ``benchmarks/results/mtp_head.md`` and appends the rows to ``mtp_head.csv``.
+prints the table and writes it (``.md``) and its rows (``.csv``) to a new directory per run,
+``outputs/benchmarks/mtp_head-<UTC time>/`` (``--out PREFIX`` to choose; with ``--results`` the
+committed ``benchmarks/results/mtp_head.md`` is replaced and ``mtp_head.csv`` appended to).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _runner import (
-    RESULTS_DIR,
     Measurement,
+    add_output_arguments,
     device,
     drive,
     init_worker,
     is_worker,
     measure,
+    output_prefix,
     write_worker_rows,
 )
 
@@ -195,14 +198,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--chunk", type=int, default=256, help="--lm-head-chunk-size of fused")
     parser.add_argument("--iters", type=int, default=1)
-    parser.add_argument("--worker-out")
+    add_output_arguments(parser, "mtp_head")
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if is_worker():
         worker(args)
         return
     drive(os.path.abspath(__file__), args.tp, sys.argv[1:], op="mtp_head",
           config=f"V={args.vocab}, H={args.hidden}, bf16, chunk={args.chunk}",
-          table=table, out=os.path.join(RESULTS_DIR, "mtp_head"))
+          table=table, out=output_prefix(parser, args, "mtp_head"))
 
 
 if __name__ == "__main__":

@@ -214,8 +214,10 @@ def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv:
-        print(f"usage: vocabstats-env (no arguments)\n{__doc__.splitlines()[0]}", file=sys.stderr)
-        return 2
+        usage = f"usage: vocabstats-env (no arguments)\n{__doc__.splitlines()[0]}".replace("``", "")
+        help_asked = argv in (["-h"], ["--help"])
+        print(usage, file=sys.stdout if help_asked else sys.stderr)
+        return 0 if help_asked else 2
     print(report())
     return 0
 

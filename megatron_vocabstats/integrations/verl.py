@@ -25,7 +25,8 @@ name or a signature above moved or changed (a release other than the one this wa
 for, verl 0.9; tested with 0.9.1); then nothing is patched.
 
 May import: :mod:`.verl_ops`, the package's ``VERL_PATCHER``, ``megatron._patching`` and
-``megatron.settings``, torch, packaging, the standard library and, inside :func:`apply`, verl.
+``megatron.settings``, ``versions``, torch, packaging, the standard library and, inside
+:func:`apply`, verl.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import logging
 import torch
 from packaging.version import InvalidVersion, Version
 
+from .. import versions
 from ..megatron._patching import Patcher, describe
 from ..megatron.settings import PluginSettings
 from . import VERL_PATCHER, verl_ops
@@ -197,8 +199,12 @@ def apply(**options) -> PluginSettings:
         remove()
         raise
     if patched and verl_ops.rank0():
-        logger.info("megatron-vocabstats: patched %s for verl %s", ", ".join(patched),
-                    verl_version())
+        # verl's environments pin their own torch (verl[vllm] 0.9.1: torch 2.11): say so where
+        # verl's root logger (WARNING) shows it, as the Megatron patch's first-loss line does.
+        untested = versions.check_version("torch", torch.__version__)
+        logger.log(logging.WARNING if untested else logging.INFO,
+                   "megatron-vocabstats: patched %s for verl %s%s", ", ".join(patched),
+                   verl_version(), f"; untested: {untested}" if untested else "")
     return settings
 
 

@@ -46,3 +46,26 @@ def test_existing_tables_are_refused_unless_appended(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _runner.output_prefix(parser, args, "topk")
     assert "--out and --results" in capsys.readouterr().err
+
+
+BENCH_DIR = os.path.dirname(_runner.__file__)
+DRIVERS = sorted(f[:-3] for f in os.listdir(BENCH_DIR) if f.startswith("bench_")
+                 and f.endswith(".py") and "drive(" in open(os.path.join(BENCH_DIR, f)).read())
+
+
+@pytest.mark.parametrize("name", DRIVERS)
+def test_every_driver_writes_the_committed_tables_only_with_results(name, monkeypatch):
+    """Each script's own main(): by default a new directory, the committed table only with
+    --results (bench_mtp_head.py wrote benchmarks/results/mtp_head.md on every run)."""
+    import importlib
+
+    module = importlib.import_module(name)
+    outs = []
+    monkeypatch.setattr(module, "drive", lambda *a, out, **k: outs.append(out))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", [name + ".py"])
+    module.main()
+    assert os.path.dirname(os.path.dirname(outs[-1])) == _runner.OUTPUTS_DIR, outs[-1]
+    monkeypatch.setattr(sys, "argv", [name + ".py", "--results"])
+    module.main()
+    assert os.path.dirname(outs[-1]) == _runner.RESULTS_DIR, outs[-1]

@@ -79,3 +79,26 @@ def test_megatron_version_and_patch_targets(capsys, monkeypatch):
     monkeypatch.delattr(LanguageModule, "compute_language_model_loss")
     assert _row(_report(capsys), "LanguageModule.compute_language_model_loss").startswith(
         "MISSING")
+
+
+@pytest.mark.megatron
+def test_install_md_sample_lists_every_patch_target_row(capsys):
+    """docs/install.md's sample report (made on megatron-core 0.19) has the rows this report
+    prints there (it had lost HybridModel.forward and process_mtp_loss)."""
+    pytest.importorskip("megatron.core")
+    from megatron_vocabstats.megatron import compat
+
+    if not (compat.megatron_core_release() or "").startswith("0.19"):
+        pytest.skip("the sample was made with megatron-core 0.19")
+    root = __file__.rsplit("/tests/", 1)[0]
+    with open(f"{root}/docs/install.md", encoding="utf-8") as f:
+        sample = f.read().split("[patch targets in this Megatron]\n", 1)[1].split("```", 1)[0]
+    assert [line.split("  ")[0] for line in sample.splitlines()] == \
+        [name for name, _ in env.patch_targets()]
+
+
+def test_help_is_usage_and_status_0_other_arguments_2(capsys):
+    assert env.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: vocabstats-env (no arguments)\n")
+    assert env.main(["--bogus"]) == 2
+    assert "usage: vocabstats-env" in capsys.readouterr().err

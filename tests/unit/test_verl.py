@@ -221,6 +221,22 @@ def test_untested_release_warns_once_names_match(verl, monkeypatch, caplog):
     assert "verl 0.10.0 is not a release this integration was tested with (0.9)" in caplog.text
 
 
+def test_torch_outside_the_supported_range_is_a_warning(verl, monkeypatch, caplog):
+    """verl pins its own torch (verl[vllm] 0.9.1: 2.11): the patched line says so at WARNING,
+    which verl's root logger (set to WARNING on import) shows; INFO in the range."""
+    _, integration = verl
+    for version, level in (("2.11.0+cu128", logging.WARNING), ("2.13.0+cpu", logging.INFO)):
+        integration.remove()
+        monkeypatch.setattr(torch, "__version__", version)
+        with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+            integration.apply()
+        (line,) = [r for r in caplog.records if "megatron-vocabstats: patched" in r.getMessage()]
+        assert line.levelno == level, (version, line.getMessage())
+        assert ("untested: torch 2.11.0+cu128 is outside the supported range torch >=2.13"
+                in line.getMessage()) == (level == logging.WARNING)
+        caplog.clear()
+
+
 def _call_all(modules, calls=1):
     logits, labels = torch.randn(2, 3, 11), torch.randint(0, 9, (2, 3))  # < vocab_size 9
     hidden, weight = torch.randn(6, 1, 8), torch.randn(11, 8)
