@@ -119,7 +119,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
             ctx.used = False
         else:
             ctx.save_for_backward(hidden, weight, target, lse,
-                                  entropy if sc.entropy == "grad" else None)
+                                  entropy if sc.entropy == "grad" else None, merged.lse_lo)
         return logprobs, entropy, lse
 
     @staticmethod
@@ -133,7 +133,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
 
 
 def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
-    hidden, weight, target, lse, ent = ctx.saved_tensors
+    hidden, weight, target, lse, ent, lse_lo = ctx.saved_tensors
     cfg: LinearStatsConfig = ctx.cfg
     sc = cfg.stats
     target1d, valid = flatten_target(target, sc.ignore_index)
@@ -141,7 +141,8 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
                                         in_range=targets_in_range(target1d, sc))
     lse = finite_lse(lse.reshape(-1), valid)
     ent = ent.reshape(-1) if coef_h is not None else None
-    grad = StatsGrad(lse, ent, coef_lp, coef_h, valid, sc.layout, sc.label_smoothing)
+    grad = StatsGrad(lse, ent, coef_lp, coef_h, valid, sc.layout, sc.label_smoothing,
+                     lse_lo=lse_lo)
     return recompute_backward(hidden, weight, target1d, valid, cfg, ctx.tp_group, ctx.main_grad,
                               grad)
 

@@ -197,19 +197,20 @@ class _TopKLogprobs(torch.autograd.Function):
         logits2d = logits.reshape(-1, cfg.layout.width)
         indices2d = indices.reshape(-1, indices.shape[-1])
         chunks = logits_chunks(logits2d, None, None, cfg)
-        logprobs, lse = picked_pass(chunks, indices2d, valid, cfg, tp_group)
+        logprobs, lse, lse_lo = picked_pass(chunks, indices2d, valid, cfg, tp_group)
         ctx.cfg = cfg
-        ctx.save_for_backward(logits, indices, valid, lse)
+        ctx.save_for_backward(logits, indices, valid, lse, lse_lo)
         ctx.set_materialize_grads(False)
         return logprobs.view(indices.shape)
 
     @staticmethod
     @first_order_backward("vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
-        logits, indices, valid, lse = ctx.saved_tensors
+        logits, indices, valid, lse, lse_lo = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
         logits2d = logits.reshape(-1, cfg.layout.width)
-        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, cfg), valid, cfg.layout)
+        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, lse_lo, cfg), valid,
+                          cfg.layout)
         grad_logits = logits_grad(logits2d, None, None, cfg, kernel)
         return grad_logits.view(logits.shape), None, None, None, None
 

@@ -89,13 +89,14 @@ class _VocabParallelStats(torch.autograd.Function):
         logprobs, entropy, lse = engine.function_outputs(ctx, merged, logits.shape[:-1],
                                                          cfg.entropy)
         ctx.cfg = cfg
-        ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None)
+        ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None,
+                              merged.lse_lo)
         return logprobs, entropy, lse
 
     @staticmethod
     @first_order_backward("vocab_parallel_stats")
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
-        logits, target, lse, ent = ctx.saved_tensors
+        logits, target, lse, ent, lse_lo = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
@@ -105,7 +106,7 @@ class _VocabParallelStats(torch.autograd.Function):
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
         grad = engine.StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h,
-                                valid, cfg.layout, cfg.label_smoothing)
+                                valid, cfg.layout, cfg.label_smoothing, lse_lo=lse_lo)
         grad_logits = engine.logits_grad(logits2d, target1d, valid, cfg, grad)
         return grad_logits.view(logits.shape), None, None, None
 
