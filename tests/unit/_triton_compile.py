@@ -26,7 +26,8 @@ SOURCE = dict(x_ptr="*{dt}", stride_xm="i64", w_ptr="*{dt}", stride_wn="i64", st
 STATS = dict(SOURCE, index_ptr="*i64", owned_ptr="*i8", out_ptr="*fp32", stride_stat="i32",
              stride_tok="i32", stride_blk="i32", n_rows="i32", n_cols="i32", real_width="i32",
              temperature="fp32", zscale="fp32")
-GRAD = dict(SOURCE, out_ptr="*{dt}", stride_om="i64", lse_ptr="*fp32", ent_ptr="*fp32",
+GRAD = dict(SOURCE, out_ptr="*{dt}", stride_om="i64", lse_ptr="*fp32", lse_lo_ptr="*fp32",
+            ent_ptr="*fp32",
             coef_lp_ptr="*fp32", coef_h_ptr="*fp32", index_ptr="*i64", owned_ptr="*i8",
             valid_ptr="*i8", n_rows="i32", n_cols="i32", real_width="i32", temperature="fp32",
             uniform_w="fp32", hit_w="fp32")

@@ -123,7 +123,8 @@ def _stats_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidd
 
 @triton.jit
 def _grad_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, out_ptr,
-                 stride_om, stride_on, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr,
+                 stride_om, stride_on, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr,
+                 index_ptr,
                  owned_ptr, valid_ptr, n_rows, n_cols, real_width, temperature, uniform_w, hit_w,
                  HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
                  SMOOTH: tl.constexpr, HAS_VALID: tl.constexpr, SCALE: tl.constexpr,
@@ -136,10 +137,11 @@ def _grad_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidde
     mask = rows < n_rows
     z = _tile(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden, rows, cols,
               n_rows, n_cols, real_width, temperature, SCALE, FUSED, ROUND, BLOCK_K, GPU)
-    lse, ent, c_lp, c_h, idx, own, valid = grad_rows(
-        rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr, valid_ptr,
+    lse, lse_lo, ent, c_lp, c_h, idx, own, valid = grad_rows(
+        rows, mask, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr,
+        valid_ptr,
         HAS_LP, HAS_H, HAS_TARGET, HAS_VALID)
-    grad = grad_tile(z, cols, lse, ent, c_lp, c_h, idx, own, valid, real_width, uniform_w,
+    grad = grad_tile(z, cols, lse, lse_lo, ent, c_lp, c_h, idx, own, valid, real_width, uniform_w,
                      hit_w, HAS_LP, HAS_H, HAS_TARGET, SMOOTH, HAS_VALID, GPU)
     if OUT_BF16:
         grad = round_bf16(grad)
@@ -236,7 +238,8 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
 
 def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, owned, valid,
                layout: ShardLayout, label_smoothing: float, temperature: float, hidden=None,
-               weight=None, block_n: int | None = None, blocks: dict | None = None) -> None:
+               weight=None, block_n: int | None = None, blocks: dict | None = None,
+               lse_lo=None) -> None:
     """Write ``d loss / d logits`` of a chunk into ``out`` (``[n, W]``, the model dtype).
 
     The chunk as in :func:`shard_stats`: ``logits`` (then ``out`` may be ``logits`` itself:
@@ -266,7 +269,8 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
         _grad_kernel, grid,
         x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), hidden_size,
         out, out.stride(0), out.stride(1),
-        lse, ent if has_h else dummy, coef_lp if has_lp else dummy,
+        lse, torch.zeros_like(lse) if lse_lo is None else lse_lo, ent if has_h else dummy,
+        coef_lp if has_lp else dummy,
         coef_h if has_h else dummy, index if has_target else dummy,
         _flag(owned) if has_target else dummy,
         _flag(valid) if valid is not None else dummy,
@@ -316,7 +320,8 @@ class TritonStatsGrad:
         def part(x):
             return None if x is None else x[rows]
 
-        stats_grad(out=out, lse=g.lse[rows], ent=part(g.ent), coef_lp=part(g.coef_lp),
+        stats_grad(out=out, lse=g.lse[rows], lse_lo=part(g.lse_lo), ent=part(g.ent),
+                   coef_lp=part(g.coef_lp),
                    coef_h=part(g.coef_h), index=chunk.index, owned=chunk.owned,
                    valid=part(g.valid), layout=g.layout, label_smoothing=g.label_smoothing,
                    temperature=self.temperature, **_chunk_source(chunk))

@@ -187,28 +187,30 @@ def target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET: tl.constexpr):
 
 
 @triton.jit
-def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr,
-              valid_ptr, HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
-              HAS_VALID: tl.constexpr):
-    """The per-row inputs of :func:`grad_tile` for ``rows`` (``[R]``): ``(lse, ent, c_lp, c_h,
-    idx, own, valid)``, 0 / False where a flag turns one off."""
+def grad_rows(rows, mask, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr,
+              owned_ptr, valid_ptr, HAS_LP: tl.constexpr, HAS_H: tl.constexpr,
+              HAS_TARGET: tl.constexpr, HAS_VALID: tl.constexpr):
+    """The per-row inputs of :func:`grad_tile` for ``rows`` (``[R]``): ``(lse, lse_lo, ent, c_lp,
+    c_h, idx, own, valid)``, 0 / False where a flag turns one off (``lse_lo``: the rounding error
+    of the fp32 ``lse``, ``_grad.split_lse``)."""
     lse = tl.load(lse_ptr + rows, mask=mask, other=0.0)
+    lse_lo = tl.load(lse_lo_ptr + rows, mask=mask, other=0.0)
     zero = tl.zeros_like(lse)
     ent = tl.load(ent_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
     c_lp = tl.load(coef_lp_ptr + rows, mask=mask, other=0.0) if HAS_LP else zero
     c_h = tl.load(coef_h_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
     idx, own = target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET)
     valid = tl.load(valid_ptr + rows, mask=mask, other=0) != 0 if HAS_VALID else lse == lse
-    return lse, ent, c_lp, c_h, idx, own, valid
+    return lse, lse_lo, ent, c_lp, c_h, idx, own, valid
 
 
 @triton.jit
-def grad_tile(z, cols, lse, ent, c_lp, c_h, idx, own, valid, real_width, uniform_w, hit_w,
+def grad_tile(z, cols, lse, lse_lo, ent, c_lp, c_h, idx, own, valid, real_width, uniform_w, hit_w,
               HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr,
               SMOOTH: tl.constexpr, HAS_VALID: tl.constexpr, GPU: tl.constexpr):
     """``p (-c_h (log p + H) - c_lp)`` of the tile ``z`` (+ ``c_lp eps / V`` on real columns,
     + ``c_lp (1 - eps)`` at an owned target), 0 on rows not valid; fp32 ``[R, BLOCK_N]``."""
-    logp = z - lse[:, None]
+    logp = (z - lse[:, None]) - lse_lo[:, None]
     p = exp_(logp, GPU)
     if HAS_H:
         logp = tl.where(logp < _LOGP_MIN, _LOGP_MIN, logp)
