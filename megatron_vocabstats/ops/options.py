@@ -42,8 +42,12 @@ CHUNK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 
 
 def auto_chunk_size(width: int, device: torch.device) -> int:
-    """Tokens per chunk used when ``chunk_size=None``: ``CHUNK_BYTES[device] // (4 * width)``."""
-    return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * width))
+    """Tokens per chunk used when ``chunk_size=None``: ``CHUNK_BYTES[device] // (4 * width)``.
+
+    A symbolic ``width`` (a ``SymInt`` while ``make_fx``/``torch.compile`` traces with dynamic
+    shapes) is specialised to its value (``int``): the chunk loop is host-side Python, and a
+    model's vocabulary shard width does not change."""
+    return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * int(width)))
 
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

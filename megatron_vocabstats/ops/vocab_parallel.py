@@ -174,7 +174,8 @@ def vocab_parallel_stats(
             size, never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
         validate: run the checks that read tensor values on the host (target range, one tiny
             all-gather comparing shard width, token count, vocab_size, dtype, targets and options
-            across ranks, and finite results). Skipped while a CUDA graph is being captured.
+            across ranks, and finite results). Skipped while a CUDA graph is being captured
+            and while a tracer runs the call (``torch.compile``, ``make_fx``: no values).
             Without it, ranks that disagree are not detected (a wrong result or a failed
             collective). This rank's shape, dtype and argument checks always run. Must be equal
             on all ranks (a bool). Logits at or below -1e30 count as -inf. Without it a target

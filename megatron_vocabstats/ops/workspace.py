@@ -21,7 +21,8 @@ Lifetime rules (what makes a cached buffer safe to hand out again):
    neither read nor written: :meth:`Workspace.take` allocates a fresh buffer (from the graph's
    private memory pool, which the graph keeps for as long as it lives) and :meth:`Workspace.give`
    drops it. A captured graph therefore never shares memory with eager calls, and eager calls
-   never write into memory a replay reads.
+   never write into memory a replay reads. The same holds while a tracer runs the call
+   (:func:`tracing`: ``torch.compile``, ``make_fx``): its tensors belong to that trace.
 4. **Reset.** :func:`reset_workspace` drops every cached buffer (held ones are unaffected: they
    go back to the emptied cache when given back). Call it after destroying CUDA
    graphs (Megatron: after ``FullCudaGraphWrapper.reset_cuda_graph()`` or
@@ -68,6 +69,22 @@ def capturing() -> bool:
     itself would raise, and nothing can be capturing before CUDA is initialised.
     """
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def tracing() -> bool:
+    """Whether a tracer runs the call on stand-in tensors: ``torch.compile`` (dynamo), or
+    ``make_fx``/``torch.export`` (fake tensors, symbolic shapes included, or a proxy of real
+    ones). Such tensors belong to that trace: none is cached, and their values are not read on
+    the host."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._guards import detect_fake_mode
+
+        proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    except (ImportError, AttributeError):  # pragma: no cover - every supported torch has them
+        return False
+    return proxy is not None or detect_fake_mode() is not None
 
 
 def _size_class(numel: int) -> int:
@@ -137,7 +154,8 @@ class Workspace:
         """A buffer viewed as ``shape`` (content undefined), cached if one fits, else new.
 
         No host sync: on CUDA, waiting for the buffer's previous streams is queued on the current
-        stream. While a CUDA graph is being captured the buffer is always new and never cached.
+        stream. While a CUDA graph is being captured, or a tracer runs (:func:`tracing`), the
+        buffer is always new and never cached.
         """
         device = torch.device(device)
         numel = 1
@@ -146,7 +164,7 @@ class Workspace:
         size = _size_class(numel)
         key = (device, dtype, size)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        if capturing():
+        if capturing() or tracing():
             base = torch.empty(size, dtype=dtype, device=device)
             return Lease(base[:numel].view(shape), base, False, [stream] if stream else [])
         entry = None
@@ -169,7 +187,7 @@ class Workspace:
 
     def give(self, *leases: Lease | None) -> None:
         """Return leases (None entries ignored); their tensors must not be used afterwards."""
-        keep = not capturing()
+        keep = not (capturing() or tracing())
         for lease in leases:
             if lease is None or lease._base is None or not lease._cacheable or not keep:
                 continue

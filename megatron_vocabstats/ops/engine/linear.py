@@ -48,7 +48,7 @@ def auto_linear_chunk_size(width: int, device: torch.device) -> int:
     the constant). Other devices: the core op's ``auto_chunk_size`` (256 MiB per fp32 buffer).
     """
     if device.type == "cpu":
-        return max(1, CPU_LINEAR_CHUNK_BYTES // (4 * width))
+        return max(1, CPU_LINEAR_CHUNK_BYTES // (4 * int(width)))  # (int: as auto_chunk_size)
     return auto_chunk_size(width, device)
 
 
