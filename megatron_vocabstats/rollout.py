@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from .ops.options import check_choice
+from .ops.options import check_choice, check_number
 
 __all__ = [
     "ROLLOUT_LEVELS",
@@ -74,11 +74,8 @@ _DEFAULTS = {"tis": (2.0, None, None), "mis": (None, None, 2.0), "icepop": (None
 _FLAG_NAMES = ("truncated", "masked")
 
 
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (0.0 < value < float("inf")):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+def _positive(name: str, value) -> float:
+    return check_number(name, value, low=0.0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,7 +121,7 @@ class RolloutCorrection:
                                      f"takes threshold, got {name}={getattr(self, name)!r}")
             if self.threshold is None:
                 object.__setattr__(self, "threshold", _DEFAULTS["tis"][0])
-            _check_positive("threshold", self.threshold)
+            object.__setattr__(self, "threshold", _positive("threshold", self.threshold))
             return
         if self.threshold is not None:
             raise ValueError(f"threshold applies to mode='tis'; mode={self.mode!r} takes low and "
@@ -132,11 +129,11 @@ class RolloutCorrection:
         _, default_low, default_high = _DEFAULTS[self.mode]
         if self.high is None:
             object.__setattr__(self, "high", default_high)
-        _check_positive("high", self.high)
+        object.__setattr__(self, "high", _positive("high", self.high))
         if self.low is None:
             object.__setattr__(self, "low", default_low if default_low is not None
                                else 1.0 / self.high)
-        _check_positive("low", self.low)
+        object.__setattr__(self, "low", _positive("low", self.low))
         if self.low >= self.high:
             raise ValueError(f"low must be < high, got low={self.low!r}, high={self.high!r}")
         if self.low > 1.0:

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.options import check_choice
+from ..ops.options import check_choice, check_number
 from ..rollout import RolloutCorrection, correction_weights, mismatch_diagnostics
 from .inputs import (
     LossOutput,
     _check_float,
-    _check_number,
     _compute_dtype,
     _count,
     _masked,
@@ -48,15 +47,12 @@ class PolicyLossConfig:
     aggregation: str = "token-mean"
 
     def __post_init__(self):
-        _check_number("clip_eps", self.clip_eps, low=0.0, low_open=True)
-        if self.clip_eps >= 1.0:
-            raise ValueError(f"clip_eps must be < 1 (the ratio floor is 1 - clip_eps), "
-                             f"got {self.clip_eps!r}")
-        _check_number("clip_eps_high", self.clip_eps_high, low=0.0, low_open=True,
-                      allow_none=True)
-        _check_number("dual_clip", self.dual_clip, low=1.0, low_open=True, allow_none=True)
-        _check_number("kl_coef", self.kl_coef, low=0.0)
-        _check_number("entropy_coef", self.entropy_coef)
+        # (clip_eps < 1: the ratio floor is 1 - clip_eps)
+        for name, rule in (("clip_eps", dict(low=0.0, high=1.0, low_open=True, high_open=True)),
+                           ("clip_eps_high", dict(low=0.0, low_open=True, none_ok=True)),
+                           ("dual_clip", dict(low=1.0, low_open=True, none_ok=True)),
+                           ("kl_coef", dict(low=0.0)), ("entropy_coef", {})):
+            object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 

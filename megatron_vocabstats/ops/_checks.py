@@ -2,10 +2,12 @@
 
 Shape, dtype and argument checks always run. Checks that read tensor values on the host (target
 range, cross-rank agreement, finite results) run only with ``validate=True`` and never while a CUDA
-graph is being captured. Under tensor parallelism every rank first decides locally, then all ranks
-exchange one small int64 vector (sizes, a target checksum and an error flag) so that a bad input on
-one rank raises on every rank instead of leaving the others waiting in a collective. Every
-exception of the local checks (not only ``ValueError``) goes through that exchange.
+graph is being captured or a tracer runs the call (``torch.compile``, ``make_fx``; the automatic
+chunk size then specialises a symbolic width). Under tensor parallelism every rank first decides
+locally, then all ranks exchange one small int64 vector (sizes, a target checksum and an error
+flag) so that a bad input on one rank raises on every rank instead of leaving the others waiting
+in a collective. Every exception of the local checks (not only ``ValueError``) goes through that
+exchange.
 
 Wrong Python types raise :class:`InputTypeError`, a ``TypeError`` that is also a ``ValueError``.
 Backward functions call :func:`refuse_double_backward` (or use :func:`first_order_backward`).
@@ -31,7 +33,14 @@ import torch.distributed as dist
 
 from . import _comm
 from ._argtypes import INT64_RANGE as _INT64
-from ._argtypes import InputTypeError, check_choice, check_int64, check_integer, check_real
+from ._argtypes import (
+    InputTypeError,
+    check_choice,
+    check_int64,
+    check_integer,
+    check_number,
+    check_real,
+)
 from ._layout import BLOCK, ShardLayout, check_contiguous, shard_layout
 from ._layout import MAX_ID as _MAX_ID  # noqa: F401 - re-exported
 from .agreement import (
@@ -89,6 +98,7 @@ __all__ = [
     "check_contiguous",
     "check_finite",
     "check_integer",
+    "check_number",
     "check_real",
     "checked_config",
     "checked_on_every_rank",
@@ -179,20 +189,16 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
             raise ValueError(f"target is on {target.device} but logits on {logits.device}")
     if chunk_size is None:
         chunk_size = auto_chunk_size(logits.shape[-1], logits.device)
-    if check_integer("chunk_size", chunk_size) <= 0:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk_size = check_number("chunk_size", chunk_size, integer=True, low=1, high=_INT64[1],
+                              none_ok=True)
     check_choice("entropy", entropy, ENTROPY_MODES)
-    temperature = check_real("temperature", temperature)
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
-        raise ValueError(
-            f"temperature must be a finite number >= {MIN_TEMPERATURE:.3g} (the logits and "
-            f"their gradient are scaled by 1/temperature in fp32), got {temperature!r}")
-    label_smoothing = check_real("label_smoothing", label_smoothing)
-    if not (0.0 <= label_smoothing < 1.0):
-        raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing!r}")
-    ignore_index = check_integer("ignore_index", ignore_index)
-    if not _INT64[0] <= ignore_index <= _INT64[1]:
-        raise ValueError(f"ignore_index must fit int64, got {ignore_index}")
+    # (the logits and their gradient are scaled by 1/temperature in fp32: below the minimum
+    # that overflows)
+    temperature = check_number("temperature", temperature, low=MIN_TEMPERATURE)
+    label_smoothing = check_number("label_smoothing", label_smoothing, low=0.0, high=1.0,
+                                   high_open=True)
+    ignore_index = check_number("ignore_index", ignore_index, integer=True, low=_INT64[0],
+                                high=_INT64[1])
     rank, tp = _comm.group_rank_size(tp_group)
     layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
     if tp == 1 and not layout.even:
@@ -203,7 +209,7 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         # Callers without a Triton backend (top-k, sampling ops) leave the default: torch.
         kernel=resolve_kernel(kernel, logits.device),
         layout=layout,
-        chunk_size=int(chunk_size),
+        chunk_size=chunk_size,
         entropy=entropy,
         temperature=temperature,
         ignore_index=ignore_index,

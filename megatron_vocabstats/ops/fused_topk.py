@@ -181,7 +181,7 @@ def linear_vocab_parallel_topk(
         problem = k_problem(k, vocab) if vocab is not None else None
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
                          local_error=problem, agree=agreement(k), **options)
-    sc = cfg.stats
+    sc, k = cfg.stats, int(k)  # (checked: an integral number, numpy's included)
     with torch.no_grad():
         total = full_hidden(hidden.detach(), cfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])

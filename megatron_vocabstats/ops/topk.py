@@ -151,6 +151,7 @@ def _topk(logits, k, tp_group, *, normalize: bool, vocab_size=None, **options) -
     stats_cfg = checked_config(logits, None, tp_group, local_error=problem, agree=agreement(k),
                                vocab_size=vocab_size, entropy="off", ignore_index=-100,
                                label_smoothing=0.0, **options)
+    k = int(k)  # (checked: an integral number, numpy's included)
     cfg = TopKConfig(stats=stats_cfg, k=k, normalize=normalize)
     logits2d = logits.detach().reshape(-1, stats_cfg.layout.width)
     with torch.no_grad():

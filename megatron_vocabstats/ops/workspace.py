@@ -37,7 +37,8 @@ calls whose token count varies a little still reuse them; :meth:`Workspace.take`
 of the requested shape. Their content is undefined (like ``torch.empty``). On CPU the same API
 applies, without streams or capture.
 
-May import torch and the standard library only (no module of the package).
+May import torch, the standard library and :mod:`._argtypes` (the one checker of number-like
+options, itself standard library only).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from ._argtypes import check_number
 
 __all__ = [
     "WORKSPACE",
@@ -139,10 +142,9 @@ class Workspace:
 
     def configure(self, *, max_buffers: int | None = None, max_bytes: int | None = None) -> None:
         """Change the bounds (None keeps one); free buffers beyond them are dropped now."""
-        for name, value in (("max_buffers", max_buffers), ("max_bytes", max_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        bound = dict(integer=True, low=0, high=2**63 - 1, none_ok=True)
+        max_buffers = check_number("max_buffers", max_buffers, **bound)
+        max_bytes = check_number("max_bytes", max_bytes, **bound)
         with self._lock:
             if max_buffers is not None:
                 self.max_buffers = max_buffers

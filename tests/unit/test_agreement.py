@@ -69,9 +69,9 @@ ALLOWED = {
     "_grad": {"_layout", "options"},
     "_math": {"_layout", "_grad"},
     "options": {"_argtypes", "_layout"},
-    "agreement": {"_argtypes", "_comm"},
+    "agreement": {"_argtypes", "_comm", "workspace"},
     "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm", "kernels"},
-    "workspace": set(),
+    "workspace": {"_argtypes"},
 }
 
 
