@@ -282,10 +282,13 @@ def linear_vocab_parallel_stats(
             without a matching ``weight.main_grad``, and everything
             :func:`vocab_parallel_stats` raises; with ``validate`` on tp > 1, on every rank,
             including a sequence-parallel shard whose length differs across ranks, and
-            ``sequence_parallel``, ``grad_weights`` (given or None) or
-            ``accumulate_into_main_grad`` differing across the ranks (the error names the field
-            and prints each rank's value). Without ``validate`` those fail, hang or give wrong
-            gradients.
+            ``sequence_parallel``, ``grad_weights`` (given or None, and its values),
+            ``accumulate_into_main_grad``, the gradients asked (``hidden`` / ``weight``
+            ``requires_grad`` under grad mode: backward's dX reduction, and whether backward
+            runs) or, with ``grad_weights``, ``chunk_size`` differing across the ranks (the
+            error names the field and prints each rank's value). Without ``validate`` those
+            fail, hang or give wrong gradients; so does a backward that runs on some ranks only
+            (every rank's loss must use the outputs).
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are scaled in place by the first).
     """

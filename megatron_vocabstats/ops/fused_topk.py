@@ -180,7 +180,8 @@ def linear_vocab_parallel_topk(
         vocab = real_vocab(weight.shape[0], tp_group, options.get("vocab_size"))
         problem = k_problem(k, vocab) if vocab is not None else None
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
-                         local_error=problem, agree=agreement(k), **options)
+                         local_error=problem, agree=agreement(k), differentiable=False,
+                         **options)
     sc, k = cfg.stats, int(k)  # (checked: an integral number, numpy's included)
     with torch.no_grad():
         total = full_hidden(hidden.detach(), cfg, tp_group)

@@ -103,18 +103,26 @@ def first_device(*candidates) -> torch.device:
     return torch.device("cpu")
 
 
+def _gradients(code: int) -> str:
+    return {3: "hidden and weight", 2: "hidden", 1: "weight", 0: "none"}[code]
+
+
 def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                           sequence_parallel: bool = False,
                           accumulate_into_main_grad: bool = False, chunk_size=None,
                           local_error: ValueError | None = None, agree: tuple = (),
-                          **options) -> LinearStatsConfig:
+                          differentiable: bool = True, **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
     (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
 
     Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
-    agree on ``sequence_parallel``, whether ``grad_weights`` is given, and
-    ``accumulate_into_main_grad`` (they change the collectives or the gradients), then on the
-    caller's ``agree`` entries: all in the core op's one tiny all-gather.
+    agree on every option that changes the collectives or the gradients, then on the caller's
+    ``agree`` entries, all in the core op's one tiny all-gather: ``sequence_parallel``, whether
+    ``grad_weights`` is given (and its values), ``accumulate_into_main_grad``, which gradients
+    backward makes (``hidden`` and ``weight`` under grad mode and ``requires_grad``: the dX
+    all-reduce or reduce-scatter, and whether backward runs at all; ``differentiable=False`` for
+    an op without backward) and, in the forward-gradient mode (one all-gather per chunk), the
+    chunk size.
     """
     _, tp = _comm.group_rank_size(tp_group)
     lead = lead_shape(hidden, sequence_parallel, tp)
@@ -124,6 +132,10 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                              accumulate_into_main_grad=accumulate_into_main_grad)
     if problem is None and local_error is not None:
         problem = local_error
+    grad_on = differentiable and torch.is_grad_enabled()
+    grad_hidden = grad_on and isinstance(hidden, torch.Tensor) and hidden.requires_grad
+    grad_weight = grad_on and isinstance(weight, torch.Tensor) and weight.requires_grad
+    forward_grad = grad_weights is not None and (grad_hidden or grad_weight)
     if problem is None:
         width = weight.shape[0]
         logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
@@ -137,17 +149,19 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
              (Field("grad_weights values", checksum=True),
               lambda: -1 if grad_weights is None else tensor_checksum(grad_weights)),
              ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
+             ("gradients asked (hidden, weight: grad mode and requires_grad)",
+              lambda: 2 * grad_hidden + grad_weight, _gradients),
+             ("chunk_size in the forward-gradient mode (one all-gather per chunk; pass one "
+              "chunk_size on every rank)", lambda: int(chunk_size) if forward_grad else -1,
+              lambda size: size if size >= 0 else "not in that mode"),
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
                            agree=agree, **options)
-    grad_on = torch.is_grad_enabled()
-    grad_hidden = grad_on and hidden.requires_grad
-    grad_weight = grad_on and weight.requires_grad
     return LinearStatsConfig(
         stats=stats,
         sequence_parallel=sequence_parallel and tp > 1,
         accumulate_into_main_grad=accumulate_into_main_grad,
-        forward_grad=grad_weights is not None and (grad_hidden or grad_weight),
+        forward_grad=forward_grad,
         grad_hidden=grad_hidden,
         grad_weight=grad_weight,
     )

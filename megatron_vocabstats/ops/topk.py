@@ -19,8 +19,9 @@ of the id in the low 32 bits, so ``torch.topk`` sees no ties at all. A NaN ranks
 so a row holding one comes out all NaN (never a plausible top-k).
 
 Under ``validate`` on tp > 1 the ranks also agree on ``k``, ``indices`` and ``mask`` (checksums)
-before any result is used: a differing ``k`` would otherwise fail inside the gather, differing ids
-or masks would give silently wrong sums.
+before any result is used. Without ``validate`` nothing is compared: a differing ``k`` gives
+gathers of differing sizes (the collective fails or hangs until the backend's timeout),
+differing ids or masks silently wrong sums.
 
 This module holds the autograd Functions and the public API; the candidate/merge math, the passes
 and the gradient kernel are in :mod:`.topk_math`, the input checks in :mod:`.topk_checks`, the
