@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.options import check_choice, check_number
-from ..rollout import RolloutCorrection, correction_weights, mismatch_diagnostics
+from ..rollout import (
+    RolloutCorrection,
+    correction_weights,
+    invalid_log_ratios,
+    mismatch_diagnostics,
+)
 from .inputs import (
     LossOutput,
     _check_float,
@@ -194,7 +199,10 @@ def policy_loss(
             report.
         rollout_correction: a :class:`~megatron_vocabstats.rollout.RolloutCorrection`, or None
             (no weighting); needs ``rollout_logprobs``, and ``[b, s]`` inputs at
-            ``level="sequence"``.
+            ``level="sequence"``. A counted token whose old or rollout log-prob is NaN or
+            +inf (or both -inf) gets weight 0 and a surrogate of 0 (ratio 1: no NaN reaches the
+            loss, its gradient or the report; counted in ``"rollout invalid logprobs"``), or
+            raises ``ValueError`` with ``RolloutCorrection(validate=True)``.
         rollout_outside: optional bool tensor, same shape: True where the target lies outside the
             rollout sampler's kept set (top-k / top-p); only reported, not excluded.
 
@@ -250,11 +258,16 @@ def policy_loss(
     as_data = functools.partial(_masked, mask=mask, dtype=dtype)
     old = as_data(old_logprobs.detach())
     weights = flags = None
+    surrogate_old = old
     if rollout_correction is not None:
-        weights, flags = correction_weights(old, as_data(rollout_logprobs.detach()), mask,
-                                            rollout_correction)
+        rollout = as_data(rollout_logprobs.detach())
+        weights, flags = correction_weights(old, rollout, mask, rollout_correction)
+        # A token without a log-ratio has weight 0: its ratio to old_logprobs must stay finite
+        # too (weight 0 times NaN is NaN), so old is taken as the log-prob itself there.
+        surrogate_old = torch.where(invalid_log_ratios(old, rollout, mask),
+                                    as_data(logprobs).detach(), old)
     per_token, metrics = _policy_terms(
-        as_data(logprobs), old, as_data(advantages.detach()), mask,
+        as_data(logprobs), surrogate_old, as_data(advantages.detach()), mask,
         as_data(entropy) if entropy is not None else None,
         as_data(ref_logprobs.detach()) if ref_logprobs is not None else None,
         cfg, weights,

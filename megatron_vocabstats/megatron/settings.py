@@ -158,15 +158,17 @@ class PluginSettings:
                             kernel=self.kernel)
 
     def rollout_correction(self) -> RolloutCorrection | None:
-        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings, None for mode
-        "none": ``policy_loss(..., rollout_correction=settings.current().rollout_correction())``."""
+        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings (``validate``
+        too: a NaN log-prob at a counted token raises unless --vocab-stats-skip-checks), None
+        for mode "none":
+        ``policy_loss(..., rollout_correction=settings.current().rollout_correction())``."""
         if self.rollout_correction_mode == "none":
             return None
         return RolloutCorrection(mode=self.rollout_correction_mode,
                                  level=self.rollout_correction_level,
                                  threshold=self.rollout_correction_threshold,
                                  low=self.rollout_correction_low,
-                                 high=self.rollout_correction_high)
+                                 high=self.rollout_correction_high, validate=self.validate)
 
     def sampler_options(self) -> dict:
         """The sampler keywords of :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`

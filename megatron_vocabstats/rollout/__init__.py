@@ -1,0 +1,27 @@
+"""Trainer / rollout-engine mismatch: importance-weight corrections (:mod:`.correction`: TIS, MIS,
+IcePop, :class:`RolloutCorrection`, :func:`correction_weights`) and diagnostics
+(:mod:`.diagnostics`: :func:`mismatch_diagnostics`). See :mod:`.correction` for the methods and
+their sources. May import its two modules (the public names are re-exported here).
+"""
+
+from .correction import (
+    RATIO_QUANTILES,
+    ROLLOUT_LEVELS,
+    ROLLOUT_MODES,
+    CorrectionWeights,
+    RolloutCorrection,
+    correction_weights,
+    invalid_log_ratios,
+)
+from .diagnostics import mismatch_diagnostics
+
+__all__ = [
+    "ROLLOUT_LEVELS",
+    "ROLLOUT_MODES",
+    "RATIO_QUANTILES",
+    "CorrectionWeights",
+    "RolloutCorrection",
+    "correction_weights",
+    "invalid_log_ratios",
+    "mismatch_diagnostics",
+]
