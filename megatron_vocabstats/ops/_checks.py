@@ -19,7 +19,9 @@ pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._
 shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
 (the ``kernel`` choice, :func:`~.kernels.resolve_kernel`) and
 :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`); every name that used to be
-defined here is re-exported. May import those modules and :mod:`._comm` (not the op modules).
+defined here is re-exported. May import those modules, :mod:`._comm` and
+``megatron_vocabstats.mcore`` (whether Megatron's parallel state is tensor parallel: a missing
+``tp_group``), not the op modules.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..mcore import megatron_tp_size
 from . import _comm
 from ._argtypes import INT64_RANGE as _INT64
 from ._argtypes import (
@@ -200,7 +203,16 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
     ignore_index = check_number("ignore_index", ignore_index, integer=True, low=_INT64[0],
                                 high=_INT64[1])
     rank, tp = _comm.group_rank_size(tp_group)
-    layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
+    if tp_group is None and vocab_size is None and vocab_start is None:
+        _check_no_missing_group(logits.shape[-1])
+    try:
+        layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
+    except ValueError as exc:
+        if tp_group is None and "does not fit" in str(exc):
+            raise ValueError(f"{exc}; tp_group is None (no tensor parallelism: these logits hold "
+                             "the whole vocabulary): pass tp_group for a vocabulary-parallel "
+                             "shard") from None
+        raise
     if tp == 1 and not layout.even:
         check_contiguous([layout.vocab_start], [layout.width], layout.vocab_size)
     batch_invariant = _batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even)
@@ -220,11 +232,29 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         bad = (target != cfg.ignore_index) & ((target < 0) | (target >= cfg.layout.vocab_size))
         if bool(bad.any()):
             value = int(target[bad].reshape(-1)[0])
+            hint = ("; tp_group is None, so these logits must hold the whole vocabulary: for "
+                    "one rank's vocabulary shard pass its tp_group"
+                    if tp_group is None and value >= cfg.layout.vocab_size else "")
             raise ValueError(
                 f"target holds id {value}, outside [0, vocab_size={cfg.layout.vocab_size}) and "
-                f"not ignore_index={cfg.ignore_index}"
+                f"not ignore_index={cfg.ignore_index}{hint}"
             )
     return cfg
+
+
+def _check_no_missing_group(width: int) -> None:
+    """``ValueError`` naming ``tp_group`` for a call without a group (and without
+    ``vocab_size``, which would say that the logits hold the whole vocabulary) inside a run
+    whose Megatron parallel state is initialised with tensor parallelism: these logits are then
+    almost surely one rank's shard, and without the group its statistics are per-shard (off by
+    up to the log of the other shards' mass), with no error."""
+    tp = megatron_tp_size()
+    if tp is not None and tp > 1:
+        raise ValueError(
+            f"tp_group is None (no tensor parallelism), but Megatron's tensor-parallel group has "
+            f"{tp} ranks: these logits [..., {width}] look like one rank's vocabulary shard. Pass "
+            "tp_group (e.g. parallel_state.get_tensor_model_parallel_group()), or vocab_size "
+            "if they really hold the whole vocabulary")
 
 
 _AGREEMENT = (
@@ -260,20 +290,21 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
         KERNELS.index(cfg.kernel),
         *(_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
     ]
-    sample = 0
-    if _ambiguous(logits, cfg):
-        first_row = logits.detach().reshape(-1, layout.width)[0]
-        sample = float_bits(float(first_row.double().sum()))
-    return [*row, sample, layout.vocab_start, layout.width]
+    return [*row, _first_row_sample(logits, layout.width), layout.vocab_start, layout.width]
 
 
-def _ambiguous(logits, cfg: StatsConfig) -> bool:
-    # A shard as wide as the real vocabulary may be a Megatron shard (small vocabulary, whole
-    # shards of padding) or the full logits replicated on every rank: the first row tells (equal
-    # on every rank only if replicated, or if that row is constant). A LogitsSpec (the fused op)
-    # or a stride-0 stand-in has no data: nothing to sample there.
-    return (isinstance(logits, torch.Tensor) and cfg.layout.width >= cfg.layout.vocab_size
-            and logits.numel() > 0 and logits.stride(-1) != 0)
+def _first_row_sample(logits, width: int) -> int:
+    """A checksum of the logits' first row (0: nothing to compare). Distinct vocabulary shards
+    never share it; equal on every rank, the ranks hold the same logits: the full logits
+    replicated, or a group that is not the one the vocabulary was split over. A constant row
+    tells nothing (a shard of padding, all-equal logits); a LogitsSpec (the fused op) or a
+    stride-0 stand-in has no data."""
+    if not (isinstance(logits, torch.Tensor) and logits.numel() > 0 and logits.stride(-1) != 0):
+        return 0
+    row = logits.detach().reshape(-1, width)[0]
+    if not bool((row != row[0]).any()):
+        return 0
+    return tensor_checksum(row) or 1
 
 
 def _truthy(value) -> bool:
@@ -319,11 +350,12 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
         return cfg
     if not cfg.layout.even:
         check_contiguous([r[-2] for r in table], [r[-1] for r in table], cfg.layout.vocab_size)
-    if _ambiguous(logits, cfg) and all(r[-3] == table[0][-3] for r in table):
+    if table[0][-3] != 0 and all(r[-3] == table[0][-3] for r in table):
         raise ValueError(
-            f"logits: every rank of the tp={checks.size} group holds the same "
-            f"[..., {cfg.layout.width}] logits, as wide as vocab_size={cfg.layout.vocab_size}: "
-            "pass this rank's vocabulary shard [..., V/tp], not the full replicated logits"
+            f"logits: every rank of the tp={checks.size} tp_group holds the same "
+            f"[..., {cfg.layout.width}] logits (vocab_size={cfg.layout.vocab_size}): pass each "
+            "rank its own vocabulary shard [..., V/tp] with the tp_group it was split over, not "
+            "the full logits replicated on every rank (for those: tp_group=None)"
         )
     return cfg
 

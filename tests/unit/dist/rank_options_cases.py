@@ -350,6 +350,50 @@ def losses(group):
 
 
 @CASES.register
+def missing_or_wrong_group(group):
+    """A group that is not the one the vocabulary was split over: the full logits replicated on
+    every rank (was: off by log(tp) without vocab_size), or the same shard on every rank, raise
+    on every rank naming tp_group; so does the drop-in's tp_group=None before Megatron's
+    parallel state is initialised, and any op's tp_group=None once it is initialised with
+    tp = 2 (was: per-shard statistics, up to 1.85 nats off, without an error)."""
+    rank = _rank(group)
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(T, 2 * W, generator=g)
+    target = torch.randint(0, 2 * W, (T,), generator=g)
+    _check(group, [
+        ("replicated logits", "tp_group holds the same",
+         lambda r: mv.vocab_parallel_stats(full, target, tp_group=group)),
+        ("replicated logits, vocab_size", "tp_group holds the same",
+         lambda r: mv.vocab_parallel_logprobs(full, target, tp_group=group, vocab_size=2 * W)),
+        ("the same shard", "tp_group holds the same",
+         lambda r: mv.vocab_parallel_topk(full[:, :W], 2, tp_group=group)),
+    ])
+    from megatron.core import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized()
+    shard = full[:, rank * W:(rank + 1) * W]
+    expect = "tp_group=None means Megatron's tensor-parallel group"
+    problem = _problem("drop-in before Megatron", lambda: mv.vocab_parallel_cross_entropy(
+        shard, target), expect)
+    assert problem is None, problem
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        for name, call in (
+                ("stats", lambda: mv.vocab_parallel_stats(shard, target)),
+                ("sampling", lambda: mv.vocab_parallel_sampling_logprobs(shard, target)),
+                ("fused", lambda: mv.linear_vocab_parallel_stats(_data(rank)["hidden"],
+                                                                 _data(rank)["weight"], target))):
+            problem = _problem(name, call, "Megatron's tensor-parallel group has 2 ranks")
+            assert problem is None, problem
+        # vocab_size says these logits hold the whole vocabulary; the drop-in takes the group
+        mv.vocab_parallel_stats(full, target, vocab_size=2 * W)
+        ref = mv.vocab_parallel_cross_entropy(shard, target, tp_group=group)
+        assert torch.equal(mv.vocab_parallel_cross_entropy(shard, target), ref)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@CASES.register
 def options_that_change_nothing_may_differ(group):
     """chunk_size outside the forward-gradient mode changes neither the results nor the
     collectives: ranks may differ, and every op still runs in step afterwards."""
