@@ -225,7 +225,8 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
 
     Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, lse_lo, thresholds,
     scored, drop)`` for :func:`sampled_chunk_grad`: the kept set's logsumexp as an fp32 pair
-    (``_grad.split_lse``; on every row, scored or not), where the target is scored and kept, and
+    ``lse + lse_lo`` (here ``m`` and ``log(mass)``; on every row, scored or not), where the
+    target is scored and kept, and
     the top-p tie split (``drop``, None without top-p). ``log q`` is formed in float64 from the
     fp32 target logit and maximum and the float64 kept mass, and rounded to fp32 once.
     """
@@ -258,8 +259,7 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     # Float64 from here: log q = (t - m) - log(mass), rounded to fp32 once. Rounding
     # lse = m + log(mass) to fp32 first would lose up to half its ulp (0.5 nats at 1e7).
     log_mass = torch.log(mass)
-    lse64 = m_safe.double() + log_mass
-    lse = torch.where(torch.isnan(m), m, lse64.float())  # NaN logits stay NaN
+    lse = torch.where(torch.isnan(m), m, (m_safe.double() + log_mass).float())  # NaN stays NaN
     if host_checks_enabled(sc.validate, device):
         check_finite(lse, valid, temperature=sc.temperature)
     in_range = target_in_range(target1d, sc.layout.vocab_size)
@@ -277,18 +277,12 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     inside &= torch.isfinite(lse)
     logprobs = torch.where(valid, logprobs, 0.0)
     outside = valid & in_range & ~inside
-    return logprobs, outside, (m_safe, *_lse_pair(lse64, m_safe), thresholds, inside & valid,
-                               drop)
-
-
-def _lse_pair(lse64, m_safe):
-    """``(lse, lse_lo)`` fp32 of the float64 kept-set logsumexp (``_grad.split_lse``'s pair),
-    for every row: a row without a finite one gets ``(m_safe, 0)``, so that the backward's
-    ``z - lse <= 0`` on every row (the kept set holds the row maximum)."""
-    finite = torch.isfinite(lse64)
-    hi = lse64.float()
-    lo = (lse64 - hi.double()).float()
-    return torch.where(finite, hi, m_safe), torch.where(finite, lo, 0.0)
+    # The kept set's logsumexp for backward as the pair (m, log(mass)) on every row (log(mass)
+    # >= 0: the kept set holds the maximum, so z - m <= 0 everywhere): log q = (z - m) - log
+    # mass, one rounding where z is near m. Not m + log(mass) even in float64, whose ulp at
+    # 3e38 swallows log(mass). A row without a finite mass gets (m_safe, 0).
+    lse_lo = torch.where(torch.isfinite(log_mass), log_mass, 0.0).float()
+    return logprobs, outside, (m_safe, m_safe, lse_lo, thresholds, inside & valid, drop)
 
 
 def sampling_outputs(ctx, logprobs, outside, shape):
