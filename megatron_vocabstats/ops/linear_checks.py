@@ -52,8 +52,11 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
     if weight.shape[0] == 0:
         return ValueError("weight: the local vocabulary shard has no rows")
     if weight.shape[1] != hidden.shape[-1]:
-        return ValueError(f"weight has hidden size {weight.shape[1]} (shape "
-                          f"{tuple(weight.shape)}) but hidden has {hidden.shape[-1]}")
+        flipped = (": it looks transposed, [H, V/tp]; pass the output layer's weight as it is "
+                   "stored, [V/tp, H] (Megatron's output_layer.weight)"
+                   if weight.shape[0] == hidden.shape[-1] else "")
+        return ValueError(f"weight must be [V/tp, H] with H = {hidden.shape[-1]} (hidden's last "
+                          f"dimension), got shape {tuple(weight.shape)}{flipped}")
     if weight.dtype != hidden.dtype:
         return ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: "
                           "the logits are computed in the model dtype, pass both in it")

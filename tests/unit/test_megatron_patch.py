@@ -425,8 +425,9 @@ def test_rollout_flags_reach_the_settings_and_builders(patch, monkeypatch, switc
     assert current.active == bool(switch)
     assert (current.rollout_temperature, current.rollout_top_k, current.rollout_top_p,
             current.rollout_min_p) == (0.7, 50, 0.9, 0.05)
+    # (validate: the settings' own, on unless --vocab-stats-skip-checks)
     assert current.rollout_correction() == RolloutCorrection(mode="tis", level="sequence",
-                                                             threshold=3.0)
+                                                             threshold=3.0, validate=True)
     assert current.sampler_options() == {"temperature": 0.7, "top_k": 50, "top_p": 0.9,
                                          "min_p": 0.05}
 
@@ -446,7 +447,7 @@ def test_rollout_correction_builder(patch, monkeypatch, argv, want):
 
     _, args = _parse(["--vocab-parallel-stats", *argv], monkeypatch)
     built = config_hook(args).rollout_correction()
-    assert built == RolloutCorrection(**want)
+    assert built == RolloutCorrection(**want, validate=True)
     lp = torch.log(torch.tensor([[0.5, 0.25, 0.1]]))
     out = policy_loss(lp, lp, torch.ones(1, 3), torch.ones(1, 3), rollout_logprobs=lp - 0.1,
                       rollout_correction=built)
@@ -548,3 +549,37 @@ def test_config_hook_refuses_rollout_values_set_without_the_parser(patch, monkey
 def test_settings_refuse_bad_rollout_fields(changes, error, message):
     with pytest.raises(error, match=message):
         settings.PluginSettings(**changes)
+
+
+# ---- issue 24: what the config hook now catches itself ----
+
+
+def test_config_hook_reads_a_minus_one_top_k_as_off(patch, monkeypatch):
+    """--rollout-top-k -1 is documented as off; set without the parser (a YAML config) it was
+    refused with a message about the rollout correction."""
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats"], monkeypatch)
+    args.rollout_top_k = -1
+    assert config_hook(args).rollout_top_k is None
+    assert config_hook(args).sampler_options()["top_k"] is None
+
+
+def test_config_hook_refuses_a_triton_kernel_that_cannot_run(patch, monkeypatch):
+    """Without a GPU (and outside Triton's interpreter) kernel triton is refused when the
+    arguments are checked, naming the flag, not at the first forward after the model is
+    built."""
+    import torch
+
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    for name in ("TRITON_INTERPRET", "VOCABSTATS_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, args = _parse(["--vocab-parallel-stats", "--vocab-stats-kernel", "triton"], monkeypatch)
+    with pytest.raises(ValueError, match="--vocab-stats-kernel triton: kernel='triton' needs"):
+        config_hook(args)
+    args.vocab_stats_kernel = "auto"
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "triton")
+    with pytest.raises(ValueError, match="--vocab-stats-kernel auto: VOCABSTATS_KERNEL=triton"):
+        config_hook(args)
