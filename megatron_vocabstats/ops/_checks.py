@@ -119,15 +119,19 @@ class LogitsSpec(NamedTuple):
     tensor (the fused LM-head op computes them chunk by chunk from hidden states): accepted by
     :func:`checked_config` in place of the logits tensor, with the same checks and exchange.
     ``shape``: a ``torch.Size`` or tuple of ints; ``device``: as ``tensor.device`` reports it.
-    There are no values: nothing is sampled for the replicated-logits check."""
+    ``sample``: optional, a 1-D tensor that differs across the vocabulary shards (the fused
+    op's first weight row), compared in place of the logits' first row by the wrong-group
+    check (equal on every rank: the same shard everywhere)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    sample: torch.Tensor | None = None
 
 
 def _as_spec(logits: LogitsSpec) -> LogitsSpec:
-    return LogitsSpec(torch.Size(logits.shape), logits.dtype, torch.device(logits.device))
+    return LogitsSpec(torch.Size(logits.shape), logits.dtype, torch.device(logits.device),
+                      logits.sample)
 
 
 def refuse_double_backward(op: str) -> None:
@@ -297,11 +301,16 @@ def _first_row_sample(logits, width: int) -> int:
     """A checksum of the logits' first row (0: nothing to compare). Distinct vocabulary shards
     never share it; equal on every rank, the ranks hold the same logits: the full logits
     replicated, or a group that is not the one the vocabulary was split over. A constant row
-    tells nothing (a shard of padding, all-equal logits); a LogitsSpec (the fused op) or a
-    stride-0 stand-in has no data."""
-    if not (isinstance(logits, torch.Tensor) and logits.numel() > 0 and logits.stride(-1) != 0):
+    tells nothing (a shard of padding, all-equal logits); a LogitsSpec gives its ``sample``
+    (the fused op: the first weight row), a stride-0 stand-in has no data."""
+    if isinstance(logits, LogitsSpec):
+        row = logits.sample
+        if row is None or row.numel() == 0:
+            return 0
+    elif isinstance(logits, torch.Tensor) and logits.numel() > 0 and logits.stride(-1) != 0:
+        row = logits.detach().reshape(-1, width)[0]
+    else:
         return 0
-    row = logits.detach().reshape(-1, width)[0]
     if not bool((row != row[0]).any()):
         return 0
     return tensor_checksum(row) or 1
@@ -353,9 +362,10 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
     if table[0][-3] != 0 and all(r[-3] == table[0][-3] for r in table):
         raise ValueError(
             f"logits: every rank of the tp={checks.size} tp_group holds the same "
-            f"[..., {cfg.layout.width}] logits (vocab_size={cfg.layout.vocab_size}): pass each "
-            "rank its own vocabulary shard [..., V/tp] with the tp_group it was split over, not "
-            "the full logits replicated on every rank (for those: tp_group=None)"
+            f"[..., {cfg.layout.width}] logits (vocab_size={cfg.layout.vocab_size}; the fused "
+            "head: the same weight rows): pass each rank its own vocabulary shard [..., V/tp] "
+            "(weight [V/tp, H]) with the tp_group it was split over, not the full logits or "
+            "weight replicated on every rank (for those: tp_group=None)"
         )
     return cfg
 

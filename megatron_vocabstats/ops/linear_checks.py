@@ -55,8 +55,9 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
         flipped = (": it looks transposed, [H, V/tp]; pass the output layer's weight as it is "
                    "stored, [V/tp, H] (Megatron's output_layer.weight)"
                    if weight.shape[0] == hidden.shape[-1] else "")
-        return ValueError(f"weight must be [V/tp, H] with H = {hidden.shape[-1]} (hidden's last "
-                          f"dimension), got shape {tuple(weight.shape)}{flipped}")
+        return ValueError(f"weight must be [V/tp, H] with the hidden size H = "
+                          f"{hidden.shape[-1]} (hidden's last dimension), got shape "
+                          f"{tuple(weight.shape)}{flipped}")
     if weight.dtype != hidden.dtype:
         return ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: "
                           "the logits are computed in the model dtype, pass both in it")
@@ -141,7 +142,8 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     forward_grad = grad_weights is not None and (grad_hidden or grad_weight)
     if problem is None:
         width = weight.shape[0]
-        logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
+        logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device,
+                            sample=weight.detach()[0])
         if chunk_size is None:
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere

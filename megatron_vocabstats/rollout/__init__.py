@@ -4,7 +4,8 @@ IcePop, :class:`RolloutCorrection`, :func:`correction_weights`) and diagnostics
 their sources. May import its two modules (the public names are re-exported here).
 """
 
-from .correction import (
+from . import correction, diagnostics
+from .correction import (  # noqa: F401 - re-exported (__all__ below)
     RATIO_QUANTILES,
     ROLLOUT_LEVELS,
     ROLLOUT_MODES,
@@ -13,15 +14,6 @@ from .correction import (
     correction_weights,
     invalid_log_ratios,
 )
-from .diagnostics import mismatch_diagnostics
+from .diagnostics import mismatch_diagnostics  # noqa: F401
 
-__all__ = [
-    "ROLLOUT_LEVELS",
-    "ROLLOUT_MODES",
-    "RATIO_QUANTILES",
-    "CorrectionWeights",
-    "RolloutCorrection",
-    "correction_weights",
-    "invalid_log_ratios",
-    "mismatch_diagnostics",
-]
+__all__ = [*correction.__all__, *diagnostics.__all__]

@@ -60,6 +60,7 @@ def test_transposed_fused_weight_gets_a_hint():
     hidden, weight = torch.randn(3, 4), torch.randn(8, 4)
     with pytest.raises(ValueError, match=r"weight must be \[V/tp, H\] .* it looks transposed"):
         mv.linear_vocab_parallel_stats(hidden, weight.t(), torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"weight must be \[V/tp, H\] with H = 4") as info:
+    with pytest.raises(ValueError, match=r"weight must be \[V/tp, H\] with the hidden size H = 4"
+                       ) as info:
         mv.linear_vocab_parallel_stats(hidden, torch.randn(8, 5), None)
     assert "transposed" not in str(info.value)

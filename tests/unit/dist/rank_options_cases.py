@@ -367,6 +367,9 @@ def missing_or_wrong_group(group):
          lambda r: mv.vocab_parallel_logprobs(full, target, tp_group=group, vocab_size=2 * W)),
         ("the same shard", "tp_group holds the same",
          lambda r: mv.vocab_parallel_topk(full[:, :W], 2, tp_group=group)),
+        ("the full weight on every rank", "tp_group holds the same",
+         lambda r: mv.linear_vocab_parallel_stats(_data(r)["hidden"], torch.randn(
+             2 * W, H, generator=torch.Generator().manual_seed(5)), target, tp_group=group)),
     ])
     from megatron.core import parallel_state
 
