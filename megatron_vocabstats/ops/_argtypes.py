@@ -39,7 +39,7 @@ def _bound(x) -> str:
         return "2**63 - 1"
     if x == INT64_RANGE[0]:
         return "-2**63"
-    return str(x) if isinstance(x, int) else f"{x:g}"
+    return f"{x:g}" if isinstance(x, float) else str(x)  # (str: an int, or a traced SymInt)
 
 
 def describe_range(*, integer: bool = False, low=None, high=None, low_open: bool = False,
@@ -60,32 +60,37 @@ def describe_range(*, integer: bool = False, low=None, high=None, low_open: bool
 def number_problem(value, *, integer: bool = False, low=None, high=None, low_open: bool = False,
                    high_open: bool = False, finite: bool = True) -> tuple[type, str] | None:
     """Why ``value`` is not an acceptable number, as ``(error class, "must be ..., got ...")``,
-    or None. The rule of :func:`check_number` (see there), without a name and without raising."""
-    rule = describe_range(integer=integer, low=low, high=high, low_open=low_open,
-                          high_open=high_open)
-    if not finite:
-        rule = rule.replace("a finite number", "a number") + " (or NaN, +-inf)"
+    or None. The rule of :func:`check_number` (see there), without a name and without raising.
+    The message is only composed for a problem (a bound may be a traced ``SymInt``)."""
+    def problem(kind=ValueError, note=""):
+        rule = describe_range(integer=integer, low=low, high=high, low_open=low_open,
+                              high_open=high_open)
+        if not finite:
+            rule = rule.replace("a finite number", "a number") + " (or NaN, +-inf)"
+        return kind, f"must be {rule}{note}, got {_shown(value)}"
+
     wanted = numbers.Integral if integer else numbers.Real
     if _is_bool(value) or not isinstance(value, wanted):
-        return InputTypeError, f"must be {rule}, got {_shown(value)} ({type(value).__name__})"
+        kind, text = problem(InputTypeError)
+        return kind, f"{text} ({type(value).__name__})"
     if isinstance(value, numbers.Integral):
-        value = int(value)  # exact: a huge int is compared as it is, never through a float
+        number = int(value)  # exact: a huge int is compared as it is, never through a float
     else:
         try:
-            value = float(value)
+            number = float(value)
         except (OverflowError, ValueError):
-            return ValueError, f"must be {rule}, got {_shown(value)}"
-        if not math.isfinite(value):
-            return None if not finite else (ValueError, f"must be {rule}, got {_shown(value)}")
-    too_low = low is not None and (value <= low if low_open else value < low)
-    too_high = high is not None and (value >= high if high_open else value > high)
+            return problem()
+        if not math.isfinite(number):
+            return problem() if finite else None
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
     if too_low or too_high:
-        return ValueError, f"must be {rule}, got {_shown(value)}"
-    if not integer and isinstance(value, int):
+        return problem()
+    if not integer and isinstance(number, int):
         try:
-            float(value)
+            float(number)
         except OverflowError:  # no bound given, and beyond float64
-            return ValueError, f"must be {rule} (that fits a float64), got {_shown(value)}"
+            return problem(note=" (that fits a float64)")
     return None
 
 
