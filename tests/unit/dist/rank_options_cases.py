@@ -409,6 +409,13 @@ def options_that_change_nothing_may_differ(group):
     out = mv.linear_vocab_parallel_stats(h, w, d["target"], tp_group=group, chunk_size=1 + rank)
     _run(out.logprobs)
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    # A top_k of V or more keeps everything, a huge one too (was refused at tp > 1: the
+    # agreement compared it as an int64)
+    plain = mv.vocab_parallel_sampling_logprobs(d["logits"], d["target"], tp_group=group)
+    for k in (2 * W, 2**70, 10**400):
+        huge = mv.vocab_parallel_sampling_logprobs(d["logits"], d["target"], tp_group=group,
+                                                   top_k=k)
+        assert torch.equal(huge.logprobs, plain.logprobs), k
 
 
 if __name__ == "__main__":
