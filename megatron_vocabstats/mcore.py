@@ -1,7 +1,8 @@
 """Lazy lookups of third-party ``megatron.core`` names that the lower layer needs.
 
 Lives here: :func:`tp_group_of` / :func:`default_tp_group` (the tensor-parallel group of a
-Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`) and
+Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`),
+:func:`megatron_tp_size` (read by the ops' missing-group check) and
 :func:`packed_seq_params_class` (read by :mod:`megatron_vocabstats.packing`). They sit below
 ``megatron_vocabstats.megatron`` so that the losses and packing (and the ops) can use them
 without importing that subpackage; :mod:`megatron_vocabstats.megatron.compat` re-exports them.
@@ -40,6 +41,20 @@ def tp_group_of(module) -> dist.ProcessGroup | None:
         if group is not None:
             return group
     return default_tp_group()
+
+
+def megatron_tp_size() -> int | None:
+    """The size of Megatron's tensor-parallel group if ``parallel_state`` is initialised, 0 if
+    it was imported but is not initialised yet, None if Megatron was never imported (then
+    nothing of it can be initialised). Never imports Megatron; for the ops' missing-group check
+    (a ``tp_group=None`` call inside a run whose Megatron is, or is about to be, tensor
+    parallel)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None:
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def default_tp_group() -> dist.ProcessGroup | None:

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron_vocabstats.megatron.flag_types import IntAtLeast
 from megatron_vocabstats.profiling import kernels, memory, postprocess, ranks, summary
 from megatron_vocabstats.profiling.cli import add_summarize_command, summarize_command
 
@@ -75,7 +76,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: step 2 (step 1 if the run has one step)")
     parser.add_argument("--trials", default="memory,kernels",
                         help="trial kinds, each a separate training run: memory, kernels")
-    parser.add_argument("--max-entries", type=int, default=1_000_000,
+    parser.add_argument("--max-entries", type=IntAtLeast(1), default=1_000_000,
                         help="CUDA allocator history entries kept (memory trials on GPU)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the profile already in --out (its trials, settings and "

@@ -39,8 +39,10 @@ def same_path(a: str, b: str) -> bool:
 def output_problem(path: str, *, directory: bool = False, overwrite: bool = False) -> str | None:
     """Why ``path`` cannot be written as an output file (``directory``: a directory of files),
     or None. Refused: a file path that is a directory, a directory path that is not one, an
-    existing file (or a directory holding files) unless ``overwrite``, and a path whose nearest
-    existing ancestor is not a writable directory. Nothing is created."""
+    existing file (or a directory holding files) unless ``overwrite``, a path whose nearest
+    existing ancestor is not a directory, or one where creating a file fails (tried with a
+    temporary file there, removed at once: permissions say nothing for root, nor for /proc or
+    a read-only mount), and a name longer than the file system takes."""
     if directory:
         if os.path.lexists(path) and not os.path.isdir(path):
             return "exists and is not a directory"
@@ -58,6 +60,25 @@ def output_problem(path: str, *, directory: bool = False, overwrite: bool = Fals
         return f"cannot be created: {ancestor} is not a directory"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"cannot be written: no write permission in {ancestor}"
+    return _creation_problem(ancestor, os.path.relpath(os.path.abspath(path), ancestor))
+
+
+def _creation_problem(ancestor: str, rest: str) -> str | None:
+    """Why ``rest`` (names below the existing directory ``ancestor``) cannot be created there,
+    found by creating (and removing) a temporary file in ``ancestor``; or None."""
+    try:
+        longest = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    for name in rest.split(os.sep):
+        if len(os.fsencode(name)) > longest:
+            return f"cannot be created: the name {name[:40]}... is longer than {longest} bytes"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=ancestor)
+    except OSError as exc:
+        return f"cannot be written: creating a file in {ancestor} fails ({exc.strerror})"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..losses.inputs import _check_float, _token_mask
-from ..ops.options import check_choice
+from ..ops.options import check_choice, check_number
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 _LN2 = math.log(2.0)
@@ -30,13 +30,15 @@ class DistillConfig:
 
     def __post_init__(self):
         check_choice("divergence", self.divergence, DIVERGENCES)
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) \
-                or not 0.0 < self.beta < 1.0:
-            raise ValueError(
-                f"beta must be a number in (0, 1), got {self.beta!r}: at 0 and 1 the mixture is "
-                "one of the two sides and JSD(beta) is identically 0 (TRL and Liger map beta=0 "
-                "and 1 to forward and reverse KL by convention: pass divergence='forward_kl' or "
-                "'reverse_kl' for those)")
+        try:
+            beta = check_number("beta", self.beta, low=0.0, high=1.0, low_open=True,
+                                high_open=True)
+        except ValueError as exc:
+            raise type(exc)(
+                f"{exc}: at 0 and 1 the mixture is one of the two sides and JSD(beta) is "
+                "identically 0 (TRL and Liger map beta=0 and 1 to forward and reverse KL by "
+                "convention: pass divergence='forward_kl' or 'reverse_kl' for those)") from None
+        object.__setattr__(self, "beta", beta)
         for name in ("tail_bucket", "renormalize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

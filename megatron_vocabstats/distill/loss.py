@@ -22,7 +22,7 @@ from ..ops.agreement import (
     host_checks_enabled,
     tensor_checksum,
 )
-from ..ops.options import LOGP_MIN
+from ..ops.options import LOGP_MIN, check_number
 from ..ops.topk import TopK, vocab_parallel_topk_logprobs
 from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 
@@ -182,6 +182,7 @@ def distillation_loss(
             raise ValueError(f"temperature_scale must be a bool, got {temperature_scale!r}")
         teacher_lp, indices = _teacher_parts(teacher)
         mask = _token_mask(loss_mask, teacher_lp[..., 0], "teacher.logprobs[..., 0]")
+        check_number("teacher_vocab_size", teacher_vocab_size, integer=True, low=1, none_ok=True)
         student_vocab = _student_vocab(student, vocab_size, tp_group)
         if teacher_vocab_size is not None and student_vocab is None:
             raise ValueError(f"teacher_vocab_size={teacher_vocab_size!r} cannot be checked: with "

@@ -81,16 +81,6 @@ def _per_token_inputs(logprobs, loss_mask, **optional) -> torch.Tensor:
     return mask
 
 
-def _check_number(name: str, value, *, low: float | None = None, low_open: bool = False,
-                  allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (float("-inf") < value < float("inf")):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------

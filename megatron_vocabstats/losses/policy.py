@@ -14,12 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.options import check_choice
-from ..rollout import RolloutCorrection, correction_weights, mismatch_diagnostics
+from ..ops.options import check_choice, check_number
+from ..rollout import (
+    RolloutCorrection,
+    correction_weights,
+    invalid_log_ratios,
+    mismatch_diagnostics,
+)
 from .inputs import (
     LossOutput,
     _check_float,
-    _check_number,
     _compute_dtype,
     _count,
     _masked,
@@ -48,15 +52,12 @@ class PolicyLossConfig:
     aggregation: str = "token-mean"
 
     def __post_init__(self):
-        _check_number("clip_eps", self.clip_eps, low=0.0, low_open=True)
-        if self.clip_eps >= 1.0:
-            raise ValueError(f"clip_eps must be < 1 (the ratio floor is 1 - clip_eps), "
-                             f"got {self.clip_eps!r}")
-        _check_number("clip_eps_high", self.clip_eps_high, low=0.0, low_open=True,
-                      allow_none=True)
-        _check_number("dual_clip", self.dual_clip, low=1.0, low_open=True, allow_none=True)
-        _check_number("kl_coef", self.kl_coef, low=0.0)
-        _check_number("entropy_coef", self.entropy_coef)
+        # (clip_eps < 1: the ratio floor is 1 - clip_eps)
+        for name, rule in (("clip_eps", dict(low=0.0, high=1.0, low_open=True, high_open=True)),
+                           ("clip_eps_high", dict(low=0.0, low_open=True, none_ok=True)),
+                           ("dual_clip", dict(low=1.0, low_open=True, none_ok=True)),
+                           ("kl_coef", dict(low=0.0)), ("entropy_coef", {})):
+            object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         check_choice("aggregation", self.aggregation, AGGREGATIONS)
 
@@ -198,7 +199,10 @@ def policy_loss(
             report.
         rollout_correction: a :class:`~megatron_vocabstats.rollout.RolloutCorrection`, or None
             (no weighting); needs ``rollout_logprobs``, and ``[b, s]`` inputs at
-            ``level="sequence"``.
+            ``level="sequence"``. A counted token whose old or rollout log-prob is NaN or
+            +inf (or both -inf) gets weight 0 and a surrogate of 0 (ratio 1: no NaN reaches the
+            loss, its gradient or the report; counted in ``"rollout invalid logprobs"``), or
+            raises ``ValueError`` with ``RolloutCorrection(validate=True)``.
         rollout_outside: optional bool tensor, same shape: True where the target lies outside the
             rollout sampler's kept set (top-k / top-p); only reported, not excluded.
 
@@ -254,11 +258,16 @@ def policy_loss(
     as_data = functools.partial(_masked, mask=mask, dtype=dtype)
     old = as_data(old_logprobs.detach())
     weights = flags = None
+    surrogate_old = old
     if rollout_correction is not None:
-        weights, flags = correction_weights(old, as_data(rollout_logprobs.detach()), mask,
-                                            rollout_correction)
+        rollout = as_data(rollout_logprobs.detach())
+        weights, flags = correction_weights(old, rollout, mask, rollout_correction)
+        # A token without a log-ratio has weight 0: its ratio to old_logprobs must stay finite
+        # too (weight 0 times NaN is NaN), so old is taken as the log-prob itself there.
+        surrogate_old = torch.where(invalid_log_ratios(old, rollout, mask),
+                                    as_data(logprobs).detach(), old)
     per_token, metrics = _policy_terms(
-        as_data(logprobs), old, as_data(advantages.detach()), mask,
+        as_data(logprobs), surrogate_old, as_data(advantages.detach()), mask,
         as_data(entropy) if entropy is not None else None,
         as_data(ref_logprobs.detach()) if ref_logprobs is not None else None,
         cfg, weights,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..ops import VocabStats, vocab_parallel_stats
 from ..ops.agreement import Field, checked_on_every_rank, tensor_checksum
-from ..ops.options import IGNORE_INDEX
+from ..ops.options import IGNORE_INDEX, MIN_TEMPERATURE, check_number
 from .inputs import _EVERY_RANK_HINT, LossOutput, _token_mask
 from .token import nll_loss, score_tokens
 
@@ -32,10 +32,12 @@ class StatsOptions:
     """How per-token statistics are computed from a model output (see :func:`token_stats`).
 
     The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name
-    and are validated there. ``validate`` defaults to False here (unlike the op): its checks read
-    tensor values on the host once per call, which a training step should not pay; turn it on
-    while debugging a data pipeline. ``batch_invariant`` (False, True or ``"tp"``) is passed to a
-    statistics callable only when set, so callables that predate it keep working; so is
+    and are validated there; the number fields also on construction (``TypeError`` /
+    ``ValueError`` naming the field, as the op's). ``validate`` defaults to False here (unlike
+    the op): its checks read tensor values on the host once per call, which a training step
+    should not pay; turn it on while debugging a data pipeline. ``batch_invariant`` (False,
+    True or ``"tp"``) is passed to a statistics callable only when set, so callables that
+    predate it keep working; so is
     ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``, the backend of the unfused op and of
     the fused LM head; only when not ``"auto"``).
 
@@ -53,6 +55,17 @@ class StatsOptions:
     validate: bool = False
     batch_invariant: bool | str = False
     kernel: str = "auto"
+
+    def __post_init__(self):
+        # The number fields by the ops' own checker (ops.options.check_number), at construction:
+        # an error names the field here rather than at the first loss call. The other fields
+        # are checked by the op.
+        top = 2**63 - 1
+        for name, rule in (("vocab_size", dict(integer=True, low=1, high=top, none_ok=True)),
+                           ("chunk_size", dict(integer=True, low=1, high=top, none_ok=True)),
+                           ("temperature", dict(low=MIN_TEMPERATURE)),
+                           ("label_smoothing", dict(low=0.0, high=1.0, high_open=True))):
+            object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
 
     def op_kwargs(self, **extra) -> dict[str, Any]:
         """These options as keyword arguments of the ops, plus ``extra`` (``tp_group``,

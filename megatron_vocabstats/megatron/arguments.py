@@ -20,8 +20,9 @@ import logging
 import math
 import warnings
 
-from ..ops.kernels import KERNEL_CHOICES
+from ..ops.kernels import KERNEL_CHOICES, resolve_kernel
 from ..ops.options import BATCH_INVARIANT_NAMES
+from ..rollout import ROLLOUT_LEVELS, RolloutCorrection
 from . import compat, settings
 
 # Re-exported: the flags' value types and tables live in .flag_types.
@@ -47,8 +48,6 @@ def check_flag_values(args) -> None:
     """Raise ``ValueError`` naming the flag for a value of the family its parser would refuse:
     a number outside :data:`FLAG_TYPES` or a choice not offered, set without the parser (a YAML
     config, a script). Flags absent from ``args`` are not checked."""
-    from ..rollout import ROLLOUT_LEVELS
-
     choices = {"vocab_stats_entropy": settings.ENTROPY_MODES,
                "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG),
                "vocab_stats_kernel": KERNEL_CHOICES,
@@ -151,6 +150,8 @@ def _rollout_settings(args) -> dict:
     current = settings.current()
     fields = {field: getattr(args, flag) if hasattr(args, flag) else getattr(current, field)
               for flag, field in ROLLOUT_FLAGS.items()}
+    if fields["rollout_top_k"] == -1 and not isinstance(fields["rollout_top_k"], bool):
+        fields["rollout_top_k"] = None  # -1 = off, as the flag's type reads it (a YAML config)
     mode = fields["rollout_correction_mode"]
     given = [name for name in ("threshold", "low", "high")
              if fields[f"rollout_correction_{name}"] is not None]
@@ -165,12 +166,15 @@ def _rollout_settings(args) -> dict:
         raise ValueError("--rollout-correction icepop is token level only (got "
                          "--rollout-correction-level sequence); use --rollout-correction mis "
                          "--rollout-correction-level sequence to drop whole sequences")
-    try:
-        settings.PluginSettings(active=False, **fields)
-    except ValueError as exc:  # what is left: a band without 1 inside, low >= high
-        low, high = fields["rollout_correction_low"], fields["rollout_correction_high"]
-        raise ValueError(f"--rollout-correction {mode} with --rollout-correction-low {low} "
-                         f"--rollout-correction-high {high}: {exc}") from None
+    if mode != "none":
+        try:
+            RolloutCorrection(mode=mode, level=fields["rollout_correction_level"],
+                              **{name: fields[f"rollout_correction_{name}"] for name in wants})
+        except ValueError as exc:  # what is left: a band without 1 inside, low >= high
+            bounds = " ".join(f"--rollout-correction-{name} {fields[f'rollout_correction_{name}']}"
+                              for name in wants)
+            raise ValueError(f"--rollout-correction {mode} with {bounds}: {exc}") from None
+    settings.PluginSettings(active=False, **fields)  # the sampler's fields (named as fields)
     return fields
 
 
@@ -271,6 +275,20 @@ def _batch_invariant(args):
     return mode
 
 
+def _check_kernel(kernel) -> None:
+    """``--vocab-stats-kernel`` (or ``VOCABSTATS_KERNEL`` under ``auto``) resolved as the first
+    loss call will resolve it (``ops.kernels.resolve_kernel``, on CUDA where the run has a GPU):
+    ``triton`` without a GPU or the triton package is refused now, naming the flag, not after
+    the model is built."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolve_kernel(kernel, device)
+    except ValueError as exc:
+        raise ValueError(f"--vocab-stats-kernel {kernel}: {exc}") from None
+
+
 def config_hook(args) -> settings.PluginSettings:
     """Set the plugin up from Megatron's parsed ``args``; must run before ``validate_args``.
 
@@ -294,8 +312,10 @@ def config_hook(args) -> settings.PluginSettings:
             bonus without ``--vocab-stats-entropy grad``, ``--require-fused-lm-head`` without
             ``--lm-head-chunk-size``, FP8 without bf16, missing
             precision-aware-optimizer prerequisites (all of
-            them listed at once), or ``--vocab-stats-batch-invariant tp`` under tensor
-            parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128.
+            them listed at once), ``--vocab-stats-batch-invariant tp`` under tensor
+            parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128,
+            or ``--vocab-stats-kernel triton`` (or ``VOCABSTATS_KERNEL=triton``) where it cannot
+            run (no GPU outside Triton's interpreter, no triton package).
     """
     check_flag_values(args)
     rollout = _rollout_settings(args)
@@ -326,6 +346,8 @@ def config_hook(args) -> settings.PluginSettings:
     alignment = _fp8(args) if getattr(args, "fp8", None) else 1
     args.vocab_stats_token_alignment = alignment
     batch_invariant = _batch_invariant(args)
+    kernel = getattr(args, "vocab_stats_kernel", "auto")
+    _check_kernel(kernel)
     return settings.update(
         active=True,
         logprobs_chunk_size=args.logprobs_chunk_size or None,
@@ -337,7 +359,7 @@ def config_hook(args) -> settings.PluginSettings:
         validate=not args.vocab_stats_skip_checks,
         token_alignment=alignment,
         batch_invariant=batch_invariant,
-        kernel=getattr(args, "vocab_stats_kernel", "auto"),
+        kernel=kernel,
         **rollout,
     )
 

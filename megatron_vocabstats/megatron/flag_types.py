@@ -2,13 +2,20 @@
 also check values set without the parser) and the tables of the family: :data:`FLAG_TYPES`,
 :data:`OPTIONAL_FLAGS`, :data:`ROLLOUT_FLAGS`.
 
-May import: the standard library only.
+Every value goes through the package's one checker of number-like options
+(``ops._argtypes.number_problem``, the rule of ``check_number``: Python and numpy numbers,
+never a bool, NaN, +-inf or an out-of-range value, huge ints included).
+
+May import: the standard library and :mod:`megatron_vocabstats.ops._argtypes` (itself standard
+library only).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+
+from ..ops._argtypes import describe_range, number_problem
 
 
 class IntAtLeast:
@@ -19,23 +26,23 @@ class IntAtLeast:
     not come through the parser (a YAML config, a script) and returns the complaint or None.
     """
 
-    def __init__(self, minimum: int):
-        self.minimum = minimum
+    def __init__(self, minimum: int, maximum: int | None = 2**63 - 1):
+        self.minimum, self.maximum = minimum, maximum
         self.__name__ = f"integer >= {minimum}"  # argparse's name for the type in messages
 
+    def describe(self) -> str:
+        return describe_range(integer=True, low=self.minimum, high=self.maximum)
+
     def problem(self, value) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"must be an integer >= {self.minimum}, got {value!r}"
-        if value < self.minimum:
-            return f"must be >= {self.minimum}, got {value}"
-        return None
+        problem = number_problem(value, integer=True, low=self.minimum, high=self.maximum)
+        return problem and problem[1]
 
     def __call__(self, text: str) -> int:
         try:
             value = int(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(
-                f"must be an integer >= {self.minimum}, got {text!r}") from None
+                f"must be {self.describe()}, got {text!r}") from None
         problem = self.problem(value)
         if problem:
             raise argparse.ArgumentTypeError(problem)
@@ -54,25 +61,17 @@ class FloatIn:
         self.low, self.high, self.open_low, self.open_high = low, high, open_low, open_high
         self.__name__ = self.describe()
 
+    def _range(self) -> dict:
+        return dict(low=self.low if math.isfinite(self.low) else None,
+                    high=self.high if math.isfinite(self.high) else None,
+                    low_open=self.open_low, high_open=self.open_high)
+
     def describe(self) -> str:
-        bounded = (math.isfinite(self.low), math.isfinite(self.high))
-        if all(bounded):
-            return (f"a number in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
-                    f"{')' if self.open_high else ']'}")
-        if bounded[0]:
-            return f"a finite number {'>' if self.open_low else '>='} {self.low:g}"
-        if bounded[1]:
-            return f"a finite number {'<' if self.open_high else '<='} {self.high:g}"
-        return "a finite number"
+        return describe_range(**self._range())
 
     def problem(self, value) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be {self.describe()}, got {value!r}"
-        too_low = value <= self.low if self.open_low else value < self.low
-        too_high = value >= self.high if self.open_high else value > self.high
-        if not math.isfinite(value) or too_low or too_high:
-            return f"must be {self.describe()}, got {value!r}"
-        return None
+        problem = number_problem(value, **self._range())
+        return problem and problem[1]
 
     def __call__(self, text: str) -> float:
         try:
@@ -92,7 +91,7 @@ class TopK(IntAtLeast):
     """
 
     def __init__(self):
-        super().__init__(1)
+        super().__init__(1, maximum=None)  # a k of V or more keeps everything
         self.__name__ = "integer >= 1 or -1 (off)"
 
     def problem(self, value) -> str | None:
@@ -106,7 +105,7 @@ class TopK(IntAtLeast):
             value = int(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(
-                f"must be an integer >= 1 or -1 (off), got {text!r}") from None
+                f"must be an int >= 1 or -1 (off), got {text!r}") from None
         problem = self.problem(value)
         if problem:
             raise argparse.ArgumentTypeError(problem)

@@ -13,12 +13,11 @@ May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.losses` (`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
 from ..ops.kernels import KERNEL_CHOICES
-from ..ops.options import ENTROPY_MODES, check_batch_invariant, check_choice
+from ..ops.options import ENTROPY_MODES, check_batch_invariant, check_choice, check_number
 from ..ops.sampling import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
 
@@ -57,7 +56,8 @@ class PluginSettings:
     :meth:`rollout_correction`, not by the patched call sites; the config hook sets them with or
     without --vocab-parallel-stats): the rollout engine's sampler, replayed by
     :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`: ``rollout_temperature`` > 0
-    [--rollout-temperature], ``rollout_top_k`` >= 1 or None = off [--rollout-top-k, -1 = off],
+    [--rollout-temperature], ``rollout_top_k`` >= 1 or None (or -1, vLLM's spelling) = off
+    [--rollout-top-k, -1 = off],
     ``rollout_top_p`` in (0, 1], 1 = off [--rollout-top-p], ``rollout_min_p`` in [0, 1), 0 = off
     [--rollout-min-p]; the importance-weight correction of
     :func:`~megatron_vocabstats.policy_loss`: ``rollout_correction_mode`` "none" | "tis" | "mis"
@@ -67,10 +67,12 @@ class PluginSettings:
     mode's default (:class:`~megatron_vocabstats.RolloutCorrection`)
     [--rollout-correction-threshold, --rollout-correction-low, --rollout-correction-high].
 
-    Raises ``TypeError`` (a field of the wrong Python type) or ``ValueError`` (a chunk size,
-    vocabulary size or alignment out of range, a non-finite coefficient, an unknown entropy or
-    batch-invariant mode, a bonus without entropy="grad", ``require_fused_lm_head`` without the
-    fused head), naming the field and the value.
+    Number fields take Python or numpy numbers (``ops.options.check_number``, the checker every
+    op uses). Raises ``TypeError`` (a field of the wrong Python type, a bool for a number) or
+    ``ValueError`` (a chunk size, vocabulary size or alignment out of range, a NaN, infinite or
+    huge number, an unknown entropy or batch-invariant mode, a bonus without entropy="grad",
+    ``require_fused_lm_head`` without the fused head),
+    naming the field and the value.
     """
 
     active: bool = True
@@ -99,23 +101,19 @@ class PluginSettings:
         for name in ("active", "validate", "require_fused_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name, minimum in (("lm_head_chunk_size", 0), ("logprobs_chunk_size", 1),
-                              ("vocab_size", 1), ("token_alignment", 1)):
-            value = getattr(self, name)
-            if value is None and name in ("logprobs_chunk_size", "vocab_size"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}"
-                                 f"{' or None (auto)' if name == 'logprobs_chunk_size' else ''}"
-                                 f", got {value}")
-        for name in ("entropy_coef", "label_smoothing"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a float, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
+        # The one checker of number-like options (numpy numbers accepted; bools, NaN, +-inf and
+        # out-of-range values, huge ints included, refused naming the field); values stored as
+        # Python numbers.
+        top = 2**63 - 1
+        for name, rule in (("lm_head_chunk_size", dict(integer=True, low=0, high=top)),
+                           ("logprobs_chunk_size", dict(integer=True, low=1, high=top,
+                                                        none_ok=True)),
+                           ("vocab_size", dict(integer=True, low=1, high=top, none_ok=True)),
+                           ("token_alignment", dict(integer=True, low=1, high=top)),
+                           ("entropy_coef", {}),
+                           ("label_smoothing", dict(low=0.0, high=1.0, high_open=True)),
+                           ("rollout_temperature", dict(low=0.0, low_open=True))):
+            object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
         check_batch_invariant(self.batch_invariant)
         check_choice("kernel", self.kernel, KERNEL_CHOICES)
         check_choice("entropy", self.entropy, ENTROPY_MODES)
@@ -127,19 +125,19 @@ class PluginSettings:
         if self.require_fused_lm_head and not self.lm_head_chunk_size:
             raise ValueError("require_fused_lm_head=True needs the fused LM head: "
                              "lm_head_chunk_size > 0 (got 0)")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must lie in [0, 1), got {self.label_smoothing}")
         self._check_rollout()
 
     def _check_rollout(self) -> None:
-        t = self.rollout_temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)):
-            raise TypeError(f"rollout_temperature must be a float, got {t!r}")
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"rollout_temperature must be finite and > 0, got {t!r}")
+        if self.rollout_top_k == -1 and not isinstance(self.rollout_top_k, bool):
+            object.__setattr__(self, "rollout_top_k", None)  # vLLM's "off", as the flag reads it
         problem = sampler_problem(self.rollout_top_k, self.rollout_top_p, self.rollout_min_p)
         if problem is not None:
             raise type(problem)(f"rollout_{problem}")
+        for name in ("rollout_top_k", "rollout_top_p", "rollout_min_p"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, int(value) if name == "rollout_top_k"
+                                   else float(value))
         check_choice("rollout_correction_mode", self.rollout_correction_mode,
                      ROLLOUT_CORRECTION_MODES)
         check_choice("rollout_correction_level", self.rollout_correction_level, ROLLOUT_LEVELS)
@@ -163,22 +161,24 @@ class PluginSettings:
         sites pass
         ``**settings.current().stats_options().op_kwargs(tp_group=...)`` to the op."""
         return StatsOptions(vocab_size=self.vocab_size,
-                            chunk_size=self.lm_head_chunk_size if fused
+                            chunk_size=(self.lm_head_chunk_size or None) if fused
                             else self.logprobs_chunk_size,
                             entropy=self.entropy, label_smoothing=self.label_smoothing,
                             validate=self.validate, batch_invariant=self.batch_invariant,
                             kernel=self.kernel)
 
     def rollout_correction(self) -> RolloutCorrection | None:
-        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings, None for mode
-        "none": ``policy_loss(..., rollout_correction=settings.current().rollout_correction())``."""
+        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings (``validate``
+        too: a NaN log-prob at a counted token raises unless --vocab-stats-skip-checks), None
+        for mode "none":
+        ``policy_loss(..., rollout_correction=settings.current().rollout_correction())``."""
         if self.rollout_correction_mode == "none":
             return None
         return RolloutCorrection(mode=self.rollout_correction_mode,
                                  level=self.rollout_correction_level,
                                  threshold=self.rollout_correction_threshold,
                                  low=self.rollout_correction_low,
-                                 high=self.rollout_correction_high)
+                                 high=self.rollout_correction_high, validate=self.validate)
 
     def sampler_options(self) -> dict:
         """The sampler keywords of :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`

@@ -1,14 +1,18 @@
-"""Python-type checks of the ops' scalar arguments, and the error they raise.
+"""Python-type and range checks of scalar arguments, and the error they raise.
 
-Lives here: :class:`InputTypeError` (a ``TypeError`` that is also a ``ValueError``),
-:func:`check_integer`, :func:`check_real`, :func:`check_choice` and :func:`check_int64` (an int
-that must fit the int64 columns of the cross-rank check exchange). The bottom of ``ops/``:
-imports nothing of the package (only the standard library), so every other module,
-:mod:`._comm` included, may import it.
+Lives here: :class:`InputTypeError` (a ``TypeError`` that is also a ``ValueError``), the one
+checker of number-like options (:func:`check_number`, and :func:`number_problem`, its message
+without raising, which the Megatron flag types use), its shorthands :func:`check_integer` and
+:func:`check_real`, :func:`check_choice` and :func:`check_int64` (an int that must fit the int64
+columns of the cross-rank check exchange). The bottom of ``ops/``: imports nothing of the
+package (only the standard library), so every other module, :mod:`._comm` included, and every
+package above ``ops/`` (losses, rollout, distillation, packing, settings, flags, command lines)
+may import it.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 INT64_RANGE = (-(2**63), 2**63 - 1)
@@ -19,32 +23,130 @@ class InputTypeError(TypeError, ValueError):
     code catching the ops' ``ValueError`` for bad input catches it as well."""
 
 
+def _shown(value) -> str:
+    """``repr(value)``, cut short for a huge int (``10**400`` has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def _is_bool(value) -> bool:
+    # numpy's bool_ is no numbers.Integral, but a 0-d bool array-like is refused alike.
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b"
+
+
+def _bound(x) -> str:
+    if x == INT64_RANGE[1]:
+        return "2**63 - 1"
+    if x == INT64_RANGE[0]:
+        return "-2**63"
+    return f"{x:g}" if isinstance(x, float) else str(x)  # (str: an int, or a traced SymInt)
+
+
+def describe_range(*, integer: bool = False, low=None, high=None, low_open: bool = False,
+                   high_open: bool = False) -> str:
+    """The rule of :func:`check_number` in words: ``"an int >= 1"``, ``"a finite number in (0,
+    1]"``, ``"a finite number"``."""
+    kind = "an int" if integer else "a finite number"
+    if low is not None and high is not None:
+        return (f"{kind} in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}"
+                f"{')' if high_open else ']'}")
+    if low is not None:
+        return f"{kind} {'>' if low_open else '>='} {_bound(low)}"
+    if high is not None:
+        return f"{kind} {'<' if high_open else '<='} {_bound(high)}"
+    return kind
+
+
+def number_problem(value, *, integer: bool = False, low=None, high=None, low_open: bool = False,
+                   high_open: bool = False, finite: bool = True) -> tuple[type, str] | None:
+    """Why ``value`` is not an acceptable number, as ``(error class, "must be ..., got ...")``,
+    or None. The rule of :func:`check_number` (see there), without a name and without raising.
+    The message is only composed for a problem (a bound may be a traced ``SymInt``)."""
+    def problem(kind=ValueError, note=""):
+        rule = describe_range(integer=integer, low=low, high=high, low_open=low_open,
+                              high_open=high_open)
+        if not finite:
+            rule = rule.replace("a finite number", "a number") + " (or NaN, +-inf)"
+        return kind, f"must be {rule}{note}, got {_shown(value)}"
+
+    wanted = numbers.Integral if integer else numbers.Real
+    if _is_bool(value) or not isinstance(value, wanted):
+        kind, text = problem(InputTypeError)
+        return kind, f"{text} ({type(value).__name__})"
+    if isinstance(value, numbers.Integral):
+        number = int(value)  # exact: a huge int is compared as it is, never through a float
+    else:
+        try:
+            number = float(value)
+        except (OverflowError, ValueError):
+            return problem()
+        if not math.isfinite(number):
+            return problem() if finite else None
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if too_low or too_high:
+        return problem()
+    if not integer and isinstance(number, int):
+        try:
+            float(number)
+        except OverflowError:  # no bound given, and beyond float64
+            return problem(note=" (that fits a float64)")
+    return None
+
+
+def check_number(name: str, value, *, integer: bool = False, low=None, high=None,
+                 low_open: bool = False, high_open: bool = False, none_ok: bool = False,
+                 finite: bool = True):
+    """The one checker of number-like options: ``value`` as an ``int`` (``integer``) or a
+    ``float``, else an error naming ``name``.
+
+    Accepts Python and numpy numbers (anything ``numbers.Real``, or ``numbers.Integral`` with
+    ``integer``: ``np.float32(0.5)``, ``np.int64(3)``, a ``Fraction``); refuses a bool (numpy's
+    too), a tensor, a string, and with ``integer`` a float such as ``3.0``
+    (:class:`InputTypeError`, also a ``ValueError``); refuses NaN, +-inf and values outside the
+    range ``low``/``high`` (each end closed unless ``low_open``/``high_open``; None: unbounded),
+    huge ints included (``10**400`` is compared exactly, never overflowed into a float:
+    ``ValueError``). ``none_ok``: None is accepted and returned as None (an option that is off).
+    ``finite=False`` (a fill value): NaN and +-inf are accepted as they are, only finite values
+    are held to the range. The message reads ``"<name> must be <rule>, got <value>"``.
+    """
+    if value is None and none_ok:
+        return None
+    problem = number_problem(value, integer=integer, low=low, high=high, low_open=low_open,
+                             high_open=high_open, finite=finite)
+    if problem is not None:
+        kind, text = problem
+        if none_ok:
+            text = text.replace(", got", " or None, got", 1)
+        raise kind(f"{name} {text}")
+    return int(value) if integer else float(value)
+
+
 def check_integer(name: str, value) -> int:
     """``value`` as an int (any integral number but a bool), else :class:`InputTypeError`
-    naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    return int(value)
+    naming ``name``: :func:`check_number` with ``integer=True`` and no range."""
+    return check_number(name, value, integer=True)
 
 
 def check_real(name: str, value) -> float:
-    """``value`` as a float (any real number but a bool; not a tensor), else
-    :class:`InputTypeError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InputTypeError(f"{name} must be a real number (a Python float), got {value!r} "
-                             f"({type(value).__name__})")
-    return float(value)
+    """``value`` as a finite float (any real number but a bool; not a tensor), else an error
+    naming ``name``: :func:`check_number` without a range."""
+    return check_number(name, value)
 
 
 def check_int64(name: str, value) -> int:
     """``int(value)``, else ``ValueError`` naming ``name`` if it does not fit int64."""
     value = int(value)
     if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
-        raise ValueError(f"{name}={value} does not fit int64")
+        raise ValueError(f"{name}={_shown(value)} does not fit int64")
     return value
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
     """``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    try:
+        ok = value in choices
+    except Exception:  # noqa: BLE001 - e.g. a tensor or an unhashable value: not a choice
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be one of {choices}, got {_shown(value)}")

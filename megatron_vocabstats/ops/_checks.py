@@ -2,10 +2,12 @@
 
 Shape, dtype and argument checks always run. Checks that read tensor values on the host (target
 range, cross-rank agreement, finite results) run only with ``validate=True`` and never while a CUDA
-graph is being captured. Under tensor parallelism every rank first decides locally, then all ranks
-exchange one small int64 vector (sizes, a target checksum and an error flag) so that a bad input on
-one rank raises on every rank instead of leaving the others waiting in a collective. Every
-exception of the local checks (not only ``ValueError``) goes through that exchange.
+graph is being captured or a tracer runs the call (``torch.compile``, ``make_fx``; the automatic
+chunk size then specialises a symbolic width). Under tensor parallelism every rank first decides
+locally, then all ranks exchange one small int64 vector (sizes, a target checksum and an error
+flag) so that a bad input on one rank raises on every rank instead of leaving the others waiting
+in a collective. Every exception of the local checks (not only ``ValueError``) goes through that
+exchange.
 
 Wrong Python types raise :class:`InputTypeError`, a ``TypeError`` that is also a ``ValueError``.
 Backward functions call :func:`refuse_double_backward` (or use :func:`first_order_backward`).
@@ -17,7 +19,9 @@ pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._
 shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
 (the ``kernel`` choice, :func:`~.kernels.resolve_kernel`) and
 :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`); every name that used to be
-defined here is re-exported. May import those modules and :mod:`._comm` (not the op modules).
+defined here is re-exported. May import those modules, :mod:`._comm` and
+``megatron_vocabstats.mcore`` (whether Megatron's parallel state is tensor parallel: a missing
+``tp_group``), not the op modules.
 """
 
 from __future__ import annotations
@@ -29,9 +33,17 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..mcore import megatron_tp_size
 from . import _comm
 from ._argtypes import INT64_RANGE as _INT64
-from ._argtypes import InputTypeError, check_choice, check_int64, check_integer, check_real
+from ._argtypes import (
+    InputTypeError,
+    check_choice,
+    check_int64,
+    check_integer,
+    check_number,
+    check_real,
+)
 from ._layout import BLOCK, ShardLayout, check_contiguous, shard_layout
 from ._layout import MAX_ID as _MAX_ID  # noqa: F401 - re-exported
 from .agreement import (
@@ -89,6 +101,7 @@ __all__ = [
     "check_contiguous",
     "check_finite",
     "check_integer",
+    "check_number",
     "check_real",
     "checked_config",
     "checked_on_every_rank",
@@ -106,15 +119,19 @@ class LogitsSpec(NamedTuple):
     tensor (the fused LM-head op computes them chunk by chunk from hidden states): accepted by
     :func:`checked_config` in place of the logits tensor, with the same checks and exchange.
     ``shape``: a ``torch.Size`` or tuple of ints; ``device``: as ``tensor.device`` reports it.
-    There are no values: nothing is sampled for the replicated-logits check."""
+    ``sample``: optional, a 1-D tensor that differs across the vocabulary shards (the fused
+    op's first weight row), compared in place of the logits' first row by the wrong-group
+    check (equal on every rank: the same shard everywhere)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    sample: torch.Tensor | None = None
 
 
 def _as_spec(logits: LogitsSpec) -> LogitsSpec:
-    return LogitsSpec(torch.Size(logits.shape), logits.dtype, torch.device(logits.device))
+    return LogitsSpec(torch.Size(logits.shape), logits.dtype, torch.device(logits.device),
+                      logits.sample)
 
 
 def refuse_double_backward(op: str) -> None:
@@ -179,22 +196,27 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
             raise ValueError(f"target is on {target.device} but logits on {logits.device}")
     if chunk_size is None:
         chunk_size = auto_chunk_size(logits.shape[-1], logits.device)
-    if check_integer("chunk_size", chunk_size) <= 0:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk_size = check_number("chunk_size", chunk_size, integer=True, low=1, high=_INT64[1],
+                              none_ok=True)
     check_choice("entropy", entropy, ENTROPY_MODES)
-    temperature = check_real("temperature", temperature)
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
-        raise ValueError(
-            f"temperature must be a finite number >= {MIN_TEMPERATURE:.3g} (the logits and "
-            f"their gradient are scaled by 1/temperature in fp32), got {temperature!r}")
-    label_smoothing = check_real("label_smoothing", label_smoothing)
-    if not (0.0 <= label_smoothing < 1.0):
-        raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing!r}")
-    ignore_index = check_integer("ignore_index", ignore_index)
-    if not _INT64[0] <= ignore_index <= _INT64[1]:
-        raise ValueError(f"ignore_index must fit int64, got {ignore_index}")
+    # (the logits and their gradient are scaled by 1/temperature in fp32: below the minimum
+    # that overflows)
+    temperature = check_number("temperature", temperature, low=MIN_TEMPERATURE)
+    label_smoothing = check_number("label_smoothing", label_smoothing, low=0.0, high=1.0,
+                                   high_open=True)
+    ignore_index = check_number("ignore_index", ignore_index, integer=True, low=_INT64[0],
+                                high=_INT64[1])
     rank, tp = _comm.group_rank_size(tp_group)
-    layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
+    if tp_group is None and vocab_size is None and vocab_start is None:
+        _check_no_missing_group(logits.shape[-1])
+    try:
+        layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
+    except ValueError as exc:
+        if tp_group is None and "does not fit" in str(exc):
+            raise ValueError(f"{exc}; tp_group is None (no tensor parallelism: these logits hold "
+                             "the whole vocabulary): pass tp_group for a vocabulary-parallel "
+                             "shard") from None
+        raise
     if tp == 1 and not layout.even:
         check_contiguous([layout.vocab_start], [layout.width], layout.vocab_size)
     batch_invariant = _batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even)
@@ -203,7 +225,7 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         # Callers without a Triton backend (top-k, sampling ops) leave the default: torch.
         kernel=resolve_kernel(kernel, logits.device),
         layout=layout,
-        chunk_size=int(chunk_size),
+        chunk_size=chunk_size,
         entropy=entropy,
         temperature=temperature,
         ignore_index=ignore_index,
@@ -214,11 +236,29 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         bad = (target != cfg.ignore_index) & ((target < 0) | (target >= cfg.layout.vocab_size))
         if bool(bad.any()):
             value = int(target[bad].reshape(-1)[0])
+            hint = ("; tp_group is None, so these logits must hold the whole vocabulary: for "
+                    "one rank's vocabulary shard pass its tp_group"
+                    if tp_group is None and value >= cfg.layout.vocab_size else "")
             raise ValueError(
                 f"target holds id {value}, outside [0, vocab_size={cfg.layout.vocab_size}) and "
-                f"not ignore_index={cfg.ignore_index}"
+                f"not ignore_index={cfg.ignore_index}{hint}"
             )
     return cfg
+
+
+def _check_no_missing_group(width: int) -> None:
+    """``ValueError`` naming ``tp_group`` for a call without a group (and without
+    ``vocab_size``, which would say that the logits hold the whole vocabulary) inside a run
+    whose Megatron parallel state is initialised with tensor parallelism: these logits are then
+    almost surely one rank's shard, and without the group its statistics are per-shard (off by
+    up to the log of the other shards' mass), with no error."""
+    tp = megatron_tp_size()
+    if tp is not None and tp > 1:
+        raise ValueError(
+            f"tp_group is None (no tensor parallelism), but Megatron's tensor-parallel group has "
+            f"{tp} ranks: these logits [..., {width}] look like one rank's vocabulary shard. Pass "
+            "tp_group (e.g. parallel_state.get_tensor_model_parallel_group()), or vocab_size "
+            "if they really hold the whole vocabulary")
 
 
 _AGREEMENT = (
@@ -254,20 +294,26 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
         KERNELS.index(cfg.kernel),
         *(_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
     ]
-    sample = 0
-    if _ambiguous(logits, cfg):
-        first_row = logits.detach().reshape(-1, layout.width)[0]
-        sample = float_bits(float(first_row.double().sum()))
-    return [*row, sample, layout.vocab_start, layout.width]
+    return [*row, _first_row_sample(logits, layout.width), layout.vocab_start, layout.width]
 
 
-def _ambiguous(logits, cfg: StatsConfig) -> bool:
-    # A shard as wide as the real vocabulary may be a Megatron shard (small vocabulary, whole
-    # shards of padding) or the full logits replicated on every rank: the first row tells (equal
-    # on every rank only if replicated, or if that row is constant). A LogitsSpec (the fused op)
-    # or a stride-0 stand-in has no data: nothing to sample there.
-    return (isinstance(logits, torch.Tensor) and cfg.layout.width >= cfg.layout.vocab_size
-            and logits.numel() > 0 and logits.stride(-1) != 0)
+def _first_row_sample(logits, width: int) -> int:
+    """A checksum of the logits' first row (0: nothing to compare). Distinct vocabulary shards
+    never share it; equal on every rank, the ranks hold the same logits: the full logits
+    replicated, or a group that is not the one the vocabulary was split over. A constant row
+    tells nothing (a shard of padding, all-equal logits); a LogitsSpec gives its ``sample``
+    (the fused op: the first weight row), a stride-0 stand-in has no data."""
+    if isinstance(logits, LogitsSpec):
+        row = logits.sample
+        if row is None or row.numel() == 0:
+            return 0
+    elif isinstance(logits, torch.Tensor) and logits.numel() > 0 and logits.stride(-1) != 0:
+        row = logits.detach().reshape(-1, width)[0]
+    else:
+        return 0
+    if not bool((row != row[0]).any()):
+        return 0
+    return tensor_checksum(row) or 1
 
 
 def _truthy(value) -> bool:
@@ -313,11 +359,13 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
         return cfg
     if not cfg.layout.even:
         check_contiguous([r[-2] for r in table], [r[-1] for r in table], cfg.layout.vocab_size)
-    if _ambiguous(logits, cfg) and all(r[-3] == table[0][-3] for r in table):
+    if table[0][-3] != 0 and all(r[-3] == table[0][-3] for r in table):
         raise ValueError(
-            f"logits: every rank of the tp={checks.size} group holds the same "
-            f"[..., {cfg.layout.width}] logits, as wide as vocab_size={cfg.layout.vocab_size}: "
-            "pass this rank's vocabulary shard [..., V/tp], not the full replicated logits"
+            f"logits: every rank of the tp={checks.size} tp_group holds the same "
+            f"[..., {cfg.layout.width}] logits (vocab_size={cfg.layout.vocab_size}; the fused "
+            "head: the same weight rows): pass each rank its own vocabulary shard [..., V/tp] "
+            "(weight [V/tp, H]) with the tp_group it was split over, not the full logits or "
+            "weight replicated on every rank (for those: tp_group=None)"
         )
     return cfg
 

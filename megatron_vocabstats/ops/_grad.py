@@ -2,9 +2,10 @@
 
 Lives here: :func:`chunk_grad` (the gradient of ``sum(g_lp * logprobs + g_H * entropy)`` for one
 chunk, from the merged logsumexp and entropy), :func:`grad_coefficients` (its per-row upstream
-coefficients) and :func:`finite_lse`. The formula is that of ``docs/numerics.md`` (see
-:mod:`._math`): with upstream ``g_lp``, ``g_H`` the gradient w.r.t. z is
-``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
+coefficients), :func:`split_lse` (the logsumexp as an fp32 pair) and :func:`finite_lse`. The
+formula is that of ``docs/numerics.md`` (see :mod:`._math`): with upstream ``g_lp``, ``g_H`` the
+gradient w.r.t. z is ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed)
+one-hot target, and ``log p_j = (z_j - lse) - lse_lo`` with the logsumexp as an fp32 pair.
 
 Pure tensor math like :mod:`._math`: no collectives, never writes to the caller's tensors (only
 to the scratch buffers handed in). May import :mod:`._layout` and :mod:`.options` only.
@@ -24,6 +25,7 @@ def chunk_grad(
     out: torch.Tensor,
     *,
     lse: torch.Tensor,
+    lse_lo: torch.Tensor | None = None,
     ent: torch.Tensor | None,
     coef_lp: torch.Tensor | None,
     coef_h: torch.Tensor | None,
@@ -36,7 +38,10 @@ def chunk_grad(
     """Write the gradient of ``sum(g_lp * logprobs + g_H * entropy)`` for one chunk into ``out``.
 
     ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``out``: the chunk's rows of
-    the gradient, in the logits dtype. ``coef_lp = g_lp / tau`` and ``coef_h = g_H / tau`` per row,
+    the gradient, in the logits dtype. ``lse`` (and ``lse_lo``, optional): the row's logsumexp
+    as the fp32 pair of :func:`split_lse`, so that ``log p = (z - lse) - lse_lo`` keeps the
+    digits that rounding ``lse`` alone to fp32 loses at large logits (``z - lse`` is exact for
+    the columns near the maximum). ``coef_lp = g_lp / tau`` and ``coef_h = g_H / tau`` per row,
     already 0 at ignored rows (whose gradient is then exactly 0), or None when that output gets no
     gradient. ``lse`` must be finite at ignored rows, and rows with ``valid`` False are zeroed
     at the end (NaN or +inf logits there included). One fp32 pass computes
@@ -45,6 +50,8 @@ def chunk_grad(
     """
     n = z.shape[0]
     logp = z.sub_(lse.unsqueeze(1))
+    if lse_lo is not None:
+        logp.sub_(lse_lo.unsqueeze(1))
     p = torch.exp(logp, out=scratch[:n])
     if coef_h is not None:
         # Where p == 0 (masked or padding columns, log p ~ Z_FLOOR) keep coef_h * log p finite,
@@ -83,6 +90,19 @@ def grad_coefficients(
     coef_lp = grad_logprobs.reshape(-1).float() * keep_lp if grad_logprobs is not None else None
     coef_h = grad_entropy.reshape(-1).float() * keep if grad_entropy is not None else None
     return coef_lp, coef_h
+
+
+def split_lse(m: torch.Tensor, log_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse, lse_lo)``: the logsumexp ``m + log_s`` (fp32 ``[T]`` each) as its fp32 rounding
+    ``lse`` and the rounding error ``lse_lo = (m + log_s) - lse``, exact (Knuth's TwoSum; 0
+    where ``lse`` is not finite). ``lse`` is bitwise ``m + log_s``; the pair carries the
+    logsumexp to twice the precision for the gradient's ``log p = (z - lse) - lse_lo``, which
+    would otherwise be off by up to half an ulp of ``lse``: 0.5 nats at logits of 1e7, 0.002
+    at fp16's 65504."""
+    lse = m + log_s
+    b = lse - m
+    lo = (m - (lse - b)) + (log_s - b)
+    return lse, torch.where(torch.isfinite(lo), lo, 0.0)
 
 
 def finite_lse(lse: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

@@ -42,7 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._grad import LOGP_MIN, chunk_grad, finite_lse, grad_coefficients  # noqa: F401 - re-exported
+from ._grad import (  # noqa: F401 - re-exported
+    LOGP_MIN,
+    chunk_grad,
+    finite_lse,
+    grad_coefficients,
+    split_lse,
+)
 from ._layout import (  # noqa: F401 - re-exported: the layout used to live here
     BLOCK,
     ShardLayout,
@@ -307,11 +313,13 @@ def reduce_blocks(blocks: torch.Tensor, out: torch.Tensor, *, entropy: bool, tar
 
 @dataclass(frozen=True, slots=True)
 class MergedStats:
-    """Per-token results of :func:`merge_stats`, all fp32 ``[T]``."""
+    """Per-token results of :func:`merge_stats`, all fp32 ``[T]``; ``lse_lo``: the rounding
+    error of ``logsumexp`` (:func:`split_lse`), for the gradient."""
 
     logsumexp: torch.Tensor
     logprobs: torch.Tensor | None
     entropy: torch.Tensor | None
+    lse_lo: torch.Tensor | None = None
 
 
 def merge_stats(
@@ -355,14 +363,14 @@ def merge_stats(
                               in_range=part(in_range, s), **options)
                   for s in range(0, num_tokens, tokens_per_pass)]
         return MergedStats(*(None if parts[0] is None else torch.cat(parts)
-                             for parts in zip(*((p.logsumexp, p.logprobs, p.entropy)
+                             for parts in zip(*((p.logsumexp, p.logprobs, p.entropy, p.lse_lo)
                                                 for p in passes))))
     smooth = has_target and label_smoothing > 0.0
     c = _combine(gathered, entropy=entropy, target=has_target, zsum=smooth,
                  ordered=batch_invariant)
     m_safe = c.max_safe
     log_sumexp = torch.log(c.sumexp)
-    lse = m_safe + log_sumexp
+    lse, lse_lo = split_lse(m_safe, log_sumexp)
 
     ent = None
     if entropy:
@@ -386,4 +394,4 @@ def merge_stats(
         if in_range is not None:
             logprobs = torch.where(in_range, logprobs, float("nan"))
         logprobs = torch.where(valid, logprobs, 0.0)
-    return MergedStats(logsumexp=lse, logprobs=logprobs, entropy=ent)
+    return MergedStats(logsumexp=lse, logprobs=logprobs, entropy=ent, lse_lo=lse_lo)

@@ -13,8 +13,8 @@ columns, the checksums and float encodings compared there (:func:`target_checksu
 :func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`), :func:`host_checks_enabled`,
 and :class:`InputTypeError` (re-exported from :mod:`._argtypes`), and the two collectives the
 packages above use (:func:`group_rank_size`, :func:`all_gather_flat`, from :mod:`._comm`).
-May import :mod:`._argtypes` and :mod:`._comm` only (and torch), so that every module of
-``ops/`` and above may import it.
+May import :mod:`._argtypes`, :mod:`._comm` and :mod:`.workspace` (:func:`tracing`) only (and
+torch), so that every module of ``ops/`` and above may import it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from . import _comm
 from ._argtypes import InputTypeError, check_int64
 from ._comm import all_gather_flat, group_rank_size  # the collectives the packages above use
+from .workspace import tracing
 
 __all__ = [
     "CrossRankCheck",
@@ -44,15 +45,19 @@ __all__ = [
     "float_bits",
     "host_checks_enabled",
     "target_checksum",
+    "tracing",
     "tensor_checksum",
 ]
 
 
 def host_checks_enabled(validate: bool, device: torch.device) -> bool:
-    """True when value checks may read tensors on the host (never during CUDA graph capture)."""
+    """True when value checks may read tensors on the host: with ``validate``, never during
+    CUDA graph capture nor while a tracer runs the call (:func:`tracing`)."""
     if not validate:
         return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return not tracing()
 
 
 def target_checksum(target: torch.Tensor | None) -> int:
@@ -167,7 +172,8 @@ class CrossRankCheck:
     disagreement raises with ``hint`` on every rank.
 
     The exchange runs (``enabled``) only with ``validate`` on a group of size > 1 and not under
-    CUDA graph capture (``device``: where it runs; None picks it from the group's backend).
+    CUDA graph capture nor tracing (``device``: where it runs; None picks it from the group's
+    backend).
     Otherwise :meth:`run` raises a check's exception at once and :meth:`finish` raises a problem
     handed to :meth:`fail`, on this rank only (no collective, no host read). Raises
     :class:`InputTypeError` at once if ``group`` is neither a ``ProcessGroup`` nor None.
@@ -228,12 +234,13 @@ def checked_on_every_rank(check: Callable[[], object], tp_group: dist.ProcessGro
     """``check()`` (a caller's own input checks, run before any collective of the call), made to
     raise on every rank of ``tp_group``; returns what it returns.
 
-    With ``validate`` on a group of size > 1 (and not under CUDA graph capture) this costs one
-    all-gather of ``1 + len(agree)`` int64 numbers: an exception of ``check`` on one rank raises
-    there and a ``ValueError`` naming that rank on the others, instead of leaving them blocked in
-    the op's collectives; ``agree`` entries (as ``checked_config``'s, but ``value_fn`` takes
-    what ``check`` returned) must be equal on every rank. Otherwise ``check()`` runs alone
-    and its exception raises on this rank only (no collective, no host read).
+    With ``validate`` on a group of size > 1 (and not under CUDA graph capture or tracing) this
+    costs one all-gather of ``1 + len(agree)`` int64 numbers: an exception of ``check`` on one
+    rank raises there and a ``ValueError`` naming that rank on the others, instead of leaving
+    them blocked in the op's collectives; ``agree`` entries (as ``checked_config``'s, but
+    ``value_fn`` takes what ``check`` returned) must be equal on every rank. Otherwise
+    ``check()`` runs alone and its exception raises on this rank only (no collective, no host
+    read).
     """
     checks = CrossRankCheck(tp_group, validate=validate, device=device, hint=hint,
                             fields=tuple(agree_field(entry) for entry in agree))

@@ -130,7 +130,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
             ctx.used = False
         else:
             ctx.save_for_backward(hidden, weight, target, lse,
-                                  entropy if sc.entropy == "grad" else None)
+                                  entropy if sc.entropy == "grad" else None, merged.lse_lo)
         return logprobs, entropy, lse, None if argmax is None else argmax.view(total_shape[:-1])
 
     @staticmethod
@@ -144,7 +144,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
 
 
 def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
-    hidden, weight, target, lse, ent = ctx.saved_tensors
+    hidden, weight, target, lse, ent, lse_lo = ctx.saved_tensors
     cfg: LinearStatsConfig = ctx.cfg
     sc = cfg.stats
     target1d, valid = flatten_target(target, sc.ignore_index)
@@ -152,7 +152,8 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
                                         in_range=targets_in_range(target1d, sc))
     lse = finite_lse(lse.reshape(-1), valid)
     ent = ent.reshape(-1) if coef_h is not None else None
-    grad = StatsGrad(lse, ent, coef_lp, coef_h, valid, sc.layout, sc.label_smoothing)
+    grad = StatsGrad(lse, ent, coef_lp, coef_h, valid, sc.layout, sc.label_smoothing,
+                     lse_lo=lse_lo)
     return recompute_backward(hidden, weight, target1d, valid, cfg, ctx.tp_group, ctx.main_grad,
                               grad)
 
@@ -316,11 +317,16 @@ def linear_vocab_parallel_stats(
             without a matching ``weight.main_grad``, and everything
             :func:`vocab_parallel_stats` raises; with ``validate`` on tp > 1, on every rank,
             including a sequence-parallel shard whose length differs across ranks, and
-            ``sequence_parallel``, ``grad_weights`` (given or None) or
-            ``accumulate_into_main_grad`` differing across the ranks (the error names the field
-            and prints each rank's value); ``return_argmax`` not a bool, with ``grad_weights``,
-            or with a kernel that resolves to "triton". Without ``validate`` those fail, hang or
-            give wrong gradients.
+            ``sequence_parallel``, ``grad_weights`` (given or None, and its values),
+            ``accumulate_into_main_grad``, the same first weight row on every rank (the full
+            weight replicated, or the wrong group; named as ``tp_group``), the gradients asked
+            (``hidden`` / ``weight`` ``requires_grad`` under grad mode: backward's dX
+            reduction, and whether backward runs), ``partial_hidden_grad``, ``return_argmax``
+            or, with ``grad_weights``, ``chunk_size`` differing across the ranks (the error names
+            the field and prints each rank's value); ``return_argmax`` not a bool, with
+            ``grad_weights``, or with a kernel that resolves to "triton". Without ``validate``
+            those fail, hang or give wrong gradients; so does a backward that runs on some ranks
+            only (every rank's loss must use the outputs).
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are used up by the first).
     """

@@ -53,21 +53,22 @@ class _LinearTopKLogprobs(torch.autograd.Function):
         bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
         try:
             chunks = linear_chunks(hidden2d, weight, None, None, sc, bufs)
-            logprobs, lse = picked_pass(chunks, indices2d, valid, sc, tp_group)
+            logprobs, lse, lse_lo = picked_pass(chunks, indices2d, valid, sc, tp_group)
         finally:
             bufs.release()
         ctx.cfg, ctx.tp_group = cfg, tp_group
         ctx.main_grad = weight.main_grad if cfg.accumulate_into_main_grad else None
-        ctx.save_for_backward(hidden, weight, indices, valid, lse)  # the local shard only (SP)
+        # the local shard only (SP)
+        ctx.save_for_backward(hidden, weight, indices, valid, lse, lse_lo)
         ctx.set_materialize_grads(False)
         return logprobs.view(indices.shape)
 
     @staticmethod
     @first_order_backward("linear_vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
-        hidden, weight, indices, valid, lse = ctx.saved_tensors
+        hidden, weight, indices, valid, lse, lse_lo = ctx.saved_tensors
         cfg: LinearStatsConfig = ctx.cfg
-        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, cfg.stats), valid,
+        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, lse_lo, cfg.stats), valid,
                           cfg.stats.layout)
         grad_hidden, grad_weight = recompute_backward(hidden, weight, None, None, cfg,
                                                       ctx.tp_group, ctx.main_grad, kernel)
@@ -179,8 +180,9 @@ def linear_vocab_parallel_topk(
         vocab = real_vocab(weight.shape[0], tp_group, options.get("vocab_size"))
         problem = k_problem(k, vocab) if vocab is not None else None
     cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
-                         local_error=problem, agree=agreement(k), **options)
-    sc = cfg.stats
+                         local_error=problem, agree=agreement(k), differentiable=False,
+                         **options)
+    sc, k = cfg.stats, int(k)  # (checked: an integral number, numpy's included)
     with torch.no_grad():
         total = full_hidden(hidden.detach(), cfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])

@@ -56,8 +56,12 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
     if weight.shape[0] == 0:
         return ValueError("weight: the local vocabulary shard has no rows")
     if weight.shape[1] != hidden.shape[-1]:
-        return ValueError(f"weight has hidden size {weight.shape[1]} (shape "
-                          f"{tuple(weight.shape)}) but hidden has {hidden.shape[-1]}")
+        flipped = (": it looks transposed, [H, V/tp]; pass the output layer's weight as it is "
+                   "stored, [V/tp, H] (Megatron's output_layer.weight)"
+                   if weight.shape[0] == hidden.shape[-1] else "")
+        return ValueError(f"weight must be [V/tp, H] with the hidden size H = "
+                          f"{hidden.shape[-1]} (hidden's last dimension), got shape "
+                          f"{tuple(weight.shape)}{flipped}")
     if weight.dtype != hidden.dtype:
         return ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}: "
                           "the logits are computed in the model dtype, pass both in it")
@@ -113,21 +117,30 @@ def first_device(*candidates) -> torch.device:
     return torch.device("cpu")
 
 
+def _gradients(code: int) -> str:
+    return {3: "hidden and weight", 2: "hidden", 1: "weight", 0: "none"}[code]
+
+
 def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
                           sequence_parallel: bool = False,
                           accumulate_into_main_grad: bool = False,
                           partial_hidden_grad: bool = False, chunk_size=None,
                           local_error: ValueError | None = None, agree: tuple = (),
-                          argmax: bool = False, **options) -> LinearStatsConfig:
+                          argmax: bool = False, differentiable: bool = True,
+                          **options) -> LinearStatsConfig:
     """Validate one call: the fused op's own arguments, then the core op's checks
     (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
 
     Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
-    agree on ``sequence_parallel``, whether ``grad_weights`` is given,
-    ``accumulate_into_main_grad`` and ``partial_hidden_grad`` (they change the collectives or the
-    gradients), then on the caller's ``agree`` entries: all in the core op's one tiny all-gather.
-    ``argmax``: the ``return_argmax`` of ``linear_vocab_parallel_stats`` (a bool; not with
-    ``grad_weights``; agreed across the ranks: it widens the statistics' all-gather).
+    agree on every option that changes the collectives or the gradients, then on the caller's
+    ``agree`` entries, all in the core op's one tiny all-gather: ``sequence_parallel``, whether
+    ``grad_weights`` is given (and its values), ``accumulate_into_main_grad``, which gradients
+    backward makes (``hidden`` and ``weight`` under grad mode and ``requires_grad``: the dX
+    all-reduce or reduce-scatter, and whether backward runs at all; ``differentiable=False`` for
+    an op without backward), ``partial_hidden_grad``, ``return_argmax`` (it widens the
+    statistics' all-gather) and, in the forward-gradient mode (one all-gather per chunk), the
+    chunk size. ``argmax``: the ``return_argmax`` of ``linear_vocab_parallel_stats`` (a bool;
+    not with ``grad_weights``).
     """
     _, tp = _comm.group_rank_size(tp_group)
     lead = lead_shape(hidden, sequence_parallel, tp)
@@ -141,9 +154,14 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     auto = chunk_size is None and problem is None
     if problem is None:
         problem = _argmax_problem(argmax, grad_weights)
+    grad_on = differentiable and torch.is_grad_enabled()
+    grad_hidden = grad_on and isinstance(hidden, torch.Tensor) and hidden.requires_grad
+    grad_weight = grad_on and isinstance(weight, torch.Tensor) and weight.requires_grad
+    forward_grad = grad_weights is not None and (grad_hidden or grad_weight)
     if problem is None:
         width = weight.shape[0]
-        logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device)
+        logits = LogitsSpec((*lead, width), hidden.dtype, hidden.device,
+                            sample=weight.detach()[0])
         if chunk_size is None:  # the Triton backend's own below, once the kernel is known
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
@@ -156,6 +174,11 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
              ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
              ("return_argmax", lambda: int(argmax is True), bool),
              ("partial_hidden_grad", lambda: int(partial_hidden_grad is True), bool),
+             ("gradients asked (hidden, weight: grad mode and requires_grad)",
+              lambda: 2 * grad_hidden + grad_weight, _gradients),
+             ("chunk_size in the forward-gradient mode (one all-gather per chunk; pass one "
+              "chunk_size on every rank)", lambda: int(chunk_size) if forward_grad else -1,
+              lambda size: size if size >= 0 else "not in that mode"),
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
                            agree=agree, **options)
@@ -165,14 +188,11 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     if auto and stats.kernel == "triton" and hidden.device.type != "cpu":
         stats = dataclasses.replace(stats, chunk_size=auto_linear_chunk_size(
             weight.shape[0], hidden.device, tiles=True, itemsize=hidden.element_size()))
-    grad_on = torch.is_grad_enabled()
-    grad_hidden = grad_on and hidden.requires_grad
-    grad_weight = grad_on and weight.requires_grad
     return LinearStatsConfig(
         stats=stats,
         sequence_parallel=sequence_parallel and tp > 1,
         accumulate_into_main_grad=accumulate_into_main_grad,
-        forward_grad=grad_weights is not None and (grad_hidden or grad_weight),
+        forward_grad=forward_grad,
         grad_hidden=grad_hidden,
         grad_weight=grad_weight,
         argmax=argmax,

@@ -7,7 +7,9 @@ alike. Lives here: :data:`IGNORE_INDEX` (the default ``ignore_index``), :data:`L
 :data:`MIN_TEMPERATURE`, the auto chunk size (:data:`CHUNK_BYTES`, :func:`auto_chunk_size`),
 the keyword sets the op wrappers take as ``**options`` (:class:`ShardKwargs` and its extensions
 up to :class:`VocabStatsKwargs`, ``TypedDict`` s for ``Unpack``) and :class:`StatsConfig`, the
-frozen options of one call (built by ``_checks.checked_config``).
+frozen options of one call (built by ``_checks.checked_config``), and, public here for the
+packages above, the checkers of options (:func:`check_choice`, :func:`check_number`: the one
+checker of number-like options, and its message :func:`number_problem`, from :mod:`._argtypes`).
 May import :mod:`._argtypes` and :mod:`._layout` only (and torch).
 """
 
@@ -18,7 +20,7 @@ from typing import TypedDict
 
 import torch
 
-from ._argtypes import check_choice  # noqa: F401 - public here
+from ._argtypes import check_choice, check_number, number_problem  # noqa: F401 - public here
 from ._layout import BLOCK, ShardLayout
 
 # Floor of the log-probabilities the gradients exponentiate, below the log of the smallest
@@ -42,8 +44,12 @@ CHUNK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 
 
 def auto_chunk_size(width: int, device: torch.device) -> int:
-    """Tokens per chunk used when ``chunk_size=None``: ``CHUNK_BYTES[device] // (4 * width)``."""
-    return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * width))
+    """Tokens per chunk used when ``chunk_size=None``: ``CHUNK_BYTES[device] // (4 * width)``.
+
+    A symbolic ``width`` (a ``SymInt`` while ``make_fx``/``torch.compile`` traces with dynamic
+    shapes) is specialised to its value (``int``): the chunk loop is host-side Python, and a
+    model's vocabulary shard width does not change."""
+    return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * int(width)))
 
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -43,13 +43,12 @@ search, the forward pass and the gradient kernel are in :mod:`.sampling_search`,
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple, Unpack
 
 import torch
 import torch.distributed as dist
 
-from ._checks import InputTypeError, bits_float, checked_config, first_order_backward, float_bits
+from ._checks import bits_float, check_number, checked_config, first_order_backward, float_bits
 from .engine import flatten_target, logits_chunks, logits_grad
 from .options import TargetKwargs, check_keywords
 from .sampling_search import (
@@ -62,6 +61,9 @@ from .sampling_search import (
     sort_keys,
     value_of,
 )
+
+# A top_k at least this large keeps every column of any vocabulary (ids are below 2**31).
+_TOP_K_ALL = 2**62
 
 # Names that moved to sampling_search and stay importable from here.
 __all__ = [
@@ -89,20 +91,16 @@ class SamplingLogprobs(NamedTuple):
 
 
 def sampler_problem(top_k, top_p, min_p) -> Exception | None:
-    """The first bad filter argument as an exception naming it, or None."""
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-            return InputTypeError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-        if top_k < 1:
-            return ValueError(f"top_k must be >= 1 (None turns it off), got {top_k!r}")
-    for name, value, ok, rule in (("top_p", top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-                                  ("min_p", min_p, lambda v: 0.0 <= v < 1.0, "in [0, 1)")):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return InputTypeError(f"{name} must be a real number {rule} or None, got {value!r}")
-        if not ok(float(value)):
-            return ValueError(f"{name} must lie {rule} (None turns it off), got {value!r}")
+    """The first bad filter argument as an exception naming it (``check_number``'s: a wrong
+    type is an ``InputTypeError``, a value out of range a ``ValueError``), or None."""
+    rules = (("top_k", top_k, dict(integer=True, low=1)),
+             ("top_p", top_p, dict(low=0.0, high=1.0, low_open=True)),
+             ("min_p", min_p, dict(low=0.0, high=1.0, high_open=True)))
+    for name, value, rule in rules:
+        try:
+            check_number(name, value, none_ok=True, **rule)
+        except ValueError as exc:  # InputTypeError included
+            return exc
     return None
 
 
@@ -139,6 +137,10 @@ def sampler_config(logits, target, tp_group, *, top_k, top_p, min_p, local_error
     problem = local_error or sampler_problem(top_k, top_p, min_p)
     if target is None and problem is None:
         problem = ValueError("target is required: the sampled token ids to score")
+    if problem is None and top_k is not None:
+        # Every k >= V keeps the whole vocabulary: a huge one (2**70, 10**400) is clamped below
+        # int64 and float64 overflow, on every rank alike (no vocabulary reaches 2**62).
+        top_k = min(int(top_k), _TOP_K_ALL)
     stats = check(
         logits, target, tp_group, local_error=problem,
         agree=(("top_k", lambda: -1 if top_k is None else int(top_k)),
@@ -189,8 +191,9 @@ def vocab_parallel_sampling_logprobs(
             (:class:`~megatron_vocabstats.ops.options.TargetKwargs`: ``vocab_size``,
             ``vocab_start``, ``chunk_size``, ``validate``, ``temperature``, ``ignore_index``);
             ``temperature`` > 0 (vLLM's greedy temperature 0 has no distribution to score).
-        top_k: keep the k most likely tokens (ties at the k-th value kept); None = off. vLLM's
-            ``top_k=-1`` is None here; a k of V or more keeps everything.
+        top_k: an int >= 1: keep the k most likely tokens (ties at the k-th value kept);
+            None = off. vLLM's ``top_k=-1`` is None here; a k of V or more (any size) keeps
+            everything. Python and numpy numbers are accepted for the filters (not bools).
         top_p: in (0, 1]; None or 1 = off. A tie on the boundary keeps its highest ids.
         min_p: in [0, 1); None or 0 = off.
 

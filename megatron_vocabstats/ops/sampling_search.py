@@ -223,8 +223,12 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     :class:`~.engine.Chunk` (z: the fp32 chunk of ``load_chunk``, whose -0.0 the search's keys
     turn into +0.0; index/owned: the rows' targets in this shard), called once per pass.
 
-    Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, thresholds, inside,
-    drop)`` for :func:`sampled_chunk_grad` (``drop``: the top-p tie split, None without top-p).
+    Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, lse_lo, thresholds,
+    scored, drop)`` for :func:`sampled_chunk_grad`: the kept set's logsumexp as an fp32 pair
+    ``lse + lse_lo`` (here ``m`` and ``log(mass)``; on every row, scored or not), where the
+    target is scored and kept, and
+    the top-p tie split (``drop``, None without top-p). ``log q`` is formed in float64 from the
+    fp32 target logit and maximum and the float64 kept mass, and rounded to fp32 once.
     """
     sc = cfg.stats
 
@@ -252,8 +256,10 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     else:
         mass, drop, tie_dropped = _split_tie(chunks, m_safe, thresholds, boundary, cfg,
                                              target1d, num_tokens, device, tp_group)
-    lse = (m_safe.double() + torch.log(mass)).float()
-    lse = torch.where(torch.isnan(m), m, lse)  # NaN logits stay NaN
+    # Float64 from here: log q = (t - m) - log(mass), rounded to fp32 once. Rounding
+    # lse = m + log(mass) to fp32 first would lose up to half its ulp (0.5 nats at 1e7).
+    log_mass = torch.log(mass)
+    lse = torch.where(torch.isnan(m), m, (m_safe.double() + log_mass).float())  # NaN stays NaN
     if host_checks_enabled(sc.validate, device):
         check_finite(lse, valid, temperature=sc.temperature)
     in_range = target_in_range(target1d, sc.layout.vocab_size)
@@ -264,14 +270,19 @@ def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device
     if cfg.min_p:
         inside &= torch.exp(target_logit - m_safe) >= cfg.min_p
     inside &= in_range
-    logprobs = torch.where(inside, target_logit - lse, float("-inf"))
+    shifted = ((target_logit.double() - m_safe.double()) - log_mass).float()
+    logprobs = torch.where(inside, shifted, float("-inf"))
     # Out-of-range ids and rows without a finite normaliser give NaN, never a number.
     logprobs = torch.where(in_range & torch.isfinite(lse), logprobs, float("nan"))
     inside &= torch.isfinite(lse)
     logprobs = torch.where(valid, logprobs, 0.0)
     outside = valid & in_range & ~inside
-    return logprobs, outside, (m_safe, torch.where(inside, lse, 0.0), thresholds, inside & valid,
-                               drop)
+    # The kept set's logsumexp for backward as the pair (m, log(mass)) on every row (log(mass)
+    # >= 0: the kept set holds the maximum, so z - m <= 0 everywhere): log q = (z - m) - log
+    # mass, one rounding where z is near m. Not m + log(mass) even in float64, whose ulp at
+    # 3e38 swallows log(mass). A row without a finite mass gets (m_safe, 0).
+    lse_lo = torch.where(torch.isfinite(log_mass), log_mass, 0.0).float()
+    return logprobs, outside, (m_safe, m_safe, lse_lo, thresholds, inside & valid, drop)
 
 
 def sampling_outputs(ctx, logprobs, outside, shape):
@@ -284,17 +295,21 @@ def sampling_outputs(ctx, logprobs, outside, shape):
 
 def grad_coefficient(grad, saved, temperature: float) -> torch.Tensor:
     """``[T]`` fp32 ``g / temperature`` where the target is scored and kept, else 0."""
-    return torch.where(saved[3], grad.reshape(-1).float(), 0.0) / temperature
+    return torch.where(saved[4], grad.reshape(-1).float(), 0.0) / temperature
 
 
 def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerConfig) -> None:
     """Write the chunk's logits gradient ``coef (1[j = y] - q_j)`` (q on the kept set, held
-    constant) into ``out`` (one cast)."""
-    m, lse, thresholds, _, drop = saved
+    constant) into ``out`` (one cast). ``q_j = exp((z_j - lse) - lse_lo)``: ``z - lse <= 0``
+    on every row (the kept set holds the maximum), and rows whose target is not scored and
+    kept get exactly 0 by selection (never ``0 * exp(...)``: NaN or inf logits there stay
+    out)."""
+    m, lse, lse_lo, thresholds, scored, drop = saved
     scaled = _scaled(z, m, rows) if cfg.min_p else None
     keep = _kept(z, rows, thresholds, cfg.stats.layout.real_width, cfg.min_p, scaled, drop)
-    g = torch.where(keep, torch.exp(z - lse[rows].unsqueeze(1)), 0.0).mul_(
-        -coef[rows].unsqueeze(1))
+    keep &= scored[rows].unsqueeze(1)
+    logq = z.sub_(lse[rows].unsqueeze(1)).sub_(lse_lo[rows].unsqueeze(1))
+    g = torch.where(keep, torch.exp(logq), 0.0).mul_(-coef[rows].unsqueeze(1))
     g.scatter_add_(1, index.unsqueeze(1), torch.where(owned, coef[rows], 0.0).unsqueeze(1))
     out.copy_(g)
 

@@ -19,8 +19,9 @@ of the id in the low 32 bits, so ``torch.topk`` sees no ties at all. A NaN ranks
 so a row holding one comes out all NaN (never a plausible top-k).
 
 Under ``validate`` on tp > 1 the ranks also agree on ``k``, ``indices`` and ``mask`` (checksums)
-before any result is used: a differing ``k`` would otherwise fail inside the gather, differing ids
-or masks would give silently wrong sums.
+before any result is used. Without ``validate`` nothing is compared: a differing ``k`` gives
+gathers of differing sizes (the collective fails or hangs until the backend's timeout),
+differing ids or masks silently wrong sums.
 
 This module holds the autograd Functions and the public API; the candidate/merge math, the passes
 and the gradient kernel are in :mod:`.topk_math`, the input checks in :mod:`.topk_checks`, the
@@ -151,6 +152,7 @@ def _topk(logits, k, tp_group, *, normalize: bool, vocab_size=None, **options) -
     stats_cfg = checked_config(logits, None, tp_group, local_error=problem, agree=agreement(k),
                                vocab_size=vocab_size, entropy="off", ignore_index=-100,
                                label_smoothing=0.0, **options)
+    k = int(k)  # (checked: an integral number, numpy's included)
     cfg = TopKConfig(stats=stats_cfg, k=k, normalize=normalize)
     logits2d = logits.detach().reshape(-1, stats_cfg.layout.width)
     with torch.no_grad():
@@ -197,19 +199,20 @@ class _TopKLogprobs(torch.autograd.Function):
         logits2d = logits.reshape(-1, cfg.layout.width)
         indices2d = indices.reshape(-1, indices.shape[-1])
         chunks = logits_chunks(logits2d, None, None, cfg)
-        logprobs, lse = picked_pass(chunks, indices2d, valid, cfg, tp_group)
+        logprobs, lse, lse_lo = picked_pass(chunks, indices2d, valid, cfg, tp_group)
         ctx.cfg = cfg
-        ctx.save_for_backward(logits, indices, valid, lse)
+        ctx.save_for_backward(logits, indices, valid, lse, lse_lo)
         ctx.set_materialize_grads(False)
         return logprobs.view(indices.shape)
 
     @staticmethod
     @first_order_backward("vocab_parallel_topk_logprobs")
     def backward(ctx, grad):
-        logits, indices, valid, lse = ctx.saved_tensors
+        logits, indices, valid, lse, lse_lo = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
         logits2d = logits.reshape(-1, cfg.layout.width)
-        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, cfg), valid, cfg.layout)
+        kernel = TopKGrad(*backward_terms(grad, indices, valid, lse, lse_lo, cfg), valid,
+                          cfg.layout)
         grad_logits = logits_grad(logits2d, None, None, cfg, kernel)
         return grad_logits.view(logits.shape), None, None, None, None
 

@@ -17,7 +17,7 @@ import numbers
 import torch
 
 from . import _comm
-from ._checks import Field, InputTypeError, checked_config, host_checks_enabled
+from ._checks import Field, InputTypeError, check_number, checked_config, host_checks_enabled
 from .agreement import target_checksum
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -60,11 +60,11 @@ def index_problem(indices, mask, lead_shape, device, vocab_size: int | None,
 
 def k_problem(k, vocab_size: int) -> ValueError | None:
     """A ``ValueError`` for a ``k`` that is not an int in ``[1, vocab_size]``
-    (:class:`InputTypeError` if not an int at all), else None."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        return InputTypeError(f"k must be an int in [1, vocab_size={vocab_size}], got {k!r}")
-    if not 1 <= k <= vocab_size:
-        return ValueError(f"k must be an int in [1, vocab_size={vocab_size}], got {k!r}")
+    (:class:`InputTypeError` if not an int at all; Python and numpy ints are), else None."""
+    try:
+        check_number("k", k, integer=True, low=1, high=vocab_size)
+    except ValueError as exc:
+        return type(exc)(f"{exc} (1 <= k <= vocab_size={vocab_size})")
     return None
 
 

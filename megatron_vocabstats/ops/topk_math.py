@@ -24,7 +24,15 @@ import torch
 
 from . import _comm
 from ._checks import StatsConfig, check_finite, host_checks_enabled
-from ._math import NUM_STATS, Z_FLOOR, ShardLayout, chunk_grad, finite_lse, log_normaliser
+from ._math import (
+    NUM_STATS,
+    Z_FLOOR,
+    ShardLayout,
+    chunk_grad,
+    finite_lse,
+    log_normaliser,
+    split_lse,
+)
 from .engine import Chunk, ShardStats
 
 _LOW32 = 2**32
@@ -126,48 +134,53 @@ def picked_logits(chunk: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
     return torch.where(owned, z.clamp(min=Z_FLOOR), 0.0).t()
 
 
-def chunk_topk_grad(z, scratch, out, *, lse, coef, hits, local, valid, layout: ShardLayout):
+def chunk_topk_grad(z, scratch, out, *, lse, coef, hits, local, valid, layout: ShardLayout,
+                    lse_lo=None):
     """Write the gradient of ``sum_k g_k log p(i_k)`` for one ``[n, W]`` chunk into ``out``.
 
     ``coef = sum_k g_k / tau`` per row and ``hits = g_k / tau`` at owned ids (0 elsewhere), both
-    already 0 at invalid rows. ``chunk_grad`` leaves ``-coef * p`` in fp32 in ``scratch``, the
+    already 0 at invalid rows; ``lse``/``lse_lo`` the logsumexp pair of ``_math.split_lse``.
+    ``chunk_grad`` leaves ``-coef * p`` in fp32 in ``scratch``, the
     hits are scatter-added there (duplicate ids accumulate), then one cast into ``out``.
     """
     n = z.shape[0]
     grad = scratch[:n]
-    chunk_grad(z, scratch, grad, lse=lse, ent=None, coef_lp=coef, coef_h=None, index=None,
-               owned=None, valid=valid, layout=layout, label_smoothing=0.0)
+    chunk_grad(z, scratch, grad, lse=lse, lse_lo=lse_lo, ent=None, coef_lp=coef, coef_h=None,
+               index=None, owned=None, valid=valid, layout=layout, label_smoothing=0.0)
     grad.scatter_add_(1, local, hits)
     out.copy_(grad)
 
 
-def backward_terms(grad, indices, valid, lse, cfg: StatsConfig):
+def backward_terms(grad, indices, valid, lse, lse_lo, cfg: StatsConfig):
     """What every chunk of a backward needs, from the upstream ``[..., k]`` gradient:
-    ``(local [T, k], coef [T], hits [T, k], lse [T])`` for :func:`chunk_topk_grad`."""
+    ``(local [T, k], coef [T], hits [T, k], lse [T], lse_lo [T])`` for
+    :func:`chunk_topk_grad`."""
     local, owned, in_range = locate(indices.reshape(-1, indices.shape[-1]), valid, cfg.layout)
     scored = valid.unsqueeze(1) & in_range
     g = torch.where(scored, grad.reshape(local.shape).float(), 0.0) * (1.0 / cfg.temperature)
-    return local, g.sum(dim=1), torch.where(owned, g, 0.0), finite_lse(lse, valid)
+    return local, g.sum(dim=1), torch.where(owned, g, 0.0), finite_lse(lse, valid), lse_lo
 
 
 @dataclass(frozen=True, slots=True)
 class TopKGrad:
     """The top-k log-probs' :class:`~.engine.ChunkGrad`: :func:`chunk_topk_grad` of a chunk from
-    the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``, ``coef``/``lse``
-    ``[T]``, fp32 but ``local`` int64) and the rows' ``valid`` ``[T]`` bool."""
+    the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``,
+    ``coef``/``lse``/``lse_lo`` ``[T]``, fp32 but ``local`` int64) and the rows' ``valid``
+    ``[T]`` bool."""
 
     local: torch.Tensor
     coef: torch.Tensor
     hits: torch.Tensor
     lse: torch.Tensor
+    lse_lo: torch.Tensor
     valid: torch.Tensor
     layout: ShardLayout
 
     def __call__(self, chunk: Chunk, out: torch.Tensor) -> None:
         rows = chunk.rows
-        chunk_topk_grad(chunk.z, chunk.scratch, out, lse=self.lse[rows], coef=self.coef[rows],
-                        hits=self.hits[rows], local=self.local[rows], valid=self.valid[rows],
-                        layout=self.layout)
+        chunk_topk_grad(chunk.z, chunk.scratch, out, lse=self.lse[rows],
+                        lse_lo=self.lse_lo[rows], coef=self.coef[rows], hits=self.hits[rows],
+                        local=self.local[rows], valid=self.valid[rows], layout=self.layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +228,9 @@ def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
     without targets, read in their storage dtype ``chunk.logits`` and as ``chunk.z``, as in
     :func:`topk_pass`); one all-gather of ``[NUM_STATS + k, T]`` fp32.
 
-    Returns ``(logprobs [T, k], lse [T])``: 0 at rows not ``valid``, NaN at ids outside
-    ``[0, V)`` (a loud result when ``validate`` is off and cannot reject them).
+    Returns ``(logprobs [T, k], lse [T], lse_lo [T])``: 0 at rows not ``valid``, NaN at ids
+    outside ``[0, V)`` (a loud result when ``validate`` is off and cannot reject them); the
+    logsumexp as the pair of ``_math.split_lse``.
     """
     num_tokens, k = indices2d.shape
     local, owned, in_range = locate(indices2d, valid, cfg.layout)
@@ -229,9 +243,9 @@ def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
         stats_of(chunk, packed[:NUM_STATS, rows])
     gathered = _comm.gather_stats(packed, tp_group)
     m, log_sumexp = log_normaliser(gathered[:, :NUM_STATS])
-    lse = m + log_sumexp
+    lse, lse_lo = split_lse(m, log_sumexp)
     if host_checks_enabled(cfg.validate, valid.device):
         check_finite(lse, valid, temperature=cfg.temperature)
     lp = logprobs_of(gathered[:, NUM_STATS:].sum(dim=0).t(), m, log_sumexp)
     lp = torch.where(in_range, lp, float("nan"))
-    return torch.where(valid.unsqueeze(1), lp, 0.0), lse
+    return torch.where(valid.unsqueeze(1), lp, 0.0), lse, lse_lo

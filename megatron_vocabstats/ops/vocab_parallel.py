@@ -19,7 +19,7 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from ..mcore import default_tp_group
+from ..mcore import default_tp_group, megatron_tp_size
 from . import engine
 from ._checks import (
     StatsConfig,
@@ -89,13 +89,14 @@ class _VocabParallelStats(torch.autograd.Function):
         logprobs, entropy, lse = engine.function_outputs(ctx, merged, logits.shape[:-1],
                                                          cfg.entropy)
         ctx.cfg = cfg
-        ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None)
+        ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None,
+                              merged.lse_lo)
         return logprobs, entropy, lse
 
     @staticmethod
     @first_order_backward("vocab_parallel_stats")
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
-        logits, target, lse, ent = ctx.saved_tensors
+        logits, target, lse, ent, lse_lo = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
@@ -105,7 +106,7 @@ class _VocabParallelStats(torch.autograd.Function):
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
         grad = engine.StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h,
-                                valid, cfg.layout, cfg.label_smoothing)
+                                valid, cfg.layout, cfg.label_smoothing, lse_lo=lse_lo)
         grad_logits = engine.logits_grad(logits2d, target1d, valid, cfg, grad)
         return grad_logits.view(logits.shape), None, None, None
 
@@ -148,7 +149,9 @@ def vocab_parallel_stats(
         target: int64 global token ids shaped like ``logits.shape[:-1]``, or None to compute only
             entropy and logsumexp.
         tp_group: the tensor-parallel group the vocabulary is split over; None means no tensor
-            parallelism (``logits`` holds the whole vocabulary).
+            parallelism (``logits`` holds the whole vocabulary; refused without ``vocab_size``
+            where Megatron's parallel state is initialised with tensor parallelism: the logits
+            are then one rank's shard and the group was forgotten).
         vocab_size: the real (unpadded) global vocabulary size V; columns at global id >= V are
             padding and get zero probability (they may fill whole shards, as Megatron's
             padding of a small vocabulary does). Default ``W * tp``.
@@ -173,7 +176,8 @@ def vocab_parallel_stats(
             size, never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
         validate: run the checks that read tensor values on the host (target range, one tiny
             all-gather comparing shard width, token count, vocab_size, dtype, targets and options
-            across ranks, and finite results). Skipped while a CUDA graph is being captured.
+            across ranks, and finite results). Skipped while a CUDA graph is being captured
+            and while a tracer runs the call (``torch.compile``, ``make_fx``: no values).
             Without it, ranks that disagree are not detected (a wrong result or a failed
             collective). This rank's shape, dtype and argument checks always run. Must be equal
             on all ranks (a bool). Logits at or below -1e30 count as -inf. Without it a target
@@ -229,8 +233,10 @@ def vocab_parallel_stats(
             a dtype other than bf16/fp16/fp32, an empty vocabulary shard (width 0),
             ``chunk_size <= 0``, an unknown ``entropy`` mode, a ``temperature`` that is not
             finite or below 2.94e-39, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that
-            does not fit the shards, and (with ``validate``) full replicated logits passed as a
-            shard (as wide as the real vocabulary, first row equal on every rank), target ids
+            does not fit the shards, a missing ``tp_group`` (see there), and (with
+            ``validate``) the same logits on every rank (a first row that is not constant and
+            equal on every rank: the full logits replicated, or a group other than the one the
+            vocabulary was split over; the message names ``tp_group``), target ids
             outside ``[0, V)`` other than ``ignore_index``, shards, targets or options that
             differ across ranks (the message names the field and prints each rank's value), and
             scored rows whose logits are NaN, +inf or all -inf, or whose ``logits / temperature``
@@ -299,6 +305,18 @@ def vocab_parallel_entropy(
                                 **options).entropy
 
 
+def _check_megatron_ready() -> None:
+    """The drop-in's ``tp_group=None`` means Megatron's group: ``ValueError`` naming
+    ``tp_group`` when Megatron was imported but its parallel state is not initialised yet while
+    several processes run (the call would silently compute per-shard statistics)."""
+    if megatron_tp_size() == 0 and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "vocab_parallel_cross_entropy: tp_group=None means Megatron's tensor-parallel group, "
+            "but megatron.core.parallel_state is not initialised yet (torch.distributed runs "
+            f"{dist.get_world_size()} processes): call it after initialize_model_parallel, or "
+            "pass tp_group (or vocab_size for logits that hold the whole vocabulary)")
+
+
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -313,7 +331,9 @@ def vocab_parallel_cross_entropy(
     :func:`vocab_parallel_stats` (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`;
     ``ignore_index``: loss and gradient 0 there). Unlike the other ops,
     and like Megatron, ``tp_group=None`` means Megatron's default tensor-parallel group when
-    ``megatron.core.parallel_state`` is initialised (no tensor parallelism otherwise).
+    ``megatron.core.parallel_state`` is initialised (no tensor parallelism otherwise; but a
+    ``ValueError`` naming ``tp_group`` when Megatron was imported and is not initialised yet
+    in a multi-process run, unless ``vocab_size`` says the logits hold the whole vocabulary).
 
     Label smoothing follows ``docs/numerics.md``: ``(1-eps) * nll + eps * (logZ - mean_j z_j)``
     over the V real columns. Megatron's own version spreads ``eps*K/(K-1)`` with K the local
@@ -324,6 +344,8 @@ def vocab_parallel_cross_entropy(
     check_keywords("vocab_parallel_cross_entropy", options, VocabStatsKwargs)
     if tp_group is None:
         tp_group = default_tp_group()
+        if tp_group is None and options.get("vocab_size") is None:
+            _check_megatron_ready()
     stats = vocab_parallel_stats(vocab_parallel_logits, target, tp_group=tp_group,
                                  entropy="off", label_smoothing=label_smoothing, **options)
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

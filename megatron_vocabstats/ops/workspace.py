@@ -21,7 +21,8 @@ Lifetime rules (what makes a cached buffer safe to hand out again):
    neither read nor written: :meth:`Workspace.take` allocates a fresh buffer (from the graph's
    private memory pool, which the graph keeps for as long as it lives) and :meth:`Workspace.give`
    drops it. A captured graph therefore never shares memory with eager calls, and eager calls
-   never write into memory a replay reads.
+   never write into memory a replay reads. The same holds while a tracer runs the call
+   (:func:`tracing`: ``torch.compile``, ``make_fx``): its tensors belong to that trace.
 4. **Reset.** :func:`reset_workspace` drops every cached buffer (held ones are unaffected: they
    go back to the emptied cache when given back). Call it after destroying CUDA
    graphs (Megatron: after ``FullCudaGraphWrapper.reset_cuda_graph()`` or
@@ -36,7 +37,8 @@ calls whose token count varies a little still reuse them; :meth:`Workspace.take`
 of the requested shape. Their content is undefined (like ``torch.empty``). On CPU the same API
 applies, without streams or capture.
 
-May import torch and the standard library only (no module of the package).
+May import torch, the standard library and :mod:`._argtypes` (the one checker of number-like
+options, itself standard library only).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from ._argtypes import check_number
 
 __all__ = [
     "WORKSPACE",
@@ -68,6 +72,22 @@ def capturing() -> bool:
     itself would raise, and nothing can be capturing before CUDA is initialised.
     """
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def tracing() -> bool:
+    """Whether a tracer runs the call on stand-in tensors: ``torch.compile`` (dynamo), or
+    ``make_fx``/``torch.export`` (fake tensors, symbolic shapes included, or a proxy of real
+    ones). Such tensors belong to that trace: none is cached, and their values are not read on
+    the host."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._guards import detect_fake_mode
+
+        proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    except (ImportError, AttributeError):  # pragma: no cover - every supported torch has them
+        return False
+    return proxy is not None or detect_fake_mode() is not None
 
 
 def _size_class(numel: int) -> int:
@@ -122,10 +142,9 @@ class Workspace:
 
     def configure(self, *, max_buffers: int | None = None, max_bytes: int | None = None) -> None:
         """Change the bounds (None keeps one); free buffers beyond them are dropped now."""
-        for name, value in (("max_buffers", max_buffers), ("max_bytes", max_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 0):
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        bound = dict(integer=True, low=0, high=2**63 - 1, none_ok=True)
+        max_buffers = check_number("max_buffers", max_buffers, **bound)
+        max_bytes = check_number("max_bytes", max_bytes, **bound)
         with self._lock:
             if max_buffers is not None:
                 self.max_buffers = max_buffers
@@ -137,7 +156,8 @@ class Workspace:
         """A buffer viewed as ``shape`` (content undefined), cached if one fits, else new.
 
         No host sync: on CUDA, waiting for the buffer's previous streams is queued on the current
-        stream. While a CUDA graph is being captured the buffer is always new and never cached.
+        stream. While a CUDA graph is being captured, or a tracer runs (:func:`tracing`), the
+        buffer is always new and never cached.
         """
         device = torch.device(device)
         numel = 1
@@ -146,7 +166,7 @@ class Workspace:
         size = _size_class(numel)
         key = (device, dtype, size)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        if capturing():
+        if capturing() or tracing():
             base = torch.empty(size, dtype=dtype, device=device)
             return Lease(base[:numel].view(shape), base, False, [stream] if stream else [])
         entry = None
@@ -169,7 +189,7 @@ class Workspace:
 
     def give(self, *leases: Lease | None) -> None:
         """Return leases (None entries ignored); their tensors must not be used afterwards."""
-        keep = not capturing()
+        keep = not (capturing() or tracing())
         for lease in leases:
             if lease is None or lease._base is None or not lease._cacheable or not keep:
                 continue

@@ -2,23 +2,31 @@
 (``cu_seqlens`` / ``cu_seqlens_padded``: shapes always, values with ``validate``), the sequence
 dimension and fill values that the target dtype holds.
 
-May import: ``megatron_vocabstats.ops.agreement`` (``host_checks_enabled``) and torch only.
+May import: ``megatron_vocabstats.ops.agreement`` (``host_checks_enabled``),
+``megatron_vocabstats.ops.options`` (``check_number``, the one checker of number-like options)
+and torch only.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from ..ops.agreement import host_checks_enabled
+from ..ops.options import check_number, number_problem  # noqa: F401 - the siblings' too
+
+INT64_MAX = 2**63 - 1
+
+
+def _count(value, name: str, low: int = 1) -> int:
+    """``value`` as an int in ``[low, 2**63 - 1]`` (a size or position of int64 tensors), else
+    an error naming ``name`` (``ops.options.check_number``: numpy ints accepted, bools not)."""
+    return check_number(name, value, integer=True, low=low, high=INT64_MAX)
 
 
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return _count(value, name)
 
 
 def _round_up(n, multiple):
@@ -89,8 +97,11 @@ def _cu_pair(cu_seqlens, cu_seqlens_padded, total: int, device, *, validate: boo
 def _seq_dim(x, dim: int, name: str = "x") -> int:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim!r} is not a dimension of {name} with shape {tuple(x.shape)}")
+    try:
+        dim = check_number("dim", dim, integer=True, low=-x.dim(), high=x.dim(), high_open=True)
+    except ValueError:
+        raise ValueError(f"dim={dim!r} is not a dimension of {name} with shape "
+                         f"{tuple(x.shape)}") from None
     return dim % x.dim()
 
 
@@ -98,22 +109,17 @@ def _fill_value(name: str, value, dtype: torch.dtype) -> int | float | bool:
     """``value`` (a pad id, ``ignore_index``, a padding value) as a number that ``dtype`` holds,
     else ``ValueError`` naming ``name`` (torch would wrap or truncate it: -100 to 156 in uint8,
     -0.5 to 0 in int64)."""
-    if dtype.is_floating_point:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name} must be a real number, got {value!r} "
-                             f"({type(value).__name__})")
-        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
-            raise ValueError(f"{name}={value} overflows {dtype}")
-        return float(value)
     if dtype == torch.bool:
-        if value not in (0, 1):
+        if not (isinstance(value, numbers.Integral) and value in (0, 1)):
             raise ValueError(f"{name} must be a bool for bool values, got {value!r}")
         return bool(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int for {dtype} values, got {value!r} "
-                         f"({type(value).__name__})")
+    if dtype.is_floating_point:
+        top = torch.finfo(dtype).max
+        return check_number(f"{name} (for {dtype} values)", value, low=-top, high=top,
+                            finite=False)
     info = torch.iinfo(dtype)
-    if not info.min <= value <= info.max:
-        raise ValueError(f"{name}={value} does not fit the dtype {dtype} "
-                         f"([{info.min}, {info.max}]): use wider token ids (e.g. int64)")
-    return int(value)
+    try:
+        return check_number(name, value, integer=True, low=info.min, high=info.max)
+    except ValueError as exc:
+        raise type(exc)(f"{exc}: the dtype {dtype} holds [{info.min}, {info.max}] (use wider "
+                        "token ids, e.g. int64)") from None

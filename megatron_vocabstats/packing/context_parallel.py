@@ -20,7 +20,14 @@ from ..ops.agreement import (
     group_rank_size,
     host_checks_enabled,
 )
-from .checks import _check_cumulative, _cumulative, _positive_int, _seq_dim
+from .checks import (
+    _check_cumulative,
+    _count,
+    _cumulative,
+    _positive_int,
+    _seq_dim,
+    check_number,
+)
 from .layout import PackedBatch
 
 
@@ -85,10 +92,8 @@ def context_parallel_indices(cu_seqlens_padded: torch.Tensor | None, total_token
             whose padded length is not a multiple of ``2 * cp_size`` (naming it).
     """
     cp = _positive_int(cp_size, "cp_size")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp:
-        raise ValueError(f"cp_rank must be an int in [0, {cp}), got {cp_rank!r}")
-    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
-        raise ValueError(f"total_tokens must be a non-negative int, got {total_tokens!r}")
+    cp_rank = check_number("cp_rank", cp_rank, integer=True, low=0, high=cp, high_open=True)
+    total_tokens = _count(total_tokens, "total_tokens", low=0)
     if cu_seqlens_padded is not None:
         device = cu_seqlens_padded.device if isinstance(cu_seqlens_padded, torch.Tensor) else None
     return _rank_positions(cu_seqlens_padded, total_tokens, cp, cp_rank,

@@ -18,7 +18,14 @@ import torch
 from ..mcore import packed_seq_params_class
 from ..ops.agreement import host_checks_enabled
 from ..ops.options import IGNORE_INDEX
-from .checks import _fill_value, _is_int_tensor, _positive_int, _round_up
+from .checks import (
+    _count,
+    _fill_value,
+    _is_int_tensor,
+    _positive_int,
+    _round_up,
+    number_problem,
+)
 from .layout import PackedBatch, _segments, _shift
 
 
@@ -56,8 +63,9 @@ def _padded_source(tokens: torch.Tensor, lengths):
             raise ValueError(f"lengths is on {lengths.device} but sequences on {tokens.device}")
         return tokens.reshape(-1), starts, None, lengths.to(torch.int64)
     host = list(lengths)
-    if len(host) != rows or any(isinstance(n, bool) or not isinstance(n, int) for n in host):
+    if len(host) != rows or any(number_problem(n, integer=True) for n in host):
         raise ValueError(f"lengths must hold B={rows} ints, got {host!r}")
+    host = [int(n) for n in host]
     bad = [n for n in host if not 0 <= n <= width]
     if bad:
         raise ValueError(f"lengths holds {bad[0]}, outside [0, S={width}] (the row length of "
@@ -128,11 +136,11 @@ def pack_sequences(
             ``ignore_index`` that is not an int or does not fit the token dtype.
     """
     alignment = _positive_int(alignment, "alignment")
-    if total_length is not None and (isinstance(total_length, bool)
-                                     or not isinstance(total_length, int)
-                                     or total_length < 0 or total_length % alignment):
-        raise ValueError(f"total_length must be a non-negative multiple of alignment="
-                         f"{alignment}, got {total_length!r}")
+    if total_length is not None:
+        total_length = _count(total_length, "total_length", low=0)
+        if total_length % alignment:
+            raise ValueError(f"total_length must be a non-negative multiple of alignment="
+                             f"{alignment}, got {total_length!r}")
     if isinstance(sequences, torch.Tensor):
         flat, starts, host_lengths, lens = _padded_source(sequences, lengths)
     else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.agreement import host_checks_enabled
-from .checks import _cu_pair, _fill_value, _seq_dim
+from .checks import _count, _cu_pair, _fill_value, _seq_dim
 
 
 def unpack_sequences(
@@ -55,8 +55,7 @@ def unpack_sequences(
     """
     dim = _seq_dim(values, dim, "values")
     padding_value = _fill_value("padding_value", padding_value, values.dtype)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    max_seqlen = _count(max_seqlen, "max_seqlen", low=0)
     total = values.shape[dim]
     cu, cu_p = _cu_pair(cu_seqlens, cu_seqlens_padded, total, values.device, validate=validate)
     lengths = cu[1:] - cu[:-1]

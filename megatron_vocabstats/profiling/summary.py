@@ -59,6 +59,10 @@ def memory_summary(meta: Mapping, raw: Mapping) -> dict:
     at it by kind and by block, the peak of each phase, and the per-module table."""
     tl = raw["timeline"]
     total = tl["total"]
+    lengths = {"x": len(tl["x"]), "total": len(total), "phase": len(tl["phase"]),
+               **{f"by_kind[{k!r}]": len(tl["by_kind"][k]) for k in raw["kinds"]}}
+    if len(set(lengths.values())) != 1 or not total:
+        raise ValueError(f"the timeline's lists differ in length (or are empty): {lengths}")
     i = max(range(len(total)), key=total.__getitem__)
     by_kind = sorted(({"kind": k, "bytes": tl["by_kind"][k][i]} for k in raw["kinds"]),
                      key=lambda r: (-r["bytes"], r["kind"]))
@@ -210,6 +214,15 @@ def kernel_markdown(s: Mapping) -> str:
 # --------------------------------------------------------------------------- per trial
 
 
+def _is_trial_record(meta) -> bool:
+    """Whether ``trial.json`` holds a trial record: its keys with values of their types."""
+    return (isinstance(meta, dict) and all(k in meta for k in TRIAL_KEYS)
+            and isinstance(meta["trial"], str) and isinstance(meta["kind"], str)
+            and meta["kind"] in RAW_FILES
+            and all(isinstance(meta[k], int) and not isinstance(meta[k], bool)
+                    for k in ("rank", "step")))
+
+
 def write_trial_summary(trial_dir: str) -> dict:
     """(Re)write ``summary.json`` and ``summary.md`` of a trial from its raw files, plus
     ``timeline.png`` (memory) or the trace views (kernels); returns the summary dict.
@@ -221,10 +234,9 @@ def write_trial_summary(trial_dir: str) -> dict:
     if not os.path.isfile(meta_path):
         raise ValueError(f"{trial_dir} is not a trial directory ({TRIAL_FILE} missing)")
     meta = _load(meta_path)
-    missing = [k for k in TRIAL_KEYS if k not in meta] if isinstance(meta, dict) else TRIAL_KEYS
-    if missing or meta["kind"] not in RAW_FILES:
+    if not _is_trial_record(meta):
         raise ValueError(f"{meta_path}: not a trial record (needs {', '.join(TRIAL_KEYS)}, "
-                         f"kind one of {', '.join(RAW_FILES)})")
+                         f"kind one of {', '.join(RAW_FILES)}, trial a name, rank and step ints)")
     raw_name = RAW_FILES[meta["kind"]]
     raw_path = os.path.join(trial_dir, raw_name)
     if not os.path.isfile(raw_path):
@@ -234,16 +246,16 @@ def write_trial_summary(trial_dir: str) -> dict:
         if meta["kind"] == "memory":
             s = memory_summary(meta, raw)
             text = memory_markdown(s)
+            timeline_figure(raw, s, os.path.join(trial_dir, TIMELINE_PNG))
         else:
             s = kernel_summary(meta, raw)
             text = kernel_markdown(s)
+            kernels.write_views(trial_dir)
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+        if "matplotlib" in str(exc):  # (require_matplotlib's: not about the file)
+            raise
         raise ValueError(f"{raw_path} does not have the layout of a {meta['kind']} trial "
                          f"({type(exc).__name__}: {exc})") from None
-    if meta["kind"] == "memory":
-        timeline_figure(raw, s, os.path.join(trial_dir, TIMELINE_PNG))
-    else:
-        kernels.write_views(trial_dir)
     with open(os.path.join(trial_dir, SUMMARY_JSON), "w") as f:
         json.dump(s, f, indent=1)
     with open(os.path.join(trial_dir, SUMMARY_MD), "w") as f:

@@ -197,3 +197,26 @@ def test_no_tokens():
     st = vocab_parallel_stats(torch.randn(0, 40, requires_grad=True),
                               torch.zeros(0, dtype=torch.long), kernel="triton")
     assert st.logprobs.shape == (0,) and st.entropy.shape == (0,)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_large_logits_keep_their_digits(fused):
+    """Issue 24: the kernel's gradient forms ``log p = (z - lse) - lse_lo`` (the logsumexp as an
+    fp32 pair): at logits near 1e7 p = (0.644, 0.237, 0.087, 0.032), not exp(z - 1e7)."""
+    from megatron_vocabstats import linear_vocab_parallel_stats
+
+    x = torch.tensor([[1e7, 1e7 - 1, 1e7 - 2, 1e7 - 3]] * 3)
+    target = torch.tensor([1, 0, 3])
+    ref = torch.softmax(x.double(), -1)
+    expected = torch.nn.functional.one_hot(target, 4).double() - ref
+    if fused:
+        hidden = torch.ones(3, 1, requires_grad=True)
+        weight = x[0].reshape(-1, 1).clone().requires_grad_()
+        linear_vocab_parallel_stats(hidden, weight, target, entropy="off",
+                                    kernel="triton").logprobs.sum().backward()
+        got, expected = weight.grad.reshape(-1), expected.sum(0)
+    else:
+        leaf = x.clone().requires_grad_()
+        vocab_parallel_stats(leaf, target, entropy="off", kernel="triton").logprobs.sum().backward()
+        got = leaf.grad
+    assert_within(got, expected, 8 * U32 * 3, "gradient at logits of 1e7")

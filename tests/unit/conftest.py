@@ -43,9 +43,19 @@ settings.register_profile("dev", max_examples=300, deadline=None, database=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@functools.cache
 def torchrun_results(script: str, nproc: int) -> dict:
-    """Run ``tests/unit/dist/<script>`` on ``nproc`` gloo ranks once; ``{case: [per-rank result]}``."""
+    """Run ``tests/unit/dist/<script>`` on ``nproc`` gloo ranks once; ``{case: [per-rank result]}``.
+
+    A launch that fails (a crash, a hang ended by the gloo timeout) raises its error for every
+    case of the script, without launching it again for each."""
+    outcome = _launch(script, nproc)
+    if isinstance(outcome, AssertionError):
+        raise outcome
+    return outcome
+
+
+@functools.cache
+def _launch(script: str, nproc: int) -> dict | AssertionError:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", os.path.join(HERE, "dist", script), "--out", out]
@@ -55,7 +65,7 @@ def torchrun_results(script: str, nproc: int) -> dict:
         for r in range(nproc):
             path = os.path.join(out, f"rank{r}.json")
             if not os.path.exists(path):
-                raise AssertionError(
+                return AssertionError(
                     f"torchrun {script} x{nproc} exited {proc.returncode} without results from "
                     f"rank {r}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
                 )

@@ -61,7 +61,7 @@ def test_distill_mode_on_the_fly_equals_precomputed(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--topk", "0"], "argument --topk: must be >= 1"),
+    (["--topk", "0"], "argument --topk: must be an int in [1, 2**63 - 1], got 0"),
     (["--jsd-beta", "1.5"], "--jsd-beta"),
     (["--teacher-load", "/nonexistent"], "--teacher-load: /nonexistent is not a checkpoint"),
     (["--topk", "200000"], "--topk 200000 exceeds"),

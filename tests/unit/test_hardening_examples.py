@@ -322,3 +322,18 @@ def test_output_refused_on_another_rank_is_printed_there(cli, capsys, monkeypatc
     assert capsys.readouterr().err.startswith("error (rank 1): --output")
     assert cli.main(["sft", "--steps", "0"]) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_output_that_no_file_can_be_created_in(cli, capsys, tmp_path, scoring):
+    """Issue 24: an --output where creating a file fails although permissions (root) say it
+    may (/proc), or whose name is too long, is refused by the output check, before the model is
+    built (was: the check passed, the run died with a traceback at the end)."""
+    fails(cli, capsys, ["score", "--input", scoring, "--output", "/proc/h24/scores.jsonl"],
+          "--output", "creating a file in /proc fails")
+    before = sorted(tmp_path.iterdir())
+    long_name = tmp_path / ("s" * 300 + ".jsonl")
+    fails(cli, capsys, ["score", "--input", scoring, "--output", str(long_name)],
+          "--output", "is longer than")
+    cli.check_outputs(cli.parse_args(["score", "--input", scoring, "--output",
+                                      str(tmp_path / "fine.jsonl")]))
+    assert sorted(tmp_path.iterdir()) == before  # the check leaves nothing behind

@@ -411,11 +411,11 @@ def test_bad_flag_values_stop_megatron_parser(patch, monkeypatch, capsys, flag, 
 
 @pytest.mark.parametrize("switch", [["--vocab-parallel-stats"], []])
 @pytest.mark.parametrize("name, value, message", [
-    ("lm_head_chunk_size", -4, "--lm-head-chunk-size must be >= 0, got -4"),
-    ("logprobs_chunk_size", "64", "--logprobs-chunk-size must be an integer >= 0, got '64'"),
+    ("lm_head_chunk_size", -4, "--lm-head-chunk-size must be an int in [0, 2**63 - 1], got -4"),
+    ("logprobs_chunk_size", "64", "--logprobs-chunk-size must be an int in [0, 2**63 - 1], got '64'"),
     ("entropy_coef", float("nan"), "--entropy-coef must be a finite number, got nan"),
     ("vocab_stats_label_smoothing", 1.0,
-     "--vocab-stats-label-smoothing must be a number in [0, 1)"),
+     "--vocab-stats-label-smoothing must be a finite number in [0, 1)"),
     ("vocab_stats_entropy", "yes", "--vocab-stats-entropy must be one of"),
     ("vocab_stats_batch_invariant", "maybe", "--vocab-stats-batch-invariant must be one of"),
     ("vocab_stats_kernel", "cuda", "--vocab-stats-kernel must be one of"),
@@ -433,13 +433,13 @@ def test_config_hook_refuses_values_set_without_the_parser(patch, monkeypatch, s
 
 
 @pytest.mark.parametrize("changes, error, message", [
-    (dict(entropy="grad", entropy_coef=float("nan")), ValueError, "entropy_coef must be finite"),
-    (dict(label_smoothing=float("nan")), ValueError, "label_smoothing must be finite"),
+    (dict(entropy="grad", entropy_coef=float("nan")), ValueError, "entropy_coef must be a finite number, got nan"),
+    (dict(label_smoothing=float("nan")), ValueError, r"label_smoothing must be a finite number in \[0, 1\), got nan"),
     (dict(lm_head_chunk_size=1.5), TypeError, "lm_head_chunk_size must be an int"),
-    (dict(lm_head_chunk_size=-1), ValueError, "lm_head_chunk_size must be >= 0"),
-    (dict(logprobs_chunk_size=0), ValueError, "logprobs_chunk_size must be >= 1 or None"),
-    (dict(token_alignment=0), ValueError, "token_alignment must be >= 1"),
-    (dict(vocab_size=0), ValueError, "vocab_size must be >= 1"),
+    (dict(lm_head_chunk_size=-1), ValueError, "lm_head_chunk_size must be an int in"),
+    (dict(logprobs_chunk_size=0), ValueError, "logprobs_chunk_size must be an int in .* or None"),
+    (dict(token_alignment=0), ValueError, "token_alignment must be an int in"),
+    (dict(vocab_size=0), ValueError, "vocab_size must be an int in"),
     (dict(validate="no"), TypeError, "validate must be a bool"),
     (dict(require_fused_lm_head=1, lm_head_chunk_size=8), TypeError,
      "require_fused_lm_head must be a bool"),
@@ -482,8 +482,9 @@ def test_rollout_flags_reach_the_settings_and_builders(patch, monkeypatch, switc
     assert current.active == bool(switch)
     assert (current.rollout_temperature, current.rollout_top_k, current.rollout_top_p,
             current.rollout_min_p) == (0.7, 50, 0.9, 0.05)
+    # (validate: the settings' own, on unless --vocab-stats-skip-checks)
     assert current.rollout_correction() == RolloutCorrection(mode="tis", level="sequence",
-                                                             threshold=3.0)
+                                                             threshold=3.0, validate=True)
     assert current.sampler_options() == {"temperature": 0.7, "top_k": 50, "top_p": 0.9,
                                          "min_p": 0.05}
 
@@ -503,7 +504,7 @@ def test_rollout_correction_builder(patch, monkeypatch, argv, want):
 
     _, args = _parse(["--vocab-parallel-stats", *argv], monkeypatch)
     built = config_hook(args).rollout_correction()
-    assert built == RolloutCorrection(**want)
+    assert built == RolloutCorrection(**want, validate=True)
     lp = torch.log(torch.tensor([[0.5, 0.25, 0.1]]))
     out = policy_loss(lp, lp, torch.ones(1, 3), torch.ones(1, 3), rollout_logprobs=lp - 0.1,
                       rollout_correction=built)
@@ -576,8 +577,8 @@ def test_rollout_correction_combinations_refused_naming_the_flags(patch, monkeyp
 
 @pytest.mark.parametrize("name, value, message", [
     ("rollout_temperature", 0.0, "--rollout-temperature must be a finite number > 0"),
-    ("rollout_top_k", 0, "--rollout-top-k must be >= 1, got 0 (or -1 = off)"),
-    ("rollout_top_p", 2.0, "--rollout-top-p must be a number in (0, 1]"),
+    ("rollout_top_k", 0, "--rollout-top-k must be an int >= 1, got 0 (or -1 = off)"),
+    ("rollout_top_p", 2.0, "--rollout-top-p must be a finite number in (0, 1]"),
     ("rollout_correction", "yes", "--rollout-correction must be one of"),
     ("rollout_correction_level", "row", "--rollout-correction-level must be one of"),
 ])
@@ -593,15 +594,49 @@ def test_config_hook_refuses_rollout_values_set_without_the_parser(patch, monkey
 
 
 @pytest.mark.parametrize("changes, error, message", [
-    (dict(rollout_temperature=-1.0), ValueError, "rollout_temperature must be finite and > 0"),
-    (dict(rollout_top_k=0), ValueError, "rollout_top_k must be >= 1"),
-    (dict(rollout_top_p=0.0), ValueError, "rollout_top_p must lie in"),
-    (dict(rollout_min_p=1.0), ValueError, "rollout_min_p must lie in"),
+    (dict(rollout_temperature=-1.0), ValueError, "rollout_temperature must be a finite number > 0"),
+    (dict(rollout_top_k=0), ValueError, "rollout_top_k must be an int >= 1 or None"),
+    (dict(rollout_top_p=0.0), ValueError, r"rollout_top_p must be a finite number in \(0, 1\] or None"),
+    (dict(rollout_min_p=1.0), ValueError, r"rollout_min_p must be a finite number in \[0, 1\) or None"),
     (dict(rollout_correction_mode="is"), ValueError, "rollout_correction_mode must be one of"),
     (dict(rollout_correction_low=0.5), ValueError, "rollout_correction_low needs a"),
     (dict(rollout_correction_mode="tis", rollout_correction_threshold=-1.0), ValueError,
-     "threshold must be finite and > 0"),
+     "threshold must be a finite number > 0"),
 ])
 def test_settings_refuse_bad_rollout_fields(changes, error, message):
     with pytest.raises(error, match=message):
         settings.PluginSettings(**changes)
+
+
+# ---- issue 24: what the config hook now catches itself ----
+
+
+def test_config_hook_reads_a_minus_one_top_k_as_off(patch, monkeypatch):
+    """--rollout-top-k -1 is documented as off; set without the parser (a YAML config) it was
+    refused with a message about the rollout correction."""
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats"], monkeypatch)
+    args.rollout_top_k = -1
+    assert config_hook(args).rollout_top_k is None
+    assert config_hook(args).sampler_options()["top_k"] is None
+
+
+def test_config_hook_refuses_a_triton_kernel_that_cannot_run(patch, monkeypatch):
+    """Without a GPU (and outside Triton's interpreter) kernel triton is refused when the
+    arguments are checked, naming the flag, not at the first forward after the model is
+    built."""
+    import torch
+
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    for name in ("TRITON_INTERPRET", "VOCABSTATS_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, args = _parse(["--vocab-parallel-stats", "--vocab-stats-kernel", "triton"], monkeypatch)
+    with pytest.raises(ValueError, match="--vocab-stats-kernel triton: kernel='triton' needs"):
+        config_hook(args)
+    args.vocab_stats_kernel = "auto"
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "triton")
+    with pytest.raises(ValueError, match="--vocab-stats-kernel auto: VOCABSTATS_KERNEL=triton"):
+        config_hook(args)

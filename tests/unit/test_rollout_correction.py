@@ -333,7 +333,8 @@ def test_unchanged_without_rollout_inputs(options):
     assert nones.report.keys() == base.report.keys()
     added = [k for k in diag.report if k not in base.report]
     assert added == ["rollout |dlogprob|", "rollout k3 kl", "rollout ratio p50",
-                     "rollout ratio p90", "rollout ratio p99", "rollout ratio max"]
+                     "rollout ratio p90", "rollout ratio p99", "rollout ratio max",
+                     "rollout invalid logprobs"]
 
 
 def test_report_keys_with_correction_and_outside():
@@ -346,7 +347,8 @@ def test_report_keys_with_correction_and_outside():
     keys = [k for k in out.report if k.startswith("rollout")]
     assert keys == ["rollout |dlogprob|", "rollout k3 kl", "rollout ratio p50",
                     "rollout ratio p90", "rollout ratio p99", "rollout ratio max",
-                    "rollout weight", "rollout masked fraction", "rollout outside support"]
+                    "rollout invalid logprobs", "rollout weight", "rollout masked fraction",
+                    "rollout outside support"]
     assert out.report["rollout outside support"].tolist() == [1.0, 8.0]
     assert out.report["rollout masked fraction"].tolist() == [2.0, 8.0]  # e^-0.9, e^1.7
     tis = policy_loss(lp, old, adv, mask, rollout_logprobs=rollout,
@@ -415,6 +417,7 @@ def test_diagnostics_match_hand_computation():
         "rollout ratio p90": [quantile(0.9), 1],
         "rollout ratio p99": [quantile(0.99), 1],
         "rollout ratio max": [max(ratios), 1],
+        "rollout invalid logprobs": [0, n],
         "rollout weight": [sum(w for w, _ in ref.values()), n],
         "rollout masked fraction": [sum(f for _, f in ref.values()), n],
         "rollout outside support": [1, n],

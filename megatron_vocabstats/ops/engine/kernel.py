@@ -99,8 +99,9 @@ class ShardStats:
 @dataclass(frozen=True, slots=True)
 class StatsGrad:
     """The core op's :class:`ChunkGrad`: ``_math.chunk_grad`` of ``sum(g_lp * logprobs + g_H *
-    entropy)`` from per-token ``[T]`` fp32 vectors (``lse`` finite, ``ent`` the forward's
-    entropy, ``coef_lp``/``coef_h`` from ``_math.grad_coefficients``; None where unused)."""
+    entropy)`` from per-token ``[T]`` fp32 vectors (``lse`` finite and ``lse_lo`` its rounding
+    error, ``_math.split_lse``; ``ent`` the forward's entropy, ``coef_lp``/``coef_h`` from
+    ``_math.grad_coefficients``; None where unused)."""
 
     lse: torch.Tensor
     ent: torch.Tensor | None
@@ -109,12 +110,14 @@ class StatsGrad:
     valid: torch.Tensor | None
     layout: ShardLayout
     label_smoothing: float
+    lse_lo: torch.Tensor | None = None
 
     def __call__(self, chunk: Chunk, out: torch.Tensor) -> None:
         rows = chunk.rows
         chunk_grad(
             chunk.z, chunk.scratch, out,
             lse=self.lse[rows],
+            lse_lo=self.lse_lo[rows] if self.lse_lo is not None else None,
             ent=self.ent[rows] if self.ent is not None else None,
             coef_lp=self.coef_lp[rows] if self.coef_lp is not None else None,
             coef_h=self.coef_h[rows] if self.coef_h is not None else None,

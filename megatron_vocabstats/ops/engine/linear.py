@@ -61,7 +61,7 @@ def auto_linear_chunk_size(width: int, device: torch.device, *, tiles: bool = Fa
     151,936 in bf16), a multiple of 128.
     """
     if device.type == "cpu":
-        return max(1, CPU_LINEAR_CHUNK_BYTES // (4 * width))
+        return max(1, CPU_LINEAR_CHUNK_BYTES // (4 * int(width)))  # (int: as auto_chunk_size)
     if tiles:
         rows = min(TILE_CHUNK_ROWS, TILE_CHUNK_BYTES // (itemsize * max(width, 1)))
         return max(128, rows // 128 * 128)

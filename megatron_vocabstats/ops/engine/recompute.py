@@ -54,7 +54,7 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
     kernels = backend_of(sc)
     in_range = targets_in_range(target1d, sc)  # NaN logprob, no gradient
     coef_lp, _ = grad_coefficients(grad_weights, None, valid, sc.temperature, in_range=in_range)
-    names = ("logsumexp", "logprobs") + (("entropy",) if sc.entropy != "off" else ())
+    names = ("logsumexp", "logprobs", "lse_lo") + (("entropy",) if sc.entropy != "off" else ())
     out = {name: hidden2d.new_empty(hidden2d.shape[0], dtype=torch.float32) for name in names}
     dx2d = torch.empty_like(hidden2d) if cfg.grad_hidden else None
     fresh = cfg.grad_weight and fresh_weight_grad(None, kernels.tiles)
@@ -76,7 +76,7 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
             local = local._replace(z=load_chunk(chunk.logits, bufs.z, sc.layout, sc.temperature),
                                    scratch=bufs.scratch)
         grad = StatsGrad(finite_lse(part.logsumexp, valid[rows]), None, coef_lp[rows], None,
-                         valid[rows], sc.layout, sc.label_smoothing)
+                         valid[rows], sc.layout, sc.label_smoothing, lse_lo=part.lse_lo)
         g = bufs.logits[:n]
         kernels.stats_grad(grad, sc.temperature)(local, g)
         input_grads_of_chunk(g, hidden2d[rows], weight,
@@ -84,8 +84,8 @@ def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
         fresh = False
     if fresh:  # no chunk (no tokens): the uninitialised sums are zero
         acc.zero_()
-    return MergedStats(**{name: out.get(name) for name in ("logsumexp", "logprobs", "entropy")}), \
-        dx2d, acc
+    return MergedStats(**{name: out.get(name) for name in ("logsumexp", "logprobs", "entropy",
+                                                           "lse_lo")}), dx2d, acc
 
 
 def scaled_forward_grads(ctx, grad_logprobs):

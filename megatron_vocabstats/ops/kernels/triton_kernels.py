@@ -89,7 +89,8 @@ def _row_stats_kernel(x_ptr, stride_xm, stride_xk, index_ptr, owned_ptr, out_ptr
 
 @triton.jit
 def _row_grad_kernel(x_ptr, stride_xm, stride_xk, out_ptr, stride_om, stride_on, lse_ptr,
-                     ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr, valid_ptr, n_cols,
+                     lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, index_ptr, owned_ptr,
+                     valid_ptr, n_cols,
                      real_width, temperature, uniform_w, hit_w, HAS_LP: tl.constexpr,
                      HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr, SMOOTH: tl.constexpr,
                      HAS_VALID: tl.constexpr, SCALE: tl.constexpr, ROUND: tl.constexpr,
@@ -100,8 +101,9 @@ def _row_grad_kernel(x_ptr, stride_xm, stride_xk, out_ptr, stride_om, stride_on,
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     o_row = out_ptr + row.to(tl.int64) * stride_om
     cols = tl.arange(0, BLOCK_N)
-    lse, shift, c_lp, c_h, valid = grad_rows(row, True, lse_ptr, ent_ptr, coef_lp_ptr,
-                                             coef_h_ptr, valid_ptr, HAS_LP, HAS_H, HAS_VALID)
+    lse, lse_lo, shift, c_lp, c_h, valid = grad_rows(row, True, lse_ptr, lse_lo_ptr, ent_ptr,
+                                                     coef_lp_ptr, coef_h_ptr, valid_ptr, HAS_LP,
+                                                     HAS_H, HAS_VALID)
     if HAS_LP and HAS_TARGET:
         own = tl.load(owned_ptr + row) != 0
         idx = tl.load(index_ptr + row)
@@ -113,7 +115,7 @@ def _row_grad_kernel(x_ptr, stride_xm, stride_xk, out_ptr, stride_om, stride_on,
         for start in range(0, full, BLOCK_N):
             c = (start + cols).to(tl.int64)
             z = scaled_z(tl.load(x_row + c * stride_xk).to(tl.float32), temperature, SCALE)
-            g = grad_values(z, lse, shift, c_lp, c_h, HAS_H)
+            g = grad_values(z, lse, lse_lo, shift, c_lp, c_h, HAS_H)
             if SMOOTH:
                 g = g + uniform
             tl.store(o_row + c * stride_on, round_to(g, ROUND, GPU))
@@ -122,7 +124,7 @@ def _row_grad_kernel(x_ptr, stride_xm, stride_xk, out_ptr, stride_om, stride_on,
             x = tl.load(x_row + c.to(tl.int64) * stride_xk, mask=c < n_cols, other=0.0)
             real = c < real_width
             z = tl.where(real, scaled_z(x.to(tl.float32), temperature, SCALE), FLOOR)
-            g = grad_values(z, lse, shift, c_lp, c_h, HAS_H)
+            g = grad_values(z, lse, lse_lo, shift, c_lp, c_h, HAS_H)
             if SMOOTH:
                 g = tl.where(real, g + uniform, g)
             tl.store(o_row + c.to(tl.int64) * stride_on, round_to(g, ROUND, GPU),
@@ -131,7 +133,7 @@ def _row_grad_kernel(x_ptr, stride_xm, stride_xk, out_ptr, stride_om, stride_on,
             if own:  # the target's element again, with its term (after every store above)
                 tl.debug_barrier()
                 z_t = tl.where(idx < real_width, scaled_z(x_t, temperature, SCALE), FLOOR)
-                g = grad_values(z_t, lse, shift, c_lp, c_h, HAS_H)
+                g = grad_values(z_t, lse, lse_lo, shift, c_lp, c_h, HAS_H)
                 if SMOOTH:
                     g = tl.where(idx < real_width, g + uniform, g)
                 tl.store(o_row + idx * stride_on, round_to(g + c_lp * hit_w, ROUND, GPU))
@@ -200,7 +202,8 @@ def _tile_stats_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk,
 
 @triton.jit
 def _tile_grad_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, hidden,
-                      out_ptr, stride_om, stride_on, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr,
+                      out_ptr, stride_om, stride_on, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr,
+                      coef_h_ptr,
                       index_ptr, owned_ptr, valid_ptr, n_rows, n_cols, real_width, temperature,
                       uniform_w, hit_w, HAS_LP: tl.constexpr, HAS_H: tl.constexpr,
                       HAS_TARGET: tl.constexpr, SMOOTH: tl.constexpr, HAS_VALID: tl.constexpr,
@@ -218,9 +221,11 @@ def _tile_grad_kernel(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, 
                  ROUND, GPU).to(tl.float32)
     real = (cols < real_width)[None, :]
     z = tl.where(real, scaled_z(x, temperature, SCALE), FLOOR)
-    lse, shift, c_lp, c_h, valid = grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr,
-                                             coef_h_ptr, valid_ptr, HAS_LP, HAS_H, HAS_VALID)
-    g = grad_values(z, lse[:, None], shift[:, None], c_lp[:, None], c_h[:, None], HAS_H)
+    lse, lse_lo, shift, c_lp, c_h, valid = grad_rows(rows, mask, lse_ptr, lse_lo_ptr, ent_ptr,
+                                                     coef_lp_ptr, coef_h_ptr, valid_ptr, HAS_LP,
+                                                     HAS_H, HAS_VALID)
+    g = grad_values(z, lse[:, None], lse_lo[:, None], shift[:, None], c_lp[:, None],
+                    c_h[:, None], HAS_H)
     if HAS_LP and HAS_TARGET:
         if SMOOTH:
             g = tl.where(real, g + (c_lp * uniform_w)[:, None], g)

@@ -194,14 +194,16 @@ def _target_logits(logits, index, owned, layout: ShardLayout, temperature: float
 
 def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, owned, valid,
                layout: ShardLayout, label_smoothing: float, temperature: float, hidden=None,
-               weight=None, block_n: int | None = None, blocks: dict | None = None) -> None:
+               weight=None, block_n: int | None = None, blocks: dict | None = None,
+               lse_lo=None) -> None:
     """Write ``d loss / d logits`` of a chunk into ``out`` (``[n, W]``, the model dtype).
 
     The chunk as in :func:`shard_stats`: ``logits`` (then ``out`` may be ``logits`` itself:
     each row is read before it is written, by the same program) or ``hidden``/``weight``
     (``out`` then must not overlap them). The other arguments are those of
     ``_grad.chunk_grad`` (``[n]`` fp32 vectors of this chunk's rows; ``coef_lp``/``coef_h``
-    already carry ``1 / temperature``); ``block_n``/``blocks`` as in :func:`shard_stats`.
+    already carry ``1 / temperature``; ``lse_lo``, the rounding error of the fp32 ``lse``, None
+    for zeros); ``block_n``/``blocks`` as in :func:`shard_stats`.
     Method: ``_grad.chunk_grad``'s closed form (``docs/numerics.md``): one row per program
     (unfused, the target's term added once per row), one recomputed tile per program (fused).
     Raises ``ValueError`` for a misshaped ``out`` or neither coefficient given.
@@ -221,7 +223,8 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
                  SMOOTH=has_target and label_smoothing > 0.0, HAS_VALID=valid is not None,
                  SCALE=temperature != 1.0, ROUND=_ROUND[out.dtype], GPU=x.is_cuda)
     dummy = lse  # placeholders: the constexpr flags turn those loads off
-    rows = (lse, ent if has_h else dummy, coef_lp if has_lp else dummy,
+    rows = (lse, torch.zeros_like(lse) if lse_lo is None else lse_lo, ent if has_h else dummy,
+            coef_lp if has_lp else dummy,
             coef_h if has_h else dummy, index if has_target else dummy,
             _flag(owned) if has_target else dummy, _flag(valid) if valid is not None else dummy)
     scalars = (layout.real_width, float(temperature), label_smoothing / layout.vocab_size,
@@ -279,7 +282,8 @@ class TritonStatsGrad:
         def part(x):
             return None if x is None else x[rows]
 
-        stats_grad(out=out, lse=g.lse[rows], ent=part(g.ent), coef_lp=part(g.coef_lp),
+        stats_grad(out=out, lse=g.lse[rows], lse_lo=part(g.lse_lo), ent=part(g.ent),
+                   coef_lp=part(g.coef_lp),
                    coef_h=part(g.coef_h), index=chunk.index, owned=chunk.owned,
                    valid=part(g.valid), layout=g.layout, label_smoothing=g.label_smoothing,
                    temperature=self.temperature, **_chunk_source(chunk))

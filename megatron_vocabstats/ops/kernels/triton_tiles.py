@@ -245,14 +245,17 @@ def target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET: tl.constexpr):
 
 
 @triton.jit
-def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, valid_ptr,
+def grad_rows(rows, mask, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, valid_ptr,
               HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_VALID: tl.constexpr):
-    """The per-row inputs of :func:`grad_values` for ``rows``: ``(lse, shift, c_lp, c_h,
-    valid)``, 0 / True where a flag turns one off; ``shift = c_h H + c_lp``. A row that is not
-    valid gets ``lse = +inf``, so its ``p`` is ``e^-inf = 0``: no exp of a placeholder lse."""
+    """The per-row inputs of :func:`grad_values` for ``rows``: ``(lse, lse_lo, shift, c_lp, c_h,
+    valid)``, 0 / True where a flag turns one off; ``lse_lo``: the rounding error of the fp32
+    ``lse`` (``_grad.split_lse``); ``shift = c_h H + c_lp``. A row that is not valid gets
+    ``lse = +inf`` (and ``lse_lo = 0``), so its ``p`` is ``e^-inf = 0``: no exp of a placeholder
+    lse."""
     valid = tl.load(valid_ptr + rows, mask=mask, other=0) != 0 if HAS_VALID else mask | True
     lse = tl.load(lse_ptr + rows, mask=mask, other=0.0)
     lse = tl.where(valid, lse, float("inf"))
+    lse_lo = tl.where(valid, tl.load(lse_lo_ptr + rows, mask=mask, other=0.0), 0.0)
     zero = tl.zeros_like(lse)
     c_lp = tl.load(coef_lp_ptr + rows, mask=mask, other=0.0) if HAS_LP else zero
     c_h = tl.load(coef_h_ptr + rows, mask=mask, other=0.0) if HAS_H else zero
@@ -261,14 +264,15 @@ def grad_rows(rows, mask, lse_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, valid_ptr,
         shift = c_h * tl.load(ent_ptr + rows, mask=mask, other=0.0)
         if HAS_LP:
             shift = shift + c_lp
-    return lse, shift, c_lp, c_h, valid
+    return lse, lse_lo, shift, c_lp, c_h, valid
 
 
 @triton.jit
-def grad_values(z, lse, shift, c_lp, c_h, HAS_H: tl.constexpr):
+def grad_values(z, lse, lse_lo, shift, c_lp, c_h, HAS_H: tl.constexpr):
     """``p (-c_h log p - shift)`` (``shift = c_h H + c_lp``) of logits ``z`` for per-row ``lse``
-    etc. (scalars, or ``[R]`` expanded by the caller to ``z``'s shape); fp32."""
-    logp = z - lse
+    etc. (scalars, or ``[R]`` expanded by the caller to ``z``'s shape); fp32. ``log p`` is
+    ``(z - lse) - lse_lo``: the logsumexp at full precision, as the torch path forms it."""
+    logp = (z - lse) - lse_lo
     p = exp_(logp)
     if HAS_H:
         logp = tl.maximum(logp, _LOGP_MIN)

@@ -32,7 +32,10 @@ class Skip(Exception):
     """Raised by a case that does not apply to this world size."""
 
 
-def main(cases: Cases) -> None:
+def main(cases: Cases, *, timeout_s: float = 540.0) -> None:
+    """Run ``cases`` on every rank (see the module docstring). ``timeout_s``: the gloo timeout of
+    every collective, the bound on a hang (a script whose cases must never wait long passes a
+    short one, so that a regression fails fast instead of holding CI)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=None)
@@ -42,7 +45,7 @@ def main(cases: Cases) -> None:
     # case spent over 5 minutes writing and re-rendering its summaries while rank 1 waited in
     # the barrier. Under pytest-timeout's 600 s per test (which bounds the whole launch), so that
     # a real hang still ends with the collective's traceback.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=540))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     group = dist.group.WORLD
     rank = dist.get_rank()
     results = {}

@@ -35,6 +35,12 @@ def _tp2(group):
     return rank, tp
 
 
+def _own(group) -> int:
+    """An offset that makes each rank's random logits its own shard (the same logits on every
+    rank are refused as a wrong group)."""
+    return torch.distributed.get_rank(group)
+
+
 def expect_error(fn, *fragments, kind=ValueError):
     try:
         fn()
@@ -158,7 +164,7 @@ def one_rank_loss_input_error_raises_on_every_rank(group):
 
     rank, tp = _tp2(group)
     last = rank == tp - 1
-    logits, labels = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
+    logits, labels = torch.randn(2, 3, 8) + _own(group), torch.zeros(2, 3, dtype=torch.long)
     mask = torch.ones(2, 3)
     indices = torch.tensor([0, 1]).expand(2, 3, 2)
     teacher = TopK(torch.full((2, 3, 2), -1.0), indices)
@@ -186,7 +192,7 @@ def teacher_differing_across_ranks_is_refused(group):
     from megatron_vocabstats import TopK, distillation_loss
 
     rank, _ = _tp2(group)
-    logits, mask = torch.randn(2, 3, 8), torch.ones(2, 3)
+    logits, mask = torch.randn(2, 3, 8) + _own(group), torch.ones(2, 3)
     indices = torch.tensor([0, 1]).expand(2, 3, 2)
     mine = TopK(torch.full((2, 3, 2), -1.0 - 0.5 * rank), indices)
     message = expect_error(lambda: distillation_loss(logits, mine, mask, tp_group=group,
@@ -214,7 +220,7 @@ def loss_fn_errors_and_differing_loss_inputs_raise_everywhere(group):
 
     rank, tp = _tp2(group)
     last = rank == tp - 1
-    logits, labels = torch.randn(2, 3, 8), torch.tensor([[1, 5, 7], [0, -100, 3]])
+    logits, labels = torch.randn(2, 3, 8) + _own(group), torch.tensor([[1, 5, 7], [0, -100, 3]])
     mask, zeros = torch.ones(2, 3), torch.zeros(2, 3)
 
     def loss(loss_fn=policy_loss, **inputs):

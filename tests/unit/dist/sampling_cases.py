@@ -138,7 +138,7 @@ def filters_differing_across_ranks_raise_everywhere(group):
                         (dict(top_p=0.5 + 0.25 * (rank % 2)), "top_p differs"),
                         (dict(min_p=None if rank else 0.1), "min_p differs"),
                         (dict(top_p=0.0 if rank == tp - 1 else 0.9),
-                         "top_p must lie" if rank == tp - 1 else "rejected their inputs")):
+                         "top_p must be" if rank == tp - 1 else "rejected their inputs")):
         try:
             vocab_parallel_sampling_logprobs(shard, target, tp_group=group, vocab_size=VOCAB,
                                              **kw)

@@ -236,7 +236,7 @@ def reverse_kl_minus_inf_teacher_at_masked_rows(group):
 
 @CASES.register
 def collective_budget(group):
-    _, tp = rank_size(group)
+    rank, tp = rank_size(group)
     shard = shard_of(full_logits(group), group)
     # validate: one int64 all-gather for the core checks and the k/mask/indices agreement.
     for validate in (False, True):
@@ -251,7 +251,8 @@ def collective_budget(group):
         with count_collectives() as bwd:
             lp.sum().backward()
         assert len(fwd) == (1 + validate if tp > 1 else 0) and bwd == [], (fwd, bwd)
-        hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8)
+        # (each rank its own weight shard: the same one everywhere is a wrong group)
+        hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8) + rank
         with count_collectives() as fused:
             linear_vocab_parallel_topk(hidden, weight, 5, tp_group=group, vocab_size=VOCAB,
                                        validate=validate)
@@ -279,7 +280,8 @@ def out_of_range_index_on_one_rank_raises_everywhere(group):
     expect_error(lambda: vocab_parallel_topk_logprobs(shard, indices, tp_group=group,
                                                       vocab_size=VOCAB),
                  "outside", "rejected")
-    hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8)
+    # (each rank its own weight shard: the same one everywhere is a wrong group)
+    hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8) + rank
     expect_error(lambda: linear_vocab_parallel_topk_logprobs(hidden, weight, indices,
                                                              tp_group=group, vocab_size=VOCAB),
                  "outside", "rejected")
@@ -308,7 +310,8 @@ def mismatched_k_mask_indices_raise_everywhere(group):
         raise Skip("needs tp >= 2")
     last = rank == tp - 1
     shard = shard_of(full_logits(group), group)
-    hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8)
+    # (each rank its own weight shard: the same one everywhere is a wrong group)
+    hidden, weight = torch.randn(3, 5, 8), torch.randn(shard.shape[-1], 8) + rank
     expect_error(lambda: vocab_parallel_topk(shard, 3 + last, tp_group=group, vocab_size=VOCAB),
                  "k differs")
     expect_error(lambda: linear_vocab_parallel_topk(hidden, weight, 3 + last, tp_group=group,

@@ -213,9 +213,11 @@ def collective_budget(group):
 @CASES.register
 def peak_memory_within_bound(group):
     # Fails if the op gathers the vocabulary (+ the other shards) or upcasts the shard (+2x bf16).
-    _, tp = rank_size(group)
+    rank, tp = rank_size(group)
     tokens, width, chunk = 512, 2048, 32
-    shard = torch.randn(tokens, width).to(torch.bfloat16).requires_grad_()
+    # (each rank its own shard: the same one on every rank is refused as a wrong group)
+    shard = torch.randn(tokens, width, generator=torch.Generator().manual_seed(rank))
+    shard = shard.to(torch.bfloat16).requires_grad_()
     target = torch.randint(0, width * tp, (tokens,))
     weight = torch.rand(tokens)
 
@@ -301,7 +303,7 @@ def replicated_full_vocab_is_rejected(group):
         vocab_parallel_stats(torch.randn(4, 50), torch.zeros(4, dtype=torch.long),
                              tp_group=group, vocab_size=50)
     except ValueError as exc:
-        assert "full replicated" in str(exc), str(exc)
+        assert "tp_group holds the same" in str(exc) and "replicated" in str(exc), str(exc)
     else:
         raise AssertionError("full logits passed as a shard were accepted")
 

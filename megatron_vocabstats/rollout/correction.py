@@ -34,14 +34,17 @@ clipped surrogate of :func:`~megatron_vocabstats.losses.policy_loss`. Methods
   token; for whole rows use ``mode="mis", level="sequence"``).
 
 Ratios are computed from log-ratios clamped to +-20 (verl's ``SAFETY_BOUND``), so no weight is
-inf; the band test of ``"mis"``/``"icepop"`` is on that clamped ratio.
-
-:func:`mismatch_diagnostics` turns the same inputs into report entries in Megatron's
-``[sum, count]`` convention (see :mod:`megatron_vocabstats.losses`).
+inf; the band test of ``"mis"``/``"icepop"`` is on that clamped ratio. A counted token whose
+log-ratio has no value (:func:`invalid_log_ratios`: a NaN or +inf log-prob on either side, or
+-inf on both) raises ``ValueError`` with ``RolloutCorrection(validate=True)``; without it, it
+gets weight 0 and is flagged, and the diagnostics count it (``"rollout invalid logprobs"``):
+no NaN reaches a weight, the loss or a report entry.
 
 Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
-shape): quantiles come from one sort with the uncounted positions pushed to +inf and indices
-computed on the device. May import :mod:`megatron_vocabstats.ops.options` (and torch).
+shape) unless ``validate``. Lives here: the options (:class:`RolloutCorrection`), the weights
+(:func:`correction_weights`) and the input helpers :mod:`.diagnostics` shares. May import
+:mod:`megatron_vocabstats.ops.options` and ``ops.agreement`` (``host_checks_enabled``), and
+torch.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ from typing import NamedTuple
 
 import torch
 
-from .ops.options import check_choice
+from ..ops.agreement import host_checks_enabled
+from ..ops.options import check_choice, check_number
 
 __all__ = [
     "ROLLOUT_LEVELS",
@@ -60,7 +64,7 @@ __all__ = [
     "CorrectionWeights",
     "RolloutCorrection",
     "correction_weights",
-    "mismatch_diagnostics",
+    "invalid_log_ratios",
 ]
 
 ROLLOUT_MODES = ("tis", "mis", "icepop")
@@ -74,11 +78,8 @@ _DEFAULTS = {"tis": (2.0, None, None), "mis": (None, None, 2.0), "icepop": (None
 _FLAG_NAMES = ("truncated", "masked")
 
 
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not (0.0 < value < float("inf")):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+def _positive(name: str, value) -> float:
+    return check_number(name, value, low=0.0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +98,9 @@ class RolloutCorrection:
     * ``low``, ``high``: ``"mis"``/``"icepop"`` only, the kept band ``0 < low <= 1 <= high``,
       ``low < high`` (both ends inclusive). Defaults: ``"mis"`` ``high = 2``, ``low = 1 / high``
       (verl); ``"icepop"`` ``[0.5, 5]`` (Ring-1T).
+    * ``validate``: a counted token without a log-ratio (:func:`invalid_log_ratios`) raises
+      ``ValueError`` in :func:`correction_weights` (a host sync); False (default): it gets
+      weight 0 and is flagged, and the diagnostics count it.
 
     Raises:
         ValueError: naming the field: an unknown ``mode`` or ``level``, ``"icepop"`` at sequence
@@ -110,8 +114,11 @@ class RolloutCorrection:
     threshold: float | None = None
     low: float | None = None
     high: float | None = None
+    validate: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.validate, bool):
+            raise ValueError(f"validate must be a bool, got {self.validate!r}")
         check_choice("mode", self.mode, ROLLOUT_MODES)
         check_choice("level", self.level, ROLLOUT_LEVELS)
         if self.mode == "icepop" and self.level != "token":
@@ -124,7 +131,7 @@ class RolloutCorrection:
                                      f"takes threshold, got {name}={getattr(self, name)!r}")
             if self.threshold is None:
                 object.__setattr__(self, "threshold", _DEFAULTS["tis"][0])
-            _check_positive("threshold", self.threshold)
+            object.__setattr__(self, "threshold", _positive("threshold", self.threshold))
             return
         if self.threshold is not None:
             raise ValueError(f"threshold applies to mode='tis'; mode={self.mode!r} takes low and "
@@ -132,11 +139,11 @@ class RolloutCorrection:
         _, default_low, default_high = _DEFAULTS[self.mode]
         if self.high is None:
             object.__setattr__(self, "high", default_high)
-        _check_positive("high", self.high)
+        object.__setattr__(self, "high", _positive("high", self.high))
         if self.low is None:
             object.__setattr__(self, "low", default_low if default_low is not None
                                else 1.0 / self.high)
-        _check_positive("low", self.low)
+        object.__setattr__(self, "low", _positive("low", self.low))
         if self.low >= self.high:
             raise ValueError(f"low must be < high, got low={self.low!r}, high={self.high!r}")
         if self.low > 1.0:
@@ -159,7 +166,8 @@ class CorrectionWeights(NamedTuple):
     ``weights``: detached, floating (fp32, or float64 for float64 inputs), shaped like the
     inputs, 0 at uncounted positions. ``flags``: bool, shaped alike, False at uncounted
     positions: tokens truncated (``"tis"``: ratio > C) or dropped (``"mis"``/``"icepop"``: ratio
-    outside the band); at sequence level every counted token of a flagged row.
+    outside the band), and tokens without a log-ratio (weight 0); at sequence level every
+    counted token of a flagged row.
     """
 
     weights: torch.Tensor
@@ -188,6 +196,29 @@ def _mask_of(mask, like: torch.Tensor, like_name: str) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def invalid_log_ratios(trainer: torch.Tensor, rollout: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """Bool, shaped like the inputs: the counted tokens (``mask``, bool) whose log-ratio
+    ``trainer - rollout`` has no value: a NaN on either side, a log-prob of +inf (no
+    probability exceeds 1) or -inf on both sides (``-inf - -inf``). A single -inf is a valid,
+    extreme ratio (clamped to +-20). No host sync."""
+    with torch.no_grad():
+        bad = torch.isnan(trainer - rollout) | torch.isposinf(trainer) | torch.isposinf(rollout)
+        return bad & mask
+
+
+def _check_valid(invalid, old_logprobs, rollout_logprobs) -> None:
+    """``ValueError`` naming both inputs at the first counted token without a log-ratio."""
+    if bool(invalid.any()):
+        i = int(invalid.reshape(-1).nonzero()[0, 0])
+        old, rollout = (float(t.reshape(-1)[i]) for t in (old_logprobs, rollout_logprobs))
+        raise ValueError(
+            f"old_logprobs / rollout_logprobs: {int(invalid.sum())} counted token(s) have no "
+            f"log-ratio (NaN, +inf, or -inf on both sides), the first at flat position {i}: "
+            f"old_logprobs={old}, rollout_logprobs={rollout}; RolloutCorrection(validate=False) "
+            "gives them weight 0 and counts them instead")
+
+
 def _log_ratio(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor):
     """``(trainer - rollout)`` in the compute dtype, exactly 0 where not counted (NaN there
     included), and that dtype."""
@@ -207,6 +238,9 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     * ``"tis"``: ``w = min(rho, threshold)``; flag = ``rho > threshold`` (truncated).
     * ``"mis"``, ``"icepop"``: ``w = rho`` if ``low <= rho <= high`` else 0; flag = outside the
       band (dropped).
+    * a counted token without a log-ratio (:func:`invalid_log_ratios`; at sequence level, every
+      counted token of its row, and of a row whose sum is -inf + inf): ``w = 0``, flagged;
+      ``ValueError`` with ``cfg.validate`` (for the tokens).
 
     Sources: see the module docstring (TIS: Yao et al. 2025 / verl / TRL; MIS: verl
     ``rollout_is_mode="mask"``; IcePop: arXiv:2510.18855).
@@ -227,7 +261,8 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     Raises:
         ValueError: naming the argument: a ``cfg`` that is not a :class:`RolloutCorrection`,
             non-tensor or non-floating log-probs, shapes or devices that differ, a missing
-            ``mask``, or ``level="sequence"`` on inputs that are not 2-D ``[b, s]``.
+            ``mask``, or ``level="sequence"`` on inputs that are not 2-D ``[b, s]``; with
+            ``cfg.validate`` (a host sync) a counted token without a log-ratio.
     """
     if not isinstance(cfg, RolloutCorrection):
         raise ValueError(f"cfg must be a RolloutCorrection, got {type(cfg).__name__}")
@@ -238,9 +273,15 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         raise ValueError(f"level='sequence' needs [b, s] old_logprobs (rows are sequences), "
                          f"got shape {tuple(old_logprobs.shape)}")
     with torch.no_grad():
-        diff, _ = _log_ratio(old_logprobs, rollout_logprobs, mask)
+        invalid = invalid_log_ratios(old_logprobs, rollout_logprobs, mask)
+        if host_checks_enabled(cfg.validate, old_logprobs.device):
+            _check_valid(invalid, old_logprobs, rollout_logprobs)
+        diff, _ = _log_ratio(old_logprobs, rollout_logprobs, mask & ~invalid)
         if cfg.level == "sequence":
             diff = diff.sum(dim=-1, keepdim=True)
+            # (a row whose tokens' log-ratios sum to NaN, -inf + inf, has none either)
+            invalid = (invalid.any(dim=-1, keepdim=True) | torch.isnan(diff)) & mask
+            diff = torch.where(torch.isnan(diff), 0.0, diff)
         ratio = torch.exp(diff.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
         if cfg.mode == "tis":
             flags = ratio > cfg.threshold
@@ -248,124 +289,7 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         else:
             flags = (ratio < cfg.low) | (ratio > cfg.high)
             weights = torch.where(flags, 0.0, ratio)
-        weights = torch.where(mask, weights, 0.0)
-        flags = flags & mask
+        weights = torch.where(mask & ~invalid, weights, 0.0)
+        flags = (flags | invalid) & mask
     return CorrectionWeights(weights, flags)
 
-
-def _pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return torch.stack([total.detach().float(), count.float()])
-
-
-def _masked_quantiles(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
-                      quantiles) -> list[torch.Tensor]:
-    """``torch.quantile(values[mask], q)`` (linear interpolation) for each q, without a host
-    sync: one sort with the uncounted positions at +inf, positions ``q (n - 1)`` read by
-    integer gathers. 0 when nothing counts."""
-    flat = torch.where(mask, values, float("inf")).reshape(-1)
-    ordered = torch.sort(flat).values
-    last = (count - 1).clamp(min=0).to(values.dtype)
-    top = max(flat.numel() - 1, 0)
-    out = []
-    for q in quantiles:
-        pos = last * q
-        lo = pos.floor()
-        hi = pos.ceil()
-        v_lo = ordered.gather(0, lo.long().clamp(0, top).reshape(1))[0]
-        v_hi = ordered.gather(0, hi.long().clamp(0, top).reshape(1))[0]
-        # v_lo + frac (v_hi - v_lo), written so that v_lo == v_hi (frac 0) stays exact.
-        value = torch.lerp(v_lo, v_hi, pos - lo) if q < 1.0 else v_hi
-        out.append(torch.where(count > 0, value, 0.0))
-    return out
-
-
-def mismatch_diagnostics(
-    trainer_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    weights: torch.Tensor | None = None,
-    flags: torch.Tensor | None = None,
-    *,
-    flag_name: str = "truncated",
-    outside: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-step report entries measuring the trainer / rollout-engine mismatch.
-
-    Every entry is a detached fp32 ``[sum, count]`` pair: Megatron sums them over microbatches
-    and data-parallel ranks and divides, so token entries come out as means over the step's
-    counted tokens. With ``d_t = clamp(trainer_logprobs_t - rollout_logprobs_t, -20, 20)`` at
-    counted tokens ``m`` (``n = sum m``; the clamp keeps one -inf log-prob, e.g. a target the
-    sampler could not draw, from turning the step's means into inf) and ``r_t = exp(d_t)``:
-
-    * ``"rollout |dlogprob|"``: ``[sum |d_t|, n]``, nats.
-    * ``"rollout k3 kl"``: ``[sum (r_t - 1 - log r_t), n]``: Schulman's k3 estimate of
-      KL(pi_rollout || pi_trainer) on the rollout's samples (nats, >= 0).
-    * ``"rollout ratio p50"``, ``"p90"``, ``"p99"``, ``"max"``: quantiles of ``r_t`` over this
-      microbatch's counted tokens (linear interpolation, as ``torch.quantile``), each as
-      ``[value, 1]`` (``[0, 0]`` without counted tokens). Quantiles do not average: after
-      Megatron's reduction these read as the **mean over microbatches (and ranks) of the
-      per-microbatch quantile**, not the quantile of the step.
-    * with ``weights``: ``"rollout weight"`` ``[sum w_t, n]``, the mean correction weight.
-    * with ``flags``: ``"rollout <flag_name> fraction"`` ``[sum flags, n]``, the fraction of
-      tokens truncated (``"tis"``) or dropped (``"mis"``/``"icepop"``).
-    * with ``outside``: ``"rollout outside support"`` ``[sum outside_t m_t, n]``, the fraction of
-      targets outside the sampler's kept set (top-k / top-p), from the sampling-logprobs op.
-
-    Args:
-        trainer_logprobs: ``[...]`` floating, the trainer's log-probs (nats) of the sampled
-            tokens; :func:`~megatron_vocabstats.losses.policy_loss` passes ``old_logprobs``,
-            the behaviour policy recomputed by the trainer with the rollout's weights, so the
-            entries measure the engines' disagreement, not the policy's drift over PPO epochs.
-        rollout_logprobs: the engine's log-probs, same shape.
-        mask: same shape, any dtype, non-zero where a token counts; other positions never reach
-            the values (NaN included).
-        weights, flags: :func:`correction_weights`'s result (floating / bool, same shape), or
-            None.
-        flag_name: ``"truncated"`` or ``"masked"`` (:attr:`RolloutCorrection.flag_name`).
-        outside: optional bool tensor, same shape: True where the target lies outside the
-            sampler's kept set.
-
-    Returns:
-        ``dict[str, Tensor]`` of ``[2]`` fp32 tensors, keys in the order above; the keys depend
-        only on which optional arguments are given.
-
-    Raises:
-        ValueError: naming the argument: non-tensors, non-floating log-probs or weights, a
-            non-bool ``flags``/``outside``, shapes or devices that differ, a missing ``mask``,
-            an unknown ``flag_name``.
-    """
-    _check_tensor("trainer_logprobs", trainer_logprobs)
-    like = dict(like=trainer_logprobs, like_name="trainer_logprobs")
-    _check_tensor("rollout_logprobs", rollout_logprobs, **like)
-    mask = _mask_of(mask, trainer_logprobs, "trainer_logprobs")
-    check_choice("flag_name", flag_name, _FLAG_NAMES)
-    if weights is not None:
-        _check_tensor("weights", weights, **like)
-    for name, tensor in (("flags", flags), ("outside", outside)):
-        if tensor is not None:
-            _check_tensor(name, tensor, floating=False, **like)
-            if tensor.dtype != torch.bool:
-                raise ValueError(f"{name} must be a bool tensor, got {tensor.dtype}")
-
-    with torch.no_grad():
-        diff, dtype = _log_ratio(trainer_logprobs, rollout_logprobs, mask)
-        count = mask.sum(dtype=torch.int64)
-        clamped = diff.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-        ratio = torch.exp(clamped)
-        report = {
-            "rollout |dlogprob|": _pair(clamped.abs().sum(), count),
-            # 0 at uncounted positions (d = 0 there).
-            "rollout k3 kl": _pair((torch.expm1(clamped) - clamped).sum(), count),
-        }
-        one = torch.ones((), dtype=torch.int64, device=count.device)
-        for (suffix, _), value in zip(RATIO_QUANTILES, _masked_quantiles(
-                ratio, mask, count, [q for _, q in RATIO_QUANTILES])):
-            report[f"rollout ratio {suffix}"] = _pair(value, torch.where(count > 0, one, 0))
-        if weights is not None:
-            report["rollout weight"] = _pair(
-                torch.where(mask, weights.detach().to(dtype), 0.0).sum(), count)
-        if flags is not None:
-            report[f"rollout {flag_name} fraction"] = _pair((flags & mask).sum(), count)
-        if outside is not None:
-            report["rollout outside support"] = _pair((outside & mask).sum(), count)
-    return report

@@ -1,0 +1,19 @@
+"""Trainer / rollout-engine mismatch: importance-weight corrections (:mod:`.correction`: TIS, MIS,
+IcePop, :class:`RolloutCorrection`, :func:`correction_weights`) and diagnostics
+(:mod:`.diagnostics`: :func:`mismatch_diagnostics`). See :mod:`.correction` for the methods and
+their sources. May import its two modules (the public names are re-exported here).
+"""
+
+from . import correction, diagnostics
+from .correction import (  # noqa: F401 - re-exported (__all__ below)
+    RATIO_QUANTILES,
+    ROLLOUT_LEVELS,
+    ROLLOUT_MODES,
+    CorrectionWeights,
+    RolloutCorrection,
+    correction_weights,
+    invalid_log_ratios,
+)
+from .diagnostics import mismatch_diagnostics  # noqa: F401
+
+__all__ = [*correction.__all__, *diagnostics.__all__]

@@ -1,0 +1,66 @@
+"""Issue 24: errors that named nothing or the wrong thing (the number options are in
+``test_number_options.py``, the flags in ``test_megatron_patch.py``, the example's outputs in
+``test_hardening_examples.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import megatron_vocabstats as mv
+from megatron_vocabstats.profiling import cli
+
+TRIAL = {"trial": "memory-step2-rank0", "kind": "memory", "rank": 0, "step": 2}
+RAW = {"backend": "cpu", "kinds": ["a"],
+       "timeline": {"x": [0, 1, 2], "x_label": "t", "total": [1, 3, 2], "phase": ["f", "f", "b"],
+                    "samples": 3, "by_kind": {"a": [1, 3, 2]}}}
+
+
+def _trial(tmp_path, meta, raw):
+    trial = tmp_path / "memory-step2-rank0"
+    trial.mkdir()
+    (trial / "trial.json").write_text(json.dumps(meta))
+    (trial / "memory.raw.json").write_text(json.dumps(raw))
+    return trial
+
+
+@pytest.mark.parametrize("change, culprit", [
+    (dict(kind=["memory"]), "trial.json: not a trial record"),
+    (dict(trial={"name": 1}), "trial.json: not a trial record"),
+    (dict(rank="0"), "trial.json: not a trial record"),
+    ("timeline", "memory.raw.json does not have the layout of a memory trial"),
+])
+def test_summarize_names_the_malformed_file(tmp_path, capsys, change, culprit):
+    """A malformed trial.json died with a TypeError traceback; timelines of unequal lengths
+    failed in matplotlib with a message that named no file."""
+    pytest.importorskip("matplotlib")
+    meta, raw = dict(TRIAL), json.loads(json.dumps(RAW))
+    if change == "timeline":
+        raw["timeline"]["x"] = [0, 1]
+    else:
+        meta.update(change)
+    trial = _trial(tmp_path, meta, raw)
+    assert cli.main(["summarize", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and culprit in err and str(trial) in err, err
+    assert "Traceback" not in err
+
+
+def test_summarize_accepts_the_well_formed_trial(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    trial = _trial(tmp_path, TRIAL, RAW)
+    assert cli.main(["summarize", str(tmp_path)]) == 0
+    assert os.path.isfile(trial / "summary.md")
+
+
+def test_transposed_fused_weight_gets_a_hint():
+    hidden, weight = torch.randn(3, 4), torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"weight must be \[V/tp, H\] .* it looks transposed"):
+        mv.linear_vocab_parallel_stats(hidden, weight.t(), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"weight must be \[V/tp, H\] with the hidden size H = 4"
+                       ) as info:
+        mv.linear_vocab_parallel_stats(hidden, torch.randn(8, 5), None)
+    assert "transposed" not in str(info.value)
