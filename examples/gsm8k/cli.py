@@ -31,7 +31,7 @@ logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
 
 import megatron_vocabstats.patch  # noqa: E402,F401 - the one line that brings the plugin in
-from megatron_vocabstats.megatron.arguments import FloatIn, IntAtLeast  # noqa: E402
+from megatron_vocabstats.megatron.flag_types import FloatIn, IntAtLeast  # noqa: E402
 
 DESCRIPTION = "Train / score a Megatron-Core GPT on GSM8K with megatron-vocabstats."
 

@@ -24,16 +24,7 @@ from ..ops.kernels import KERNEL_CHOICES, resolve_kernel
 from ..ops.options import BATCH_INVARIANT_NAMES
 from ..rollout import ROLLOUT_LEVELS, RolloutCorrection
 from . import compat, settings
-
-# Re-exported: the flags' value types and tables live in .flag_types.
-from .flag_types import (  # noqa: F401
-    FLAG_TYPES,
-    OPTIONAL_FLAGS,
-    ROLLOUT_FLAGS,
-    FloatIn,
-    IntAtLeast,
-    TopK,
-)
+from .flag_types import FLAG_TYPES, OPTIONAL_FLAGS, ROLLOUT_FLAGS
 
 logger = logging.getLogger("megatron_vocabstats")
 

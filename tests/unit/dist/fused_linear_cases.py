@@ -459,13 +459,15 @@ def return_argmax_is_torch_argmax_of_the_full_logits(group):
     every rank, for even shards, sequence parallelism and the per-block mode "tp". Hidden states
     and weights are small integers, so every logit is an exact integer in any summation order
     and ties across shards are many and exact; the logits' maxima are made to tie on purpose
-    (duplicated weight rows on both halves of the vocabulary)."""
+    (duplicated weight rows on both halves of the vocabulary, the second half rolled by one row)."""
     rank, tp = rank_size(group)
     gen = torch.Generator().manual_seed(5)
     vocab, width, tokens = 128 * tp - 5, 128, (4 * tp, 3)
     hidden = torch.randint(-2, 3, (*tokens, 8), generator=gen).float()
     weight = torch.randint(-2, 3, (width * tp, 8), generator=gen).float()
-    weight[width * tp // 2:] = weight[: width * tp // 2]  # every logit appears on both halves
+    # every logit appears on both halves; rolled by one row so the shards' first rows (the
+    # sample by which the checks refuse a weight replicated across the tp_group) differ
+    weight[width * tp // 2:] = weight[: width * tp // 2].roll(1, dims=0)
     weight[vocab:] = 40.0  # padding rows: the largest logits, yet never the argmax
     target = torch.randint(0, vocab, tokens, generator=gen)
     expected = (hidden.double() @ weight[:vocab].double().T).argmax(dim=-1)
