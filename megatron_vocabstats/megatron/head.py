@@ -3,12 +3,15 @@ the fused head cannot stand in for Megatron's output layer.
 
 * :class:`DeferredLogits`: the inputs of one output-layer call (hidden states, weight, the layer,
   a logit scale) in place of its logits. Megatron multiplies the logits by MuP's output
-  multiplier (``LanguageModule._scale_logits``); the stand-in records the factor, which the
-  fused op applies as ``temperature = 1 / scale``. Anything else done to it raises.
+  multiplier (``LanguageModule._scale_logits``), a user may divide them by a temperature; the
+  stand-in records the scale, which the fused op applies as ``temperature = 1 / scale``.
+  Anything else done to it raises, saying how to get real logits.
 * :func:`deferred_output_layer`: for the length of one model forward, ``output_layer(...)``
   returns a :class:`DeferredLogits` instead of computing the logits, so that Megatron's own
   ``forward`` (``HybridModel``, ``GPTModel._postprocess`` before 0.18: no hook there) hands it to
-  ``compute_language_model_loss``, which the plugin replaces (:mod:`.model`).
+  ``compute_language_model_loss``, which the plugin replaces (:mod:`.model`);
+  :func:`deferred_call`: one such call, for the heads the plugin computes itself (the output
+  layer's forward pre-hooks and hooks run, as on Megatron's own call).
 * :func:`not_fused_reasons` / :func:`fused_or_report`: where the fused head would not reproduce
   Megatron's output layer (a bias; no tp reduction of the input gradient; a deferred weight
   gradient), Megatron's own path runs, and the reason is logged once on rank 0, or raised with
@@ -35,6 +38,33 @@ logger = logging.getLogger("megatron_vocabstats")
 _REPORTED: set[tuple[str, tuple[str, ...]]] = set()
 
 
+# How to get the logits themselves, said by every refusal of a tensor use.
+_REAL_LOGITS = ("for real logits, turn the fused LM head off (--lm-head-chunk-size 0; "
+                "patch.apply(lm_head_chunk_size=0)) or call the model without labels")
+
+
+def _tensor_use(what: str) -> TypeError:
+    return TypeError(f"megatron-vocabstats: the fused LM head computes the loss from the hidden "
+                     f"states and never makes these logits: the stand-in for them (DeferredLogits) "
+                     f"can only be multiplied or divided by a logit scale, not used as a tensor "
+                     f"({what}); {_REAL_LOGITS}")
+
+
+def _as_scale(factor, op: str) -> float:
+    """``factor`` as a float: a real number (Python's or numpy's) or a 0-dim real tensor that
+    needs no gradient (read once on the host). Anything else raises ``TypeError``."""
+    if isinstance(factor, torch.Tensor):
+        if (factor.dim() == 0 and not factor.requires_grad and not factor.is_complex()
+                and factor.dtype != torch.bool):
+            return float(factor)
+        raise _tensor_use(f"{op} a tensor of shape {tuple(factor.shape)}, {factor.dtype}"
+                          f"{', requiring grad' if factor.requires_grad else ''}: only a 0-dim "
+                          f"real tensor without gradient is a logit scale")
+    if isinstance(factor, numbers.Real) and not isinstance(factor, bool):
+        return float(factor)
+    raise _tensor_use(f"{op} {type(factor).__name__}")
+
+
 class DeferredLogits:
     """The logits ``scale * (hidden @ weight.T)`` of one output-layer call, not computed.
 
@@ -42,29 +72,53 @@ class DeferredLogits:
     parallelism); ``weight``: the ``[V/tp, h]`` shard used (the tied embedding or the layer's
     own); ``layer``: Megatron's ``ColumnParallelLinear`` (its tp group, ``sequence_parallel``
     and ``gradient_accumulation_fusion`` decide the fused op's collectives and ``main_grad``);
-    ``scale``: the product of the factors Megatron multiplied the logits by (MuP). Only
-    multiplication by a real number is defined; any other use raises ``TypeError`` naming the
-    plugin, never a silently wrong number.
+    ``scale``: the product of the factors the logits were multiplied by and the inverses of those
+    they were divided by (MuP's output multiplier, a temperature). Factors: Python or numpy real
+    numbers, 0-dim real tensors without gradient (``*``, ``/``, ``torch.mul``, ``torch.div``);
+    dividing by 0 raises ``ValueError``. Every other use (arithmetic, indexing, comparisons,
+    attributes such as ``.float()`` or ``.shape``, torch functions) raises ``TypeError`` naming
+    the plugin and how to get real logits, never a silently wrong value.
     """
 
     __slots__ = ("hidden", "weight", "layer", "scale")
+    __array_ufunc__ = None  # numpy defers to the reflected operators below (np.float32(2) * x)
+    __hash__ = object.__hash__  # __eq__ refuses (below), identity hashing stays
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, layer, scale: float = 1.0):
         self.hidden, self.weight, self.layer, self.scale = hidden, weight, layer, scale
 
+    def _scaled(self, scale: float) -> DeferredLogits:
+        return DeferredLogits(self.hidden, self.weight, self.layer, scale)
+
     def __mul__(self, factor):
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-            raise TypeError(f"megatron-vocabstats: the fused LM head's logits stand-in can only "
-                            f"be scaled by a real number, got {type(factor).__name__}; run with "
-                            f"--lm-head-chunk-size 0 for this model")
-        return DeferredLogits(self.hidden, self.weight, self.layer, self.scale * float(factor))
+        return self._scaled(self.scale * _as_scale(factor, "multiplied by"))
 
     __rmul__ = __mul__
 
+    def __truediv__(self, divisor):
+        divisor = _as_scale(divisor, "divided by")
+        if divisor == 0:
+            raise ValueError("megatron-vocabstats: the fused LM head's logits divided by 0 (a "
+                             "logit scale or temperature must be finite and positive)")
+        return self._scaled(self.scale / divisor)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if not kwargs and len(args) == 2:
+            first, second = args
+            if name in ("mul", "__mul__", "__rmul__", "multiply"):
+                return first * second if isinstance(first, cls) else second * first
+            if name in ("div", "__truediv__", "divide", "true_divide") and isinstance(first, cls):
+                return first / second
+        raise _tensor_use(f"torch.{name}")
+
     def __getattr__(self, name):
-        raise TypeError(f"megatron-vocabstats: Megatron used the fused LM head's logits stand-in "
-                        f"as a tensor ({name!r}); this model does more with its logits than "
-                        f"scale them and compute the loss: run with --lm-head-chunk-size 0")
+        raise _tensor_use(f".{name}")
+
+    def __repr__(self):
+        return (f"DeferredLogits(hidden {tuple(self.hidden.shape)}, weight "
+                f"{tuple(self.weight.shape)}, scale={self.scale})")
 
     def op_kwargs(self) -> dict:
         """The fused op's keywords that the layer decides (tp group, sequence parallelism,
@@ -73,9 +127,10 @@ class DeferredLogits:
         Raises ``ValueError`` for a scale that is not finite and positive (the op's temperature).
         """
         if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"megatron-vocabstats: logit scale {self.scale} (MuP's "
-                             f"mup_output_mult): the fused LM head takes a finite, positive "
-                             f"scale (temperature 1 / scale)")
+            raise ValueError(f"megatron-vocabstats: logit scale {self.scale} (the factors the "
+                             f"logits were multiplied by over those they were divided by: MuP's "
+                             f"mup_output_mult, a temperature): the fused LM head takes a finite, "
+                             f"positive scale (temperature 1 / scale)")
         layer = self.layer
         return dict(
             tp_group=tp_group_of(layer),
@@ -84,6 +139,23 @@ class DeferredLogits:
             and hasattr(self.weight, "main_grad"),
             temperature=1.0 / self.scale,
         )
+
+
+def _refuser(name: str):
+    def refuse(self, *args, **kwargs):
+        raise _tensor_use(name)
+
+    refuse.__name__ = name
+    return refuse
+
+
+# Python looks special methods up on the type, not through __getattr__: refuse each tensor one
+# (else `x + 1` says "unsupported operand", `x == y` and `bool(x)` silently answer).
+for _name in ("add radd sub rsub rtruediv floordiv rfloordiv mod rmod pow rpow matmul rmatmul "
+              "and rand or ror xor rxor lshift rshift neg pos abs invert getitem setitem "
+              "delitem len iter contains bool float int index complex lt le gt ge eq ne "
+              "array dlpack").split():
+    setattr(DeferredLogits, f"__{_name}__", _refuser(f"__{_name}__"))
 
 
 @contextlib.contextmanager
@@ -103,6 +175,22 @@ def deferred_output_layer(layer):
             del layer.forward
         else:
             layer.forward = own
+
+
+def deferred_call(layer, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                  runtime_gather_output=None) -> DeferredLogits:
+    """``layer(hidden, weight=weight, runtime_gather_output=...)`` under
+    :func:`deferred_output_layer`: the layer's forward pre-hooks and forward hooks run as on
+    Megatron's own call (the distributed optimizer's overlapped and Megatron-FSDP's parameter
+    gathers are forward pre-hooks), then its :class:`DeferredLogits` (``hidden [s(/tp), b, h]``,
+    as the pre-hooks left it). Raises ``TypeError`` if a hook replaced them."""
+    with deferred_output_layer(layer):
+        logits, _ = layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
+    if not isinstance(logits, DeferredLogits):
+        raise TypeError(f"megatron-vocabstats: a forward hook of the output layer replaced the "
+                        f"fused LM head's deferred logits by {type(logits).__name__}; "
+                        f"{_REAL_LOGITS}")
+    return logits
 
 
 def not_fused_reasons(output_layer, config, *, deferred: bool = False) -> tuple[str, ...]:
@@ -133,8 +221,9 @@ def fused_or_report(where: str, reasons, cfg: settings.PluginSettings) -> bool:
     if not reasons:
         return True
     reasons = tuple(reasons)
-    message = (f"megatron-vocabstats: --lm-head-chunk-size {cfg.lm_head_chunk_size} but {where} "
-               f"keeps Megatron's output layer and logits: {'; '.join(reasons)}")
+    message = (f"megatron-vocabstats: --lm-head-chunk-size {cfg.lm_head_chunk_size} but "
+               f"Megatron's output layer and logits stay in use for {where}: "
+               f"{'; '.join(reasons)}")
     if cfg.require_fused_lm_head:
         raise ValueError(f"{message} (--require-fused-lm-head: drop it to run unfused there, "
                          f"or change the model)")

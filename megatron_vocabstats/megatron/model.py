@@ -24,7 +24,13 @@ import torch
 from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
 from . import announce, settings
 from .compat import tp_group_of
-from .head import DeferredLogits, deferred_output_layer, fused_or_report, not_fused_reasons
+from .head import (
+    DeferredLogits,
+    deferred_call,
+    deferred_output_layer,
+    fused_or_report,
+    not_fused_reasons,
+)
 
 LAST_STATS_ATTR = "last_vocab_stats"
 # Per MTP depth, as LAST_STATS_ATTR for the main head (set by .mtp and by the unfused path).
@@ -139,16 +145,16 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
 
     With labels and ``lm_head_chunk_size > 0`` it returns the per-token loss ``[b, s]`` without
     materialising the logits, scaled as Megatron's ``scale_logits`` scales them (MuP's output
-    multiplier); otherwise (no labels: logits requested; or a layer the fused head does not
-    reproduce, :func:`.head.not_fused_reasons`, reported once or raised) it runs Megatron's own
-    output layer and loss.
+    multiplier), after the output layer's forward pre-hooks and hooks ran
+    (:func:`.head.deferred_call`); otherwise (no labels: logits requested; or a layer the fused
+    head does not reproduce, :func:`.head.not_fused_reasons`, reported once or raised) it runs
+    Megatron's own output layer and loss.
     """
     cfg = settings.current()
     module = getattr(compute_language_model_loss, "__self__", None)
     if _wants_fused(cfg, labels) and fused_or_report(
             "GPTModel's LM head", not_fused_reasons(output_layer, config), cfg):
-        logits = DeferredLogits(hidden_states, output_layer.weight if output_weight is None
-                                else output_weight, output_layer)
+        logits = deferred_call(output_layer, hidden_states, output_weight, runtime_gather_output)
         if scale_logits is not None:
             logits = scale_logits(logits)
         return fused_language_model_loss(module, logits, labels, cfg)

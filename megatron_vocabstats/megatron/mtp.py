@@ -35,7 +35,7 @@ import torch
 
 from ..ops.kernels import resolve_kernel
 from . import settings
-from .head import DeferredLogits, fused_or_report, not_fused_reasons
+from .head import deferred_call, fused_or_report, not_fused_reasons
 from .model import LAST_MTP_STATS_ATTR, collect_mtp_stats, detached_bs, fused_stats, per_token_loss
 
 logger = logging.getLogger("megatron_vocabstats")
@@ -83,7 +83,8 @@ def _acceptance_kernel(cfg: settings.PluginSettings, device) -> str | None:
 
 
 def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, labels, loss_mask,
-                   output_layer, output_weight, is_training, config, cp_group=None,
+                   output_layer, output_weight, is_training, config, runtime_gather_output=None,
+                   cp_group=None,
                    packed_seq_params=None, scale_logits_fn=None, input_ids=None, **_):
     """Megatron's ``process_mtp_loss`` with each depth's loss from the fused head.
 
@@ -91,11 +92,13 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
     concatenated along dim 0; returns the main part with every depth's scaled loss attached
     (``MTPLossAutoScaler``), as Megatron does. ``labels``/``loss_mask`` ``[b, s]`` (None: the
     labels are derived from ``input_ids`` where the release does so, 0.19, else the main part is
-    returned alone; a mask of ones). ``scale_logits_fn`` (MuP) is applied to the deferred logits
-    (a logit scale). Logs each depth's loss and, on releases that log them, its acceptance
-    counts ``sum(argmax == label and mask)`` and ``sum(mask)`` (argmax from the op's
-    ``return_argmax``; the same as Megatron's from its logits up to ties between logits the
-    fused chunks round differently). The statistics go to ``module.last_mtp_vocab_stats``.
+    returned alone; a mask of ones). Each depth calls ``output_layer`` as Megatron does (its
+    forward pre-hooks and hooks run: :func:`.head.deferred_call`); ``scale_logits_fn`` (MuP) is
+    applied to the deferred logits (a logit scale). Logs each depth's loss and, on releases
+    that log them, its acceptance counts ``sum(argmax == label and mask)`` and ``sum(mask)``
+    (argmax from the op's ``return_argmax``; the same as Megatron's from its logits up to ties
+    between logits the fused chunks round differently). The statistics go to
+    ``module.last_mtp_vocab_stats``.
     """
     from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
@@ -110,9 +113,9 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
         return hidden
     if from_ids:  # label[i] = input_id[i + 1]; the last one is made up, so masked below
         labels, _ = roll(input_ids)
-    weight = output_layer.weight if output_weight is None else output_weight
-    if getattr(config, "mtp_detach_heads", False):
-        weight = weight.detach()
+    weight = output_weight
+    if getattr(config, "mtp_detach_heads", False):  # as Megatron: before the layer's pre-hooks
+        weight = (output_layer.weight if weight is None else weight).detach()
     mask = torch.ones_like(labels) if loss_mask is None else loss_mask
     if from_ids:
         mask, _ = roll(mask)
@@ -125,7 +128,7 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
     for depth in range(depths):
         labels, _ = roll(labels)
         mask, num_tokens = roll(mask)
-        logits = DeferredLogits(parts[depth + 1], weight, output_layer)
+        logits = deferred_call(output_layer, parts[depth + 1], weight, runtime_gather_output)
         if scale_logits_fn is not None:
             logits = scale_logits_fn(logits)
         stats = fused_stats(logits, labels, cfg, argmax=acceptance, kernel=kernel)

@@ -153,25 +153,6 @@ def test_every_loss_path_is_patched_or_its_absence_logged(caplog):
         assert "process_mtp_loss (0.17+): not in this release" in message
 
 
-def test_deferred_logits_take_a_logit_scale_and_nothing_else():
-    """The stand-in for the logits of a deferred output layer: MuP's multiplier becomes the
-    op's temperature; any other use raises, naming the plugin (never silently wrong)."""
-    from megatron_vocabstats.megatron.head import DeferredLogits
-
-    layer = torch.nn.Linear(4, 6, bias=False)
-    logits = DeferredLogits(torch.randn(3, 1, 4), layer.weight, layer)
-    assert (0.5 * (logits * 0.5)).op_kwargs()["temperature"] == 4.0
-    assert logits.op_kwargs() == dict(tp_group=None, sequence_parallel=False,
-                                      accumulate_into_main_grad=False, temperature=1.0)
-    with pytest.raises(TypeError, match="scaled by a real number"):
-        logits * torch.tensor(2.0)
-    with pytest.raises(TypeError, match="as a tensor"):
-        logits.transpose(0, 1)
-    for scale in (-1.0, 0.0, float("inf")):
-        with pytest.raises(ValueError, match="finite, positive"):
-            (logits * scale).op_kwargs()
-
-
 def test_unsupported_release_fails_at_import(monkeypatch):
     import megatron_vocabstats.patch as module
 

@@ -70,20 +70,28 @@ def tiny_gpt(tp: int, *, seed: int = 7, share_embeddings_and_output_weights=Fals
                     share_embeddings_and_output_weights=share_embeddings_and_output_weights, **mtp)
 
 
-def tiny_hybrid(tp: int, *, seed: int = 7):
+def tiny_hybrid(tp: int, *, seed: int = 7, mtp_num_layers: int | None = None):
     """A 2-layer ``HybridModel`` (0.18+; ``MambaModel`` before) of attention layers (Megatron's
     local GPT layer spec: Mamba's kernels need CUDA) without the final norm (the stack builds it
-    with transformer-engine)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    with transformer-engine). ``mtp_num_layers``: that many MTP depths of one attention layer each
+    (pattern ``**/*/*``, rope positions, local norms; 0.18+ only, else ``Skip``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    cfg = tiny_config(tp, seed=seed)
+    cfg = tiny_config(tp, seed=seed, **({"mtp_num_layers": mtp_num_layers} if mtp_num_layers
+                                        else {}))
     common = dict(config=cfg, vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
-                  position_embedding_type="learned_absolute")
+                  position_embedding_type="rope" if mtp_num_layers else "learned_absolute")
     try:
         from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
         from megatron.core.models.hybrid.hybrid_model import HybridModel
     except ImportError:  # 0.16-0.17
+        if mtp_num_layers:
+            raise Skip("this megatron-core has no HybridModel (its MambaModel takes no MTP "
+                       "layer pattern)") from None
         from megatron.core.models.mamba.mamba_model import MambaModel
         from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
 
@@ -91,9 +99,15 @@ def tiny_hybrid(tp: int, *, seed: int = 7):
                           submodules=MambaStackSubmodules(
                               attention_layer=get_gpt_layer_local_spec()))
         return MambaModel(mamba_stack_spec=spec, hybrid_override_pattern="**", **common)
+    layer = get_gpt_layer_local_spec()
+    mtp = {}
+    if mtp_num_layers:  # the depths' layers come from the pattern; their norms from the spec
+        mtp = dict(mtp_block_spec=get_gpt_mtp_block_spec(cfg, layer,
+                                                         use_transformer_engine=False))
     spec = ModuleSpec(module=HybridStack, params={"post_layer_norm": False},
-                      submodules=HybridStackSubmodules(attention_layer=get_gpt_layer_local_spec()))
-    return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern="**", **common)
+                      submodules=HybridStackSubmodules(attention_layer=layer, **mtp))
+    pattern = "/".join(["**"] + ["*"] * (mtp_num_layers or 0))
+    return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=pattern, **common)
 
 
 def batch():
@@ -181,7 +195,9 @@ def accepted_labels(model, mask):
 def compare_with_native(*, options, spy, model=None, mask=None, labels=None, **gpt_config):
     """Loss, gradients and MTP log of one tiny model without, then with, the patch
     (``options``): ``spy`` must have been called, and, with the fused head, Megatron's output
-    layer never have produced logits. Returns ``(calls of spy, model)``."""
+    layer never have produced logits, yet its forward pre-hooks (the distributed optimizer's
+    and FSDP's parameter gather) have run as often as without the patch. Returns
+    ``(calls of spy, model)``."""
     import megatron_vocabstats.ops.fused_linear as fused_module
     from megatron_vocabstats import patch
     from megatron_vocabstats.megatron import model as patched_model
@@ -189,7 +205,10 @@ def compare_with_native(*, options, spy, model=None, mask=None, labels=None, **g
     owner = fused_module if spy == "linear_vocab_parallel_stats" else patched_model
     model = model or tiny_gpt(dist.get_world_size(), **gpt_config)
     patch.remove()
+    pre_hooks = []
+    pre_hook = model.output_layer.register_forward_pre_hook(lambda *_: pre_hooks.append(1))
     native_loss, native_grads, native_log = loss_and_grads(model, mask, labels)
+    native_pre_hooks, pre_hooks[:] = len(pre_hooks), []
     calls, logits_made = [], []
     original = getattr(owner, spy)
     setattr(owner, spy, lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -201,7 +220,11 @@ def compare_with_native(*, options, spy, model=None, mask=None, labels=None, **g
     finally:
         setattr(owner, spy, original)
         hook.remove()
+        pre_hook.remove()
         patch.remove()
+    assert len(pre_hooks) == native_pre_hooks > 0, (
+        f"the output layer's forward pre-hooks ran {len(pre_hooks)} times, Megatron's own path "
+        f"{native_pre_hooks}")
     assert calls, f"the loss call site did not reach {spy}"
     if options.get("lm_head_chunk_size"):
         assert not any(logits_made), f"the output layer made logits {sum(logits_made)} times"
@@ -240,14 +263,14 @@ def fused_head_tied_embeddings(group):
                         share_embeddings_and_output_weights=True)
 
 
-def compare_mtp(chunk: int, **gpt_config):
-    """A tiny GPT with MTP heads, fused (``lm_head_chunk_size=chunk``) against Megatron, on the
-    uneven loss mask and labels some of which the heads accept; the fused op must run once per
-    head. Returns ``(model, mask, labels)``."""
+def compare_mtp(chunk: int, model=None, **gpt_config):
+    """A tiny GPT (or ``model``) with MTP heads, fused (``lm_head_chunk_size=chunk``) against
+    Megatron, on the uneven loss mask and labels some of which the heads accept; the fused op
+    must run once per head. Returns ``(model, mask, labels)``."""
     from megatron_vocabstats import patch
 
     mask = uneven_loss_mask()
-    model = tiny_gpt(dist.get_world_size(), **gpt_config)
+    model = model or tiny_gpt(dist.get_world_size(), **gpt_config)
     patch.remove()
     labels = accepted_labels(model, mask)
     calls, _ = compare_with_native(options={"lm_head_chunk_size": chunk},
@@ -301,6 +324,16 @@ def hybrid_model_fused_and_unfused_equal_megatron(group):
     calls, _ = compare_with_native(options={"lm_head_chunk_size": 5},
                                    spy="linear_vocab_parallel_stats", model=model)
     assert calls == 1
+
+
+@CASES.register
+def hybrid_model_mtp_fused_equals_megatron(group):
+    """HybridModel with two MTP depths (0.18+): the fused head at every depth equals Megatron's
+    loss, gradients, MTP log and acceptance counts, the fused op running once per head."""
+    from megatron_vocabstats.megatron.model import LAST_MTP_STATS_ATTR
+
+    model, _, _ = compare_mtp(5, model=tiny_hybrid(dist.get_world_size(), mtp_num_layers=2))
+    assert len(getattr(model, LAST_MTP_STATS_ATTR)) == 2
 
 
 @CASES.register
