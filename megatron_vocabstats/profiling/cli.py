@@ -19,6 +19,7 @@ import sys
 from . import postprocess
 
 PROG = "python -m megatron_vocabstats.profiling"
+CONSOLE_PROG = "vocabstats-profile"  # the console script of pyproject.toml
 RUN_MOVED = ("the run command moved out of the plugin to the example it profiles: from the "
              "repository root, python -m examples.gsm8k.profile run --out OUT ... -- sft ... "
              "(docs/profiling.md)")
@@ -64,3 +65,8 @@ def main(argv=None, prog: str = PROG) -> int:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def console_main() -> int:
+    """The ``vocabstats-profile`` console script: :func:`main`, its usage under that name."""
+    return main(prog=CONSOLE_PROG)

@@ -101,6 +101,8 @@ def test_wheel_command_line_tool_runs():
     listed = _run([os.path.join(site, "bin", "vocabstats-patch-megatron"), "--list"], env=env,
                   cwd=cwd)
     assert listed.count(site) == 4, listed
+    usage = _run([os.path.join(site, "bin", "vocabstats-profile"), "--help"], env=env, cwd=cwd)
+    assert usage.startswith("usage: vocabstats-profile "), usage  # its own name, not python -m
 
 
 @pytest.fixture(autouse=True, scope="module")
