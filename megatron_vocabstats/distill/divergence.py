@@ -57,7 +57,12 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     ``x >= 0`` (no mass left, rounding included). Gradients stay finite."""
     live = x < 0
     xs = torch.where(live, x, -1.0)
-    out = torch.where(xs > -_LN2, torch.log(-torch.expm1(xs)), torch.log1p(-torch.exp(xs)))
+    near = xs > -_LN2
+    # Each formula sees only the arguments it is chosen for: log1p(-exp(x)) of an x within
+    # 3e-8 of 0 is log1p(-1) = -inf in fp32, and its derivative's 0 / 0 would make the
+    # gradient NaN through the unchosen branch of the where.
+    out = torch.where(near, torch.log(-torch.expm1(torch.where(near, xs, -1.0))),
+                      torch.log1p(-torch.exp(torch.where(near, -1.0, xs))))
     return torch.where(live, out, -_INF)
 
 
@@ -92,17 +97,21 @@ def _buckets(logprobs: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
     docstring) appended as bucket k + 1, or as they are.
 
     A row with no mass on its top-k (all -inf) stays all -inf under ``renormalize`` (0/0 has no
-    value; the divergence is then +inf or 0, never NaN, and its gradient finite).
+    value; the divergence is then +inf or 0, never NaN, and its gradient finite); with
+    ``tail_bucket`` its tail is the whole mass (log 1 = 0), with a finite gradient too.
     """
+    if not (cfg.renormalize or cfg.tail_bucket):
+        return logprobs
+    # logsumexp's gradient over a row of -inf only is exp(-inf - -inf) = NaN: take it over zeros
+    # there and select -inf (the row's top-k mass is 0).
+    dead = torch.isneginf(logprobs).all(dim=-1, keepdim=True)
+    live = torch.where(dead, 0.0, logprobs)
+    lse = torch.logsumexp(live, dim=-1, keepdim=True)
     if cfg.renormalize:
-        dead = torch.isneginf(logprobs).all(dim=-1, keepdim=True)
-        live = torch.where(dead, 0.0, logprobs)
-        return torch.where(dead, logprobs, live - torch.logsumexp(live, dim=-1, keepdim=True))
-    if cfg.tail_bucket:
-        floor = math.log(torch.finfo(logprobs.dtype).eps)
-        tail = log1mexp(torch.logsumexp(logprobs, dim=-1, keepdim=True)).clamp(min=floor)
-        return torch.cat([logprobs, tail], dim=-1)
-    return logprobs
+        return torch.where(dead, logprobs, live - lse)
+    floor = math.log(torch.finfo(logprobs.dtype).eps)
+    tail = log1mexp(torch.where(dead, -_INF, lse)).clamp(min=floor)
+    return torch.cat([logprobs, tail], dim=-1)
 
 
 def topk_divergence(

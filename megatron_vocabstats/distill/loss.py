@@ -22,7 +22,7 @@ from ..ops.agreement import (
     host_checks_enabled,
     tensor_checksum,
 )
-from ..ops.options import LOGP_MIN, check_number
+from ..ops.options import FP32_MAX, LOGP_MIN, MIN_TEMPERATURE, check_number
 from ..ops.topk import TopK, vocab_parallel_topk_logprobs
 from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 
@@ -172,7 +172,8 @@ def distillation_loss(
         ValueError: naming the argument: ``loss_mask`` missing or misshapen, a ``teacher`` that
             is not a (logprobs, indices) pair of equal ``[..., k]`` shapes, ``teacher_vocab_size``
             different from the student's, a ``student`` of another type,
-            ``temperature_scale`` not a bool, with ``validate`` repeated ids (see there), and
+            ``temperature_scale`` not a bool or with a ``temperature`` whose square does not
+            fit fp32 (above 1.8e19), with ``validate`` repeated ids (see there), and
             what :func:`topk_divergence` and the op raise.
     """
     def local_checks():
@@ -180,6 +181,13 @@ def distillation_loss(
                             renormalize=renormalize)
         if not isinstance(temperature_scale, bool):
             raise ValueError(f"temperature_scale must be a bool, got {temperature_scale!r}")
+        if temperature_scale:
+            tau = check_number("temperature", temperature, low=MIN_TEMPERATURE)
+            if tau * tau > FP32_MAX:  # (tau ** 2 raised OverflowError from 1.4e154 on)
+                raise ValueError(
+                    f"temperature={tau!r} with temperature_scale=True: the loss's factor "
+                    f"temperature ** 2 = {tau * tau:g} does not fit fp32 (temperature at most "
+                    f"{math.sqrt(FP32_MAX):g})")
         teacher_lp, indices = _teacher_parts(teacher)
         mask = _token_mask(loss_mask, teacher_lp[..., 0], "teacher.logprobs[..., 0]")
         check_number("teacher_vocab_size", teacher_vocab_size, integer=True, low=1, none_ok=True)

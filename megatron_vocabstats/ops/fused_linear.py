@@ -316,8 +316,8 @@ def linear_vocab_parallel_stats(
             ``grad_weights`` misshaped or with ``entropy="grad"``, ``accumulate_into_main_grad``
             without a matching ``weight.main_grad``, and everything
             :func:`vocab_parallel_stats` raises; with ``validate`` on tp > 1, on every rank,
-            including a sequence-parallel shard whose length differs across ranks, and
-            ``sequence_parallel``, ``grad_weights`` (given or None, and its values),
+            including a sequence-parallel shard whose length differs across ranks, and the
+            hidden size H, ``sequence_parallel``, ``grad_weights`` (given or None, and its values),
             ``accumulate_into_main_grad``, the same first weight row on every rank (the full
             weight replicated, or the wrong group; named as ``tp_group``), the gradients asked
             (``hidden`` / ``weight`` ``requires_grad`` under grad mode: backward's dX

@@ -133,7 +133,8 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
 
     Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
     agree on every option that changes the collectives or the gradients, then on the caller's
-    ``agree`` entries, all in the core op's one tiny all-gather: ``sequence_parallel``, whether
+    ``agree`` entries, all in the core op's one tiny all-gather: the hidden size H (the width
+    of the sequence-parallel all-gather and of the dX reduction), ``sequence_parallel``, whether
     ``grad_weights`` is given (and its values), ``accumulate_into_main_grad``, which gradients
     backward makes (``hidden`` and ``weight`` under grad mode and ``requires_grad``: the dX
     all-reduce or reduce-scatter, and whether backward runs at all; ``differentiable=False`` for
@@ -166,7 +167,8 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
             chunk_size = auto_linear_chunk_size(width, hidden.device)
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
         logits = LogitsSpec((0,), torch.float32, first_device(hidden, weight, target))
-    agree = (("sequence_parallel", lambda: int(sequence_parallel), bool),
+    agree = (("hidden size H (hidden's last dimension)", lambda: hidden.shape[-1]),
+             ("sequence_parallel", lambda: int(sequence_parallel), bool),
              ("grad_weights", lambda: int(grad_weights is not None),
               lambda given: "tensor" if given else None),
              (Field("grad_weights values", checksum=True),

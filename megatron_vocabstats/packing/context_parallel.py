@@ -187,7 +187,7 @@ def _signature(*parts) -> int:
 
 _GATHER_AGREEMENT = ("local token count", Field("dtype", checksum=True),
                      Field("other dimensions", checksum=True),
-                     Field("cu_seqlens_padded", checksum=True))
+                     Field("cu_seqlens_padded", checksum=True), "dim")
 
 
 def gather_from_context_parallel(
@@ -216,14 +216,15 @@ def gather_from_context_parallel(
             None for the one-sequence (``[b, s]``) split.
         dim: the sequence dimension.
         validate: check ``cu_seqlens_padded`` (host read) and, with one all-gather of a few int64
-            numbers, that all ranks agree on shard size, dtype, other dimensions and
-            ``cu_seqlens_padded``, so that bad input raises on every rank instead of hanging.
+            numbers, that all ranks agree on shard size, dtype, other dimensions,
+            ``cu_seqlens_padded`` and ``dim`` (counted from the front), so that bad input raises
+            on every rank instead of hanging or gathering along another dimension.
             Skipped during CUDA graph capture. Must be equal on all ranks.
 
     Returns:
         ``[..., T, ...]`` (T = cp * local count along ``dim``), identical on every rank.
 
-    Communication: one all-gather of ``x`` (plus one of 3 int64 with ``validate``); none in
+    Communication: one all-gather of ``x`` (plus one of a few int64 with ``validate``); none in
     backward.
 
     Raises:
@@ -246,7 +247,7 @@ def gather_from_context_parallel(
         if exchange:
             others = x.shape[:dim] + x.shape[dim + 1:]
             row = [x.shape[dim], _signature(x.dtype), _signature(tuple(others)),
-                   _signature(cu.tolist())]
+                   _signature(cu.tolist()), dim]
     except Exception as exc:
         if not exchange:
             raise

@@ -361,6 +361,54 @@ def test_renormalize_row_where_the_student_has_no_topk_mass(divergence, beta):
         assert out.loss_sum.item() == float("inf")  # teacher mass where the student has none
 
 
+@pytest.mark.parametrize("divergence, beta", DIVERGENCES)
+def test_tail_of_a_student_within_fp32_rounding_of_one(divergence, beta):
+    # Issue 24 section 4: a confident student whose top-k log-probs sum to a log-mass within
+    # 3e-8 of 0: exp of it rounds to 1 in fp32, and log1mexp's unchosen branch
+    # log1p(-exp(x)) = -inf made the gradient NaN (0 / 0 in its derivative), though the loss
+    # was finite; through distillation_loss the NaN reaches every logit of the row.
+    lq = torch.tensor([[-1e-8, -19.0], [-0.4, -2.0]])
+    lp = torch.log(torch.tensor([[0.6, 0.3], [0.5, 0.2]]))
+    leaf = lq.clone().requires_grad_()
+    got = topk_divergence(leaf, lp, torch.ones(2), divergence=divergence, beta=beta,
+                          tail_bucket=True)
+    got.sum().backward()
+    ref_leaf = lq.double().requires_grad_()
+    ref = reference_divergence(ref_leaf, lp.double(), divergence, beta, tail_bucket=True,
+                               tail_floor=2.0**-23)
+    ref.sum().backward()
+    assert torch.isfinite(leaf.grad).all(), leaf.grad
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6), (got, ref)
+    assert torch.allclose(leaf.grad.double(), ref_leaf.grad, rtol=1e-4, atol=1e-6), \
+        (leaf.grad, ref_leaf.grad)
+
+
+@pytest.mark.parametrize("divergence, beta", DIVERGENCES)
+def test_tail_of_a_row_where_the_student_has_no_topk_mass(divergence, beta):
+    # Issue 24 section 4: with tail_bucket (as with renormalize, above) a row whose student
+    # logits are -inf at every teacher id: logsumexp's gradient over -inf only is NaN, and it
+    # reached every logit of the row. The student's top-k mass is 0, its tail 1: the gradient
+    # is 0 (float64 reference), the loss +inf for forward KL (teacher mass the student lacks).
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(4))
+    logits[1, [1, 2]] = float("-inf")
+    teacher = TopK(torch.log(torch.tensor([[0.3, 0.2]] * 2)), torch.tensor([[1, 2]] * 2))
+    leaf = logits.clone().requires_grad_()
+    out = distillation_loss(leaf, teacher, torch.ones(2), divergence=divergence, beta=beta,
+                            tail_bucket=True)
+    out.loss_sum.backward()
+    assert torch.isfinite(leaf.grad).all(), leaf.grad
+    assert bool((leaf.grad[1] == 0).all())
+    ref_leaf = logits[:1].double().requires_grad_()
+    lq = torch.log_softmax(ref_leaf, -1).gather(-1, teacher.indices[:1])
+    reference_divergence(lq, teacher.logprobs[:1].double(), divergence, beta,
+                         tail_bucket=True).sum().backward()
+    assert torch.allclose(leaf.grad[:1].double(), ref_leaf.grad, rtol=1e-4, atol=1e-6)
+    if divergence == "forward_kl":
+        assert out.loss_sum.item() == float("inf")
+    else:
+        assert math.isfinite(out.loss_sum.item())
+
+
 def test_duplicate_ids_at_counted_positions():
     student_logits, teacher, mask = _case(k=4)
     idx = teacher.indices.clone()

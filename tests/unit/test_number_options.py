@@ -235,6 +235,22 @@ def test_huge_top_k_keeps_everything_at_any_tp():
                            plain.logprobs)
 
 
+def test_distillation_temperature_scale_of_a_huge_temperature_names_it():
+    """Section 4: ``temperature_scale`` multiplies the loss by ``temperature ** 2``: from 1.4e154
+    on Python raised ``OverflowError`` naming nothing, above 1.8e19 the factor did not fit fp32
+    (an inf loss without an error). Refused naming ``temperature``; at the largest temperature
+    whose square fits fp32 the loss is finite."""
+    teacher = mv.TopK(torch.log(torch.tensor([[0.5, 0.3]] * 3)), torch.tensor([[1, 2]] * 3))
+    for tau in (1e20, 1e155, float(HUGE // 10**100), np.float64(1e300)):
+        with pytest.raises(ValueError, match="temperature=.* temperature_scale=True"):
+            mv.distillation_loss(LOGITS, teacher, torch.ones(3), temperature=tau,
+                                 temperature_scale=True)
+    out = mv.distillation_loss(LOGITS, teacher, torch.ones(3), temperature=1e19,
+                               temperature_scale=True)
+    assert torch.isfinite(out.loss_sum)
+    mv.distillation_loss(LOGITS, teacher, torch.ones(3), temperature=1e155)  # no factor: fine
+
+
 @pytest.mark.parametrize("flag", sorted(FLAG_TYPES))
 def test_every_flag_type_refuses_through_the_checker(flag):
     kind = FLAG_TYPES[flag]

@@ -242,6 +242,10 @@ def _fused_grad_options(op):
          lambda r: op(r, sequence_parallel=r == 1)),
         ("accumulate_into_main_grad", "accumulate_into_main_grad differs",
          lambda r: op(r, accumulate_into_main_grad=r == 1)),
+        # (section 4: a hidden size that differs sized the dX all-reduce apart: gloo aborted)
+        ("hidden size H", "hidden size H",
+         lambda r: op(r, leaves=(torch.randn(T, H + r, requires_grad=True),
+                                 torch.randn(W, H + r, requires_grad=True)))),
     ]
 
 
@@ -299,6 +303,9 @@ def linear_vocab_parallel_topk_ops(group):
         ("teacher sequence_parallel", "token count differs",
          lambda r: mv.linear_vocab_parallel_topk(_data(r)["hidden"], _data(r)["weight"], 2,
                                                  tp_group=group, sequence_parallel=r == 0)),
+        ("teacher hidden size H under sequence_parallel", "hidden size H",
+         lambda r: mv.linear_vocab_parallel_topk(torch.randn(T, H + r), torch.randn(W, H + r), 2,
+                                                 tp_group=group, sequence_parallel=True)),
     ])
 
 
