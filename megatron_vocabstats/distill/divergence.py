@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..losses.inputs import _check_float, _token_mask
-from ..ops.options import check_choice, check_number
+from ..ops.options import check_bool, check_choice, check_number
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 _LN2 = math.log(2.0)
@@ -40,8 +40,7 @@ class DistillConfig:
                 "convention: pass divergence='forward_kl' or 'reverse_kl' for those)") from None
         object.__setattr__(self, "beta", beta)
         for name in ("tail_bucket", "renormalize"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         if self.tail_bucket and self.renormalize:
             raise ValueError("tail_bucket and renormalize exclude each other: renormalising over "
                              "the top-k leaves no mass outside it")

@@ -22,7 +22,7 @@ from ..ops.agreement import (
     host_checks_enabled,
     tensor_checksum,
 )
-from ..ops.options import FP32_MAX, LOGP_MIN, MIN_TEMPERATURE, check_number
+from ..ops.options import FP32_MAX, LOGP_MIN, MIN_TEMPERATURE, check_bool, check_number
 from ..ops.topk import TopK, vocab_parallel_topk_logprobs
 from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 
@@ -172,16 +172,16 @@ def distillation_loss(
         ValueError: naming the argument: ``loss_mask`` missing or misshapen, a ``teacher`` that
             is not a (logprobs, indices) pair of equal ``[..., k]`` shapes, ``teacher_vocab_size``
             different from the student's, a ``student`` of another type,
-            ``temperature_scale`` not a bool or with a ``temperature`` whose square does not
+            ``validate`` not a bool, ``temperature_scale`` not a bool or with a
+            ``temperature`` whose square does not
             fit fp32 (above 1.8e19), with ``validate`` repeated ids (see there), and
             what :func:`topk_divergence` and the op raise.
     """
     def local_checks():
         cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
                             renormalize=renormalize)
-        if not isinstance(temperature_scale, bool):
-            raise ValueError(f"temperature_scale must be a bool, got {temperature_scale!r}")
-        if temperature_scale:
+        check_bool("validate", validate)
+        if check_bool("temperature_scale", temperature_scale):
             tau = check_number("temperature", temperature, low=MIN_TEMPERATURE)
             if tau * tau > FP32_MAX:  # (tau ** 2 raised OverflowError from 1.4e154 on)
                 raise ValueError(
@@ -203,7 +203,7 @@ def distillation_loss(
         if not (isinstance(student, torch.Tensor) or callable(student)):
             raise ValueError(f"student must be logits or a callable returning top-k log-probs, "
                              f"got {type(student).__name__}")
-        if host_checks_enabled(validate is True, indices.device):
+        if host_checks_enabled(validate, indices.device):
             _check_teacher_values(teacher_lp, mask)
         return cfg, teacher_lp, indices, mask
 
@@ -219,7 +219,7 @@ def distillation_loss(
                ("beta", lambda checked: float_bits(checked[0].beta), bits_float),
                ("tail_bucket", lambda checked: int(checked[0].tail_bucket), bool),
                ("renormalize", lambda checked: int(checked[0].renormalize), bool),
-               ("temperature_scale", lambda _: int(temperature_scale), bool)),
+               ("temperature_scale", lambda _: int(bool(temperature_scale)), bool)),
         hint="every tensor-parallel rank must pass the same teacher top-k and loss_mask")
     kwargs = dict(tp_group=tp_group, mask=mask, vocab_size=vocab_size, temperature=temperature,
                   chunk_size=chunk_size, validate=validate)
@@ -227,7 +227,7 @@ def distillation_loss(
         student_lp = vocab_parallel_topk_logprobs(student, indices, **kwargs)
     else:
         student_lp = student(indices, **kwargs)
-    if host_checks_enabled(validate is True, indices.device):
+    if host_checks_enabled(validate, indices.device):
         # After the op: its checks made every rank agree on the ids and mask, so all raise alike.
         _check_distinct(indices, mask)
     per_token = topk_divergence(student_lp, teacher_lp, mask, divergence=cfg.divergence,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..ops import VocabStats, vocab_parallel_stats
 from ..ops.agreement import Field, checked_on_every_rank, tensor_checksum
-from ..ops.options import IGNORE_INDEX, MIN_TEMPERATURE, check_number
+from ..ops.options import IGNORE_INDEX, MIN_TEMPERATURE, check_bool, check_number
 from .inputs import _EVERY_RANK_HINT, LossOutput, _token_mask
 from .token import nll_loss, score_tokens
 
@@ -32,14 +32,14 @@ class StatsOptions:
     """How per-token statistics are computed from a model output (see :func:`token_stats`).
 
     The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name
-    and are validated there; the number fields also on construction (``TypeError`` /
-    ``ValueError`` naming the field, as the op's). ``validate`` defaults to False here (unlike
-    the op): its checks read tensor values on the host once per call, which a training step
-    should not pay; turn it on while debugging a data pipeline. ``batch_invariant`` (False,
-    True or ``"tp"``) is passed to a statistics callable only when set, so callables that
-    predate it keep working; so is
-    ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``, the backend of the unfused op and of
-    the fused LM head; only when not ``"auto"``).
+    and are validated there; the number fields and ``validate`` (a bool, numpy's too) also on
+    construction (``TypeError`` / ``ValueError`` naming the field, as the op's). ``validate``
+    defaults to False here (unlike the op): its checks read tensor values on the host once per
+    call, which a training step should not pay; turn it on while debugging a data pipeline.
+    ``batch_invariant`` (False, True or ``"tp"``) is passed to a statistics callable only when
+    set, so callables that predate it keep working; so is ``kernel`` (``"auto"``, ``"torch"``
+    or ``"triton"``, the backend of the unfused op and of the fused LM head; only when not
+    ``"auto"``).
 
     It is the one options object of the statistics: :func:`token_stats`, :func:`sft_loss` and
     :func:`logprobs_step` use it, and the Megatron settings build it
@@ -57,15 +57,17 @@ class StatsOptions:
     kernel: str = "auto"
 
     def __post_init__(self):
-        # The number fields by the ops' own checker (ops.options.check_number), at construction:
-        # an error names the field here rather than at the first loss call. The other fields
-        # are checked by the op.
+        # The number fields and validate by the ops' own checkers (ops.options.check_number,
+        # check_bool), at construction: an error names the field here rather than at the first
+        # loss call (validate is read before the op, by the losses' own cross-rank checks). The
+        # other fields are checked by the op.
         top = 2**63 - 1
         for name, rule in (("vocab_size", dict(integer=True, low=1, high=top, none_ok=True)),
                            ("chunk_size", dict(integer=True, low=1, high=top, none_ok=True)),
                            ("temperature", dict(low=MIN_TEMPERATURE)),
                            ("label_smoothing", dict(low=0.0, high=1.0, high_open=True))):
             object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
+        object.__setattr__(self, "validate", check_bool("validate", self.validate))
 
     def op_kwargs(self, **extra) -> dict[str, Any]:
         """These options as keyword arguments of the ops, plus ``extra`` (``tp_group``,
@@ -209,7 +211,8 @@ def token_loss(
         what ``loss_fn`` returns (:class:`LossOutput` for the losses here).
 
     Raises:
-        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, and what
+        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, ``non_loss_data`` not a
+            bool (a ``TypeError`` too), and what
             :func:`selected_tokens`, :func:`token_stats` and ``loss_fn`` raise. With
             ``options.validate`` under tensor parallelism these raise on every rank, and so do
             tensors of ``loss_inputs`` that differ across the ranks at counted tokens: two more
@@ -218,6 +221,7 @@ def token_loss(
             the others blocked. Without ``validate`` there is no exchange (no host sync), and
             such an error raises on its own rank only.
     """
+    non_loss_data = check_bool("non_loss_data", non_loss_data)
     loss_inputs = dict(loss_inputs or {})
     clash = sorted({"loss_mask", "entropy", "non_loss_data"} & loss_inputs.keys())
     if clash:
@@ -325,8 +329,10 @@ def logprobs_step(
         not scored.
 
     Raises:
-        ValueError: as :func:`token_stats` and :func:`score_tokens`.
+        ValueError: as :func:`token_stats` and :func:`score_tokens`; ``entropy`` or
+            ``non_loss_data`` not a bool (a ``TypeError`` too).
     """
+    entropy = check_bool("entropy", entropy)
     return token_loss(logits, labels, loss_mask, loss_fn=score_tokens, tp_group=tp_group,
                       options=StatsOptions(entropy="metric" if entropy else "off", **options),
                       non_loss_data=non_loss_data)

@@ -1,13 +1,14 @@
 """Per-token losses of one tensor of log-probs: :func:`nll_loss` (SFT) and :func:`score_tokens`
 (forward-only scoring). Pure functions of per-token tensors: no process groups, no host sync.
 
-May import: :mod:`.inputs` (and torch).
+May import: :mod:`.inputs`, ``megatron_vocabstats.ops.options`` (``check_bool``) and torch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops.options import check_bool
 from .inputs import (
     LossOutput,
     _compute_dtype,
@@ -74,8 +75,9 @@ def score_tokens(logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
         Megatron's ``train_step`` or ``evaluate``. Run it under ``torch.no_grad()``.
 
     Raises:
-        ValueError: as :func:`nll_loss`.
+        ValueError: as :func:`nll_loss`; ``non_loss_data`` not a bool (a ``TypeError`` too).
     """
+    non_loss_data = check_bool("non_loss_data", non_loss_data)
     mask = _per_token_inputs(logprobs, loss_mask, entropy=entropy)
     dtype = _compute_dtype(logprobs)
     scores = {"logprobs": _masked(logprobs.detach(), mask, dtype)}

@@ -17,9 +17,15 @@ from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
 from ..ops.kernels import KERNEL_CHOICES
-from ..ops.options import ENTROPY_MODES, check_batch_invariant, check_choice, check_number
+from ..ops.options import (
+    ENTROPY_MODES,
+    check_batch_invariant,
+    check_bool,
+    check_choice,
+    check_number,
+)
 from ..ops.sampling import sampler_problem
-from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection
+from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection, correction_bounds
 
 # The rollout-correction modes of the settings and the --rollout-correction flag: "none" = off.
 ROLLOUT_CORRECTION_MODES = ("none", *ROLLOUT_MODES)
@@ -99,8 +105,7 @@ class PluginSettings:
 
     def __post_init__(self):
         for name in ("active", "validate", "require_fused_lm_head"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         # The one checker of number-like options (numpy numbers accepted; bools, NaN, +-inf and
         # out-of-range values, huge ints included, refused naming the field); values stored as
         # Python numbers.
@@ -147,11 +152,15 @@ class PluginSettings:
                     raise ValueError(f"rollout_correction_{name} needs a rollout_correction_mode"
                                      f" (got 'none')")
             return
-        try:
-            self.rollout_correction()
-        except ValueError as exc:
-            raise ValueError(f"rollout_correction_mode={self.rollout_correction_mode!r}: "
-                             f"{exc}") from None
+        # The checks of RolloutCorrection, naming these fields (rollout_correction_threshold,
+        # not threshold); the given bounds stored as floats, unset ones left None.
+        bounds = correction_bounds(
+            self.rollout_correction_mode, self.rollout_correction_level,
+            self.rollout_correction_threshold, self.rollout_correction_low,
+            self.rollout_correction_high, prefix="rollout_correction_")
+        for name, value in zip(("threshold", "low", "high"), bounds):
+            if getattr(self, f"rollout_correction_{name}") is not None:
+                object.__setattr__(self, f"rollout_correction_{name}", value)
 
     def stats_options(self, *, fused: bool = False) -> StatsOptions:
         """The :class:`~megatron_vocabstats.StatsOptions` of the patched loss path: the chunking

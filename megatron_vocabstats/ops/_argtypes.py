@@ -3,8 +3,9 @@
 Lives here: :class:`InputTypeError` (a ``TypeError`` that is also a ``ValueError``), the one
 checker of number-like options (:func:`check_number`, and :func:`number_problem`, its message
 without raising, which the Megatron flag types use), its shorthands :func:`check_integer` and
-:func:`check_real`, :func:`check_choice` and :func:`check_int64` (an int that must fit the int64
-columns of the cross-rank check exchange). The bottom of ``ops/``: imports nothing of the
+:func:`check_real`, :func:`check_choice`, :func:`check_int64` (an int that must fit the int64
+columns of the cross-rank check exchange) and the one checker of bool options
+(:func:`check_bool`, :func:`bool_error`). The bottom of ``ops/``: imports nothing of the
 package (only the standard library), so every other module, :mod:`._comm` included, and every
 package above ``ops/`` (losses, rollout, distillation, packing, settings, flags, command lines)
 may import it.
@@ -140,6 +141,27 @@ def check_int64(name: str, value) -> int:
     if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
         raise ValueError(f"{name}={_shown(value)} does not fit int64")
     return value
+
+
+def bool_error(name: str, value) -> InputTypeError | None:
+    """The error of :func:`check_bool` for ``value`` (not raised), or None for a Python bool or
+    numpy's ``bool_``: for checks that collect a rank's first problem before raising."""
+    kind = type(value)
+    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool",
+                                                                                 "bool_")):
+        return None
+    return InputTypeError(f"{name} must be a bool, got {_shown(value)} ({kind.__name__})")
+
+
+def check_bool(name: str, value) -> bool:
+    """The one checker of bool options: ``value`` as a Python bool if it is one or numpy's
+    ``bool_``; anything else (0 and 1 included, a tensor, a string, None) raises
+    :class:`InputTypeError` (also a ``ValueError``) naming ``name``: ``"<name> must be a bool,
+    got <value> (<type>)"``, a huge int cut short."""
+    error = bool_error(name, value)
+    if error is not None:
+        raise error
+    return bool(value)
 
 
 def check_choice(name: str, value, choices: tuple) -> None:

@@ -38,6 +38,8 @@ from . import _comm
 from ._argtypes import INT64_RANGE as _INT64
 from ._argtypes import (
     InputTypeError,
+    bool_error,
+    check_bool,
     check_choice,
     check_int64,
     check_integer,
@@ -97,7 +99,9 @@ __all__ = [
     "agree_across_ranks",
     "auto_chunk_size",
     "bits_float",
+    "bool_error",
     "check_batch_invariant",
+    "check_bool",
     "check_contiguous",
     "check_finite",
     "check_integer",
@@ -180,8 +184,7 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
     if logits.shape[-1] == 0:
         raise ValueError(f"logits: the vocabulary dimension (last) is empty (shape "
                          f"{tuple(logits.shape)}): every rank must hold a non-empty shard")
-    if not isinstance(validate, bool):
-        raise InputTypeError(f"validate must be a bool, got {validate!r}")
+    validate = check_bool("validate", validate)
     if target is not None:
         if not isinstance(target, torch.Tensor):
             raise InputTypeError(f"target must be an int64 tensor, got {type(target).__name__}")

@@ -19,7 +19,14 @@ import dataclasses
 import torch
 
 from . import _comm
-from ._checks import LOGITS_DTYPES, Field, LogitsSpec, checked_config, tensor_checksum
+from ._checks import (
+    LOGITS_DTYPES,
+    Field,
+    LogitsSpec,
+    bool_error,
+    checked_config,
+    tensor_checksum,
+)
 from .engine import LinearStatsConfig, auto_linear_chunk_size
 
 
@@ -88,17 +95,15 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
             return ValueError("entropy='grad' cannot be combined with grad_weights (the "
                               "forward-gradient mode serves log-prob losses only): pass "
                               "entropy='off' or 'metric'")
-    if not isinstance(sequence_parallel, bool):
-        return ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-    if not isinstance(partial_hidden_grad, bool):
-        return ValueError(f"partial_hidden_grad must be a bool, got {partial_hidden_grad!r}")
+    for name, value in (("sequence_parallel", sequence_parallel),
+                        ("partial_hidden_grad", partial_hidden_grad),
+                        ("accumulate_into_main_grad", accumulate_into_main_grad)):
+        if bool_error(name, value) is not None:
+            return bool_error(name, value)
     if partial_hidden_grad and sequence_parallel:
         return ValueError("partial_hidden_grad=True cannot be combined with sequence_parallel=True "
                           "(the gather of hidden happens inside, so its reduce-scatter must "
                           "too): gather the sequence yourself and pass it whole")
-    if not isinstance(accumulate_into_main_grad, bool):
-        return ValueError(f"accumulate_into_main_grad must be a bool, got "
-                          f"{accumulate_into_main_grad!r}")
     if accumulate_into_main_grad:
         main_grad = getattr(weight, "main_grad", None)
         if (not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape
@@ -155,6 +160,9 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     auto = chunk_size is None and problem is None
     if problem is None:
         problem = _argmax_problem(argmax, grad_weights)
+    if problem is None:  # numpy's bool_ taken as a Python bool from here on
+        sequence_parallel, accumulate_into_main_grad, partial_hidden_grad, argmax = map(
+            bool, (sequence_parallel, accumulate_into_main_grad, partial_hidden_grad, argmax))
     grad_on = differentiable and torch.is_grad_enabled()
     grad_hidden = grad_on and isinstance(hidden, torch.Tensor) and hidden.requires_grad
     grad_weight = grad_on and isinstance(weight, torch.Tensor) and weight.requires_grad
@@ -203,8 +211,8 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
 
 
 def _argmax_problem(argmax, grad_weights) -> ValueError | None:
-    if not isinstance(argmax, bool):
-        return ValueError(f"return_argmax must be a bool, got {argmax!r}")
+    if bool_error("return_argmax", argmax) is not None:
+        return bool_error("return_argmax", argmax)
     if argmax and grad_weights is not None:
         return ValueError("return_argmax=True cannot be combined with grad_weights (the "
                           "forward-gradient mode merges its statistics chunk by chunk)")

@@ -9,7 +9,8 @@ the keyword sets the op wrappers take as ``**options`` (:class:`ShardKwargs` and
 up to :class:`VocabStatsKwargs`, ``TypedDict`` s for ``Unpack``) and :class:`StatsConfig`, the
 frozen options of one call (built by ``_checks.checked_config``), and, public here for the
 packages above, the checkers of options (:func:`check_choice`, :func:`check_number`: the one
-checker of number-like options, and its message :func:`number_problem`, from :mod:`._argtypes`).
+checker of number-like options, and its message :func:`number_problem`; :func:`check_bool`, the
+one checker of bool options, and its error :func:`bool_error`; from :mod:`._argtypes`).
 May import :mod:`._argtypes` and :mod:`._layout` only (and torch).
 """
 
@@ -20,7 +21,14 @@ from typing import TypedDict
 
 import torch
 
-from ._argtypes import check_choice, check_number, number_problem  # noqa: F401 - public here
+from ._argtypes import (  # noqa: F401 - public here
+    _shown,
+    bool_error,
+    check_bool,
+    check_choice,
+    check_number,
+    number_problem,
+)
 from ._layout import BLOCK, ShardLayout
 
 # Floor of the log-probabilities the gradients exponentiate, below the log of the smallest
@@ -59,14 +67,14 @@ MIN_TEMPERATURE = 1.0 / FP32_MAX
 
 
 def check_batch_invariant(value) -> bool | str:
-    """``value`` as one of False, True, ``"tp"`` (``"off"``/``"batch"`` map to False/True), else
-    ``ValueError``."""
-    if value is True or value is False:
-        return value
+    """``value`` as one of False, True (numpy's ``bool_`` too), ``"tp"`` (``"off"``/``"batch"``
+    map to False/True), else ``ValueError``."""
+    if bool_error("batch_invariant", value) is None:
+        return bool(value)
     if isinstance(value, str) and value in BATCH_INVARIANT_NAMES:
         return BATCH_INVARIANT_NAMES[value]
     raise ValueError(f"batch_invariant must be False, True or 'tp' (or 'off', 'batch'), "
-                     f"got {value!r}")
+                     f"got {_shown(value)}")
 
 
 def batch_invariant_mode(value, width: int, tp: int, even: bool = True):

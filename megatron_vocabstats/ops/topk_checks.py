@@ -17,7 +17,14 @@ import numbers
 import torch
 
 from . import _comm
-from ._checks import Field, InputTypeError, check_number, checked_config, host_checks_enabled
+from ._checks import (
+    Field,
+    InputTypeError,
+    check_bool,
+    check_number,
+    checked_config,
+    host_checks_enabled,
+)
 from .agreement import target_checksum
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -114,7 +121,8 @@ def picked_config(logits, indices, mask, tp_group, *, vocab_size=None, validate=
         try:
             problem = index_problem(indices, mask, logits.shape[:-1], logits.device,
                                     real_vocab(logits.shape[-1], tp_group, vocab_size),
-                                    host_checks_enabled(validate is True, logits.device))
+                                    host_checks_enabled(check_bool("validate", validate),
+                                                        logits.device))
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the core exchange
             problem = exc
     cfg = checked_config(logits, None, tp_group, local_error=problem,

@@ -29,7 +29,7 @@ from ._checks import (
     host_checks_enabled,
 )
 from ._math import finite_lse, grad_coefficients, merge_stats
-from .options import VocabStatsKwargs, check_keywords
+from .options import VocabStatsKwargs, check_bool, check_keywords
 
 # Moved to the engine (ops.engine); still importable from here.
 flatten_target = engine.flatten_target
@@ -295,11 +295,13 @@ def vocab_parallel_entropy(
     """Per-token entropy ``-sum_j p_j log p_j`` (fp32, nats, shaped like ``logits.shape[:-1]``).
 
     Exact (``H = logZ - E_p[z]``, no sampling), from the shard ``[..., W]`` without gathering it.
-    ``differentiable=False`` is the ``"metric"`` mode: no gradient and nothing saved for one.
+    ``differentiable=False`` is the ``"metric"`` mode: no gradient and nothing saved for one;
+    a ``differentiable`` that is not a bool raises a ``TypeError`` (also a ``ValueError``).
     Keywords (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), errors and communication
     as in :func:`vocab_parallel_stats` (no target).
     """
     check_keywords("vocab_parallel_entropy", options, VocabStatsKwargs)
+    differentiable = check_bool("differentiable", differentiable)
     return vocab_parallel_stats(logits, None, tp_group=tp_group,
                                 entropy="grad" if differentiable else "metric",
                                 **options).entropy

@@ -18,7 +18,9 @@ Everything is computed with tensor ops (``searchsorted`` over the cumulative len
 ``arange < lengths``): no Python loop over sequences or rows, no ``.item()``/``.tolist()``, no
 data-dependent shape. The one exception is ``validate=True`` (the default, as in the ops): its
 value checks read a few numbers on the host. Pass ``validate=False`` in hot or graph-captured code
-(the checks are skipped anyway while a CUDA graph is being captured);
+(the checks are skipped anyway while a CUDA graph is being captured). Every function refuses a
+``validate`` (and any other bool option) that is not a bool, naming it (``ops.options.check_bool``:
+a ``TypeError`` that is also a ``ValueError``).
 
 Layout (each module says what it may import; none imports ``megatron_vocabstats.megatron``):
 :mod:`.checks` (argument and cumulative-length checks), :mod:`.layout` (``PackedBatch``,

@@ -3,18 +3,21 @@
 dimension and fill values that the target dtype holds.
 
 May import: ``megatron_vocabstats.ops.agreement`` (``host_checks_enabled``),
-``megatron_vocabstats.ops.options`` (``check_number``, the one checker of number-like options)
-and torch only.
+``megatron_vocabstats.ops.options`` (``check_number`` and ``check_bool``, the one checkers of
+number-like and bool options) and torch only.
 """
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ..ops.agreement import host_checks_enabled
-from ..ops.options import check_number, number_problem  # noqa: F401 - the siblings' too
+from ..ops.options import (  # noqa: F401 - the siblings' too
+    bool_error,
+    check_bool,
+    check_number,
+    number_problem,
+)
 
 INT64_MAX = 2**63 - 1
 
@@ -109,10 +112,10 @@ def _fill_value(name: str, value, dtype: torch.dtype) -> int | float | bool:
     """``value`` (a pad id, ``ignore_index``, a padding value) as a number that ``dtype`` holds,
     else ``ValueError`` naming ``name`` (torch would wrap or truncate it: -100 to 156 in uint8,
     -0.5 to 0 in int64)."""
-    if dtype == torch.bool:
-        if not (isinstance(value, numbers.Integral) and value in (0, 1)):
-            raise ValueError(f"{name} must be a bool for bool values, got {value!r}")
-        return bool(value)
+    if dtype == torch.bool:  # a bool, or the int 0 or 1
+        if bool_error(name, value) is None:
+            return bool(value)
+        return bool(check_number(f"{name} (for bool values)", value, integer=True, low=0, high=1))
     if dtype.is_floating_point:
         top = torch.finfo(dtype).max
         return check_number(f"{name} (for {dtype} values)", value, low=-top, high=top,

@@ -26,6 +26,7 @@ from .checks import (
     _cumulative,
     _positive_int,
     _seq_dim,
+    check_bool,
     check_number,
 )
 from .layout import PackedBatch
@@ -91,6 +92,7 @@ def context_parallel_indices(cu_seqlens_padded: torch.Tensor | None, total_token
             ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or a sequence
             whose padded length is not a multiple of ``2 * cp_size`` (naming it).
     """
+    validate = check_bool("validate", validate)
     cp = _positive_int(cp_size, "cp_size")
     cp_rank = check_number("cp_rank", cp_rank, integer=True, low=0, high=cp, high_open=True)
     total_tokens = _count(total_tokens, "total_tokens", low=0)
@@ -140,6 +142,7 @@ def shard_for_context_parallel(
             ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or a sequence
             not padded to a multiple of ``2 * cp`` (naming ``cu_seqlens_padded``).
     """
+    validate = check_bool("validate", validate)
     rank, cp = group_rank_size(cp_group)
     if isinstance(x, PackedBatch):
         if cu_seqlens_padded is not None:
@@ -232,6 +235,7 @@ def gather_from_context_parallel(
             with ``validate``, bad ``cu_seqlens_padded`` (as in :func:`context_parallel_indices`)
             or shards that differ across ranks, on all ranks.
     """
+    validate = check_bool("validate", validate)
     rank, cp = group_rank_size(cp_group)
     if cp == 1:
         _seq_dim(x, dim)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..ops.options import IGNORE_INDEX
-from .checks import _cu_pair, _fill_value, _is_int_tensor, _positive_int
+from .checks import _cu_pair, _fill_value, _is_int_tensor, _positive_int, check_bool
 
 # ----------------------------------------------------------------------------- alignment
 
@@ -53,8 +53,7 @@ def sequence_alignment(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bo
     cp = _positive_int(cp_size, "cp_size")
     tp = _positive_int(tp_size, "tp_size")
     fp8 = _positive_int(fp8_multiple, "fp8_multiple")
-    if not isinstance(sequence_parallel, bool):
-        raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+    sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
     shard = cp * (tp if sequence_parallel else 1) * fp8
     return math.lcm(2 * cp if cp > 1 else 1, shard)
 
@@ -138,6 +137,7 @@ def shift_packed_labels(
             ``validate``, ``cu_seqlens``/``cu_seqlens_padded`` not starting at 0, decreasing, not
             ending at T, or a sequence longer than its padded length.
     """
+    validate = check_bool("validate", validate)
     if not _is_int_tensor(tokens) or tokens.dim() not in (1, 2) or (
             tokens.dim() == 2 and tokens.shape[0] != 1):
         got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)

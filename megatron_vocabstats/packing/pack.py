@@ -24,6 +24,7 @@ from .checks import (
     _is_int_tensor,
     _positive_int,
     _round_up,
+    check_bool,
     number_problem,
 )
 from .layout import PackedBatch, _segments, _shift
@@ -133,8 +134,11 @@ def pack_sequences(
             shape, device or dtype, lengths outside ``[0, S]`` (a tensor: with ``validate``), a
             non-positive ``alignment``, ``total_length`` not a multiple of ``alignment`` or smaller
             than the packed length (a tensor: with ``validate``), a ``pad_token_id`` or
-            ``ignore_index`` that is not an int or does not fit the token dtype.
+            ``ignore_index`` that is not an int or does not fit the token dtype, ``seq_params``
+            or ``validate`` not a bool.
     """
+    seq_params = check_bool("seq_params", seq_params)
+    validate = check_bool("validate", validate)
     alignment = _positive_int(alignment, "alignment")
     if total_length is not None:
         total_length = _count(total_length, "total_length", low=0)
@@ -223,9 +227,12 @@ def make_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Te
         packing itself does not need Megatron).
 
     Raises:
-        Nothing of its own; the values are passed through unchecked (:func:`pack_sequences`
-        builds them consistent).
+        ValueError: ``pad_between_seqs`` neither a bool nor None (naming it). The tensors and
+        ``max_seqlen`` are passed through unchecked (:func:`pack_sequences` builds them
+        consistent).
     """
+    if pad_between_seqs is not None:
+        pad_between_seqs = check_bool("pad_between_seqs", pad_between_seqs)
     cls = packed_seq_params_class()
     if cls is None:
         return None

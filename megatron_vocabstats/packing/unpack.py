@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.agreement import host_checks_enabled
-from .checks import _count, _cu_pair, _fill_value, _seq_dim
+from .checks import _count, _cu_pair, _fill_value, _seq_dim, check_bool
 
 
 def unpack_sequences(
@@ -53,6 +53,7 @@ def unpack_sequences(
             lengths not starting at 0, decreasing, not ending at T, a sequence longer than its
             padded length or than ``max_seqlen``.
     """
+    validate = check_bool("validate", validate)
     dim = _seq_dim(values, dim, "values")
     padding_value = _fill_value("padding_value", padding_value, values.dtype)
     max_seqlen = _count(max_seqlen, "max_seqlen", low=0)

@@ -11,6 +11,7 @@ from .correction import (  # noqa: F401 - re-exported (__all__ below)
     ROLLOUT_MODES,
     CorrectionWeights,
     RolloutCorrection,
+    correction_bounds,
     correction_weights,
     invalid_log_ratios,
 )

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.agreement import host_checks_enabled
-from ..ops.options import check_choice, check_number
+from ..ops.options import check_bool, check_choice, check_number
 
 __all__ = [
     "ROLLOUT_LEVELS",
@@ -63,6 +63,7 @@ __all__ = [
     "RATIO_QUANTILES",
     "CorrectionWeights",
     "RolloutCorrection",
+    "correction_bounds",
     "correction_weights",
     "invalid_log_ratios",
 ]
@@ -80,6 +81,43 @@ _FLAG_NAMES = ("truncated", "masked")
 
 def _positive(name: str, value) -> float:
     return check_number(name, value, low=0.0, low_open=True)
+
+
+def correction_bounds(mode: str, level: str, threshold=None, low=None, high=None, *,
+                      prefix: str = "") -> tuple[float | None, float | None, float | None]:
+    """The checks of :class:`RolloutCorrection`'s fields (see there): its ``(threshold, low,
+    high)``, floats with the mode's defaults filled (None where the mode takes no such field).
+    Every error names the fields as ``prefix`` + their name (the Megatron settings pass
+    ``"rollout_correction_"``, their fields' names)."""
+    p = prefix
+    check_choice(f"{p}mode", mode, ROLLOUT_MODES)
+    check_choice(f"{p}level", level, ROLLOUT_LEVELS)
+    if mode == "icepop" and level != "token":
+        raise ValueError(f"{p}level must be 'token' for {p}mode='icepop' (IcePop masks single "
+                         f"tokens); use {p}mode='mis', {p}level='sequence' to drop whole rows")
+    if mode == "tis":
+        for name, value in (("low", low), ("high", high)):
+            if value is not None:
+                raise ValueError(f"{p}{name} applies to {p}mode 'mis' and 'icepop'; {p}mode='tis'"
+                                 f" takes {p}threshold (leave {p}{name} None)")
+        return _positive(f"{p}threshold", _DEFAULTS["tis"][0] if threshold is None
+                         else threshold), None, None
+    if threshold is not None:
+        raise ValueError(f"{p}threshold applies to {p}mode='tis'; {p}mode={mode!r} takes {p}low "
+                         f"and {p}high (leave {p}threshold None)")
+    _, default_low, default_high = _DEFAULTS[mode]
+    high = _positive(f"{p}high", default_high if high is None else high)
+    low = _positive(f"{p}low", (default_low if default_low is not None else 1.0 / high)
+                    if low is None else low)
+    if low >= high:
+        raise ValueError(f"{p}low must be < {p}high, got {p}low={low!r}, {p}high={high!r}")
+    if low > 1.0:
+        raise ValueError(f"{p}low must be <= 1 (the band must keep tokens without mismatch), "
+                         f"got {low!r}")
+    if high < 1.0:
+        raise ValueError(f"{p}high must be >= 1 (the band must keep tokens without mismatch), "
+                         f"got {high!r}")
+    return None, low, high
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,41 +155,10 @@ class RolloutCorrection:
     validate: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.validate, bool):
-            raise ValueError(f"validate must be a bool, got {self.validate!r}")
-        check_choice("mode", self.mode, ROLLOUT_MODES)
-        check_choice("level", self.level, ROLLOUT_LEVELS)
-        if self.mode == "icepop" and self.level != "token":
-            raise ValueError("level must be 'token' for mode='icepop' (IcePop masks single "
-                             "tokens); use mode='mis', level='sequence' to drop whole rows")
-        if self.mode == "tis":
-            for name in ("low", "high"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} applies to mode 'mis' and 'icepop'; mode='tis' "
-                                     f"takes threshold, got {name}={getattr(self, name)!r}")
-            if self.threshold is None:
-                object.__setattr__(self, "threshold", _DEFAULTS["tis"][0])
-            object.__setattr__(self, "threshold", _positive("threshold", self.threshold))
-            return
-        if self.threshold is not None:
-            raise ValueError(f"threshold applies to mode='tis'; mode={self.mode!r} takes low and "
-                             f"high, got threshold={self.threshold!r}")
-        _, default_low, default_high = _DEFAULTS[self.mode]
-        if self.high is None:
-            object.__setattr__(self, "high", default_high)
-        object.__setattr__(self, "high", _positive("high", self.high))
-        if self.low is None:
-            object.__setattr__(self, "low", default_low if default_low is not None
-                               else 1.0 / self.high)
-        object.__setattr__(self, "low", _positive("low", self.low))
-        if self.low >= self.high:
-            raise ValueError(f"low must be < high, got low={self.low!r}, high={self.high!r}")
-        if self.low > 1.0:
-            raise ValueError(f"low must be <= 1 (the band must keep tokens without mismatch), "
-                             f"got {self.low!r}")
-        if self.high < 1.0:
-            raise ValueError(f"high must be >= 1 (the band must keep tokens without mismatch), "
-                             f"got {self.high!r}")
+        object.__setattr__(self, "validate", check_bool("validate", self.validate))
+        bounds = correction_bounds(self.mode, self.level, self.threshold, self.low, self.high)
+        for name, value in zip(("threshold", "low", "high"), bounds):
+            object.__setattr__(self, name, value)
 
     @property
     def flag_name(self) -> str:

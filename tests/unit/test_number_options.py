@@ -10,6 +10,7 @@ refused at tp > 1.
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -268,3 +269,44 @@ def test_every_flag_type_refuses_through_the_checker(flag):
 def test_settings_take_vllms_minus_one_as_off():
     assert settings.PluginSettings(rollout_top_k=-1).rollout_top_k is None
     assert settings.PluginSettings(rollout_top_k=np.int64(5)).rollout_top_k == 5
+
+
+@pytest.mark.parametrize("fields", [
+    dict(rollout_correction_mode="tis", rollout_correction_threshold=HUGE),
+    dict(rollout_correction_mode="tis", rollout_correction_threshold=-1.0),
+    dict(rollout_correction_mode="tis", rollout_correction_threshold="2"),
+    dict(rollout_correction_mode="tis", rollout_correction_threshold=True),
+    dict(rollout_correction_mode="tis", rollout_correction_low=0.5),
+    dict(rollout_correction_mode="mis", rollout_correction_threshold=2.0),
+    dict(rollout_correction_mode="mis", rollout_correction_low=math.nan),
+    dict(rollout_correction_mode="mis", rollout_correction_low=HUGE),
+    dict(rollout_correction_mode="icepop", rollout_correction_high=np.bool_(True)),
+    dict(rollout_correction_mode="icepop", rollout_correction_low=3.0,
+         rollout_correction_high=2.0),
+    dict(rollout_correction_mode="mis", rollout_correction_low=1.5, rollout_correction_high=4.0),
+    dict(rollout_correction_mode="mis", rollout_correction_high=0.9),
+    dict(rollout_correction_mode="icepop", rollout_correction_level="sequence"),
+], ids=lambda f: ",".join(f"{k[19:] or k}={str(v)[:8]}" for k, v in f.items()))
+def test_settings_rollout_errors_name_the_settings_fields(fields):
+    """Review of issue 24: ``PluginSettings`` passed its rollout-correction fields to
+    ``RolloutCorrection`` and its errors named that class's fields (``threshold``, ``low``,
+    ``high``), not the settings' (``rollout_correction_threshold``, ...). Every field the message
+    names is now a settings field; a huge int is cut short."""
+    with pytest.raises(ValueError) as info:
+        settings.PluginSettings(**fields)
+    message = str(info.value)
+    assert message.startswith("rollout_correction_"), message
+    bare = re.findall(r"(?<![\w'])(threshold|low|high|level|mode)\b", message)
+    assert not bare, f"names {bare} without the settings' prefix: {message}"
+    assert len(message) < 300
+
+
+def test_settings_store_the_checked_rollout_bounds():
+    s = settings.PluginSettings(rollout_correction_mode="mis", rollout_correction_low=np.float32(
+        0.25), rollout_correction_high=4)
+    assert (s.rollout_correction_low, s.rollout_correction_high) == (0.25, 4.0)
+    assert type(s.rollout_correction_high) is float and s.rollout_correction_threshold is None
+    assert s.rollout_correction() == mv.RolloutCorrection(mode="mis", low=0.25, high=4.0,
+                                                          validate=True)
+    assert settings.PluginSettings(rollout_correction_mode="tis").rollout_correction_threshold \
+        is None  # unset: the mode's default, filled by RolloutCorrection
