@@ -98,8 +98,8 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
     for name, value in (("sequence_parallel", sequence_parallel),
                         ("partial_hidden_grad", partial_hidden_grad),
                         ("accumulate_into_main_grad", accumulate_into_main_grad)):
-        if bool_error(name, value) is not None:
-            return bool_error(name, value)
+        if (error := bool_error(name, value)) is not None:
+            return error
     if partial_hidden_grad and sequence_parallel:
         return ValueError("partial_hidden_grad=True cannot be combined with sequence_parallel=True "
                           "(the gather of hidden happens inside, so its reduce-scatter must "
@@ -211,8 +211,8 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
 
 
 def _argmax_problem(argmax, grad_weights) -> ValueError | None:
-    if bool_error("return_argmax", argmax) is not None:
-        return bool_error("return_argmax", argmax)
+    if (error := bool_error("return_argmax", argmax)) is not None:
+        return error
     if argmax and grad_weights is not None:
         return ValueError("return_argmax=True cannot be combined with grad_weights (the "
                           "forward-gradient mode merges its statistics chunk by chunk)")
