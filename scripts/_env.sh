@@ -47,10 +47,14 @@ _vs_find_python() {
 # pip with quiet output; drops the machine-local 'Location ... is ignored'
 # warnings (from extra-index-url config), keeps everything else, and keeps
 # pip's exit status (pipefail).
+#
+# The requirement files pin exact versions; an ambient pip constraints file (pip config
+# `global.constraint`, or PIP_CONSTRAINT) must not change a pin behind our back (this machine's
+# config caps torch at 2.14.1, below the primary venv's pin), so pip runs here without one.
 _vs_pip() {
     local py="$1"
     shift
-    "$py" -m pip "$@" 2>&1 | { grep -v -E "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" || true; }
+    PIP_CONSTRAINT=/dev/null "$py" -m pip "$@" 2>&1 | { grep -v -E "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$" || true; }
 }
 
 ensure_venv() {
@@ -101,6 +105,12 @@ ensure_venv() {
     fi
 
     echo "ensure_venv: installing $req into $dir" >&2
+    local ambient=""
+    ambient="$("$py" -m pip config get global.constraint 2>/dev/null || true)"
+    [[ -n "${PIP_CONSTRAINT:-}" ]] && ambient="${ambient:+$ambient }$PIP_CONSTRAINT"
+    if [[ -n "$ambient" ]]; then
+        echo "ensure_venv: not applying the ambient pip constraints ($ambient): $req pins exact versions" >&2
+    fi
     t0=$SECONDS
     rm -f -- "$stamp"
     _vs_pip "$py" install -q -r "$req"
