@@ -83,3 +83,35 @@ def check_case(script: str, nproc: int, name: str) -> None:
         pytest.fail("\n".join(failures), pytrace=False)
     if all(res.startswith("skip") for res in per_rank):
         pytest.skip(per_rank[0][len("skip: "):])
+
+
+# The test files whose outcome can change with the version of Python, torch, Triton or
+# megatron-core, with the reason: every leg of scripts/test.sh runs them (`-m versioned`). The
+# other files test the package's own arithmetic, checks and bookkeeping through torch operations
+# whose results the float64 references bound on any torch; they run once, on the primary leg.
+VERSIONED = {
+    "test_versions.py": "the supported-versions table against the running versions",
+    "test_env.py": "the environment report reads the running versions",
+    "test_announce.py": "the log line and its out-of-range warnings name the running versions",
+    "test_wheel.py": "build, install and import the wheel with the leg's Python and pip",
+    "test_triton_kernels.py": "Triton's CPU interpreter and the sm_90 compile of every launched "
+                              "variant with the leg's Triton",
+    "test_batch_invariant.py": "bitwise batch invariance with the leg's torch and Triton",
+    "test_batch_invariant_dist.py": "bitwise batch invariance across gloo ranks",
+    "test_tracing.py": "make_fx and torch.compile change with torch",
+    "test_deferred_logits.py": "__torch_function__ and tensor protocol dispatch change with torch",
+    "test_vocab_parallel.py": "the core op's autograd (strides of incoming gradients) per torch",
+    "test_fused_linear.py": "the fused head's autograd and GEMM dtypes per torch",
+    "test_extreme_logits.py": "fp16/bf16/inf edge values through the leg's torch kernels",
+    "test_workspace.py": "buffer reuse relies on torch's tensor versioning and streams API",
+    "test_verl.py": "verl's real module code on the leg's torch (verl pins torch 2.11)",
+    "test_verl_dist.py": "verl's real module code on gloo ranks",
+    "test_megatron_import.py": "the patch's lookup of Megatron's names on the leg's Python",
+    "test_megatron_patch.py": "the patch binds to Megatron's signatures (inspect per Python)",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in VERSIONED:
+            item.add_marker(pytest.mark.versioned)
