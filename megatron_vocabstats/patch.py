@@ -3,12 +3,12 @@
 It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path reaches:
 ``GPTModel``, ``HybridModel`` and the MTP layers call it through ``self``) with the exact, chunked
 vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes the loss straight from the
-hidden states without materialising the logits: ``GPTModel``'s (through ``forward``'s
-``output_processor`` on 0.18+, through ``_postprocess`` on 0.16-0.17), ``HybridModel``'s (through
+hidden states without materialising the logits: ``GPTModel``'s (through the
+``output_processor`` of ``forward`` and ``build_schedule_plan`` on 0.18+, through ``_postprocess``
+on 0.16-0.17, which the schedule plan's postprocess node calls too), ``HybridModel``'s (through
 ``forward``, 0.18+; ``MambaModel``'s on 0.16-0.17; skipped, with the reason logged, where the
-release has neither) and every MTP
-depth's (through ``process_mtp_loss``, in each module that binds it, 0.17+; 0.16's inline MTP
-loss goes through ``_postprocess``); it makes
+release has neither) and every MTP depth's (through ``process_mtp_loss``, in each module that
+binds it, 0.17+; 0.16's inline MTP loss goes through ``_postprocess``); it makes
 ``FullCudaGraphWrapper.reset_cuda_graph`` also drop the ops' cached workspace
 (:func:`~megatron_vocabstats.ops.workspace.reset_workspace`); it adds the
 ``--vocab-parallel-stats`` flag family to Megatron's parser and runs the config hook before
@@ -62,6 +62,14 @@ def _targets():
          "LanguageModule.compute_language_model_loss"),
         (gpt_model, hook, factory, f"GPTModel.{hook} (fused LM head when lm_head_chunk_size > 0)"),
     ]
+    if hook == "forward" and hasattr(gpt_model, "build_schedule_plan"):
+        # --overlap-moe-expert-parallel-comm: forward_step builds a schedule plan instead of
+        # calling forward (0.16-0.17: its postprocess node calls the patched _postprocess)
+        plan = (model.make_gpt_forward if compat.has_output_processor(gpt_model,
+                                                                      "build_schedule_plan")
+                else model.make_unfused_schedule_plan)
+        targets.append((gpt_model, "build_schedule_plan", plan,
+                        "GPTModel.build_schedule_plan (fused LM head when lm_head_chunk_size > 0)"))
     hybrid_model = compat.hybrid_model_class()
     if hybrid_model is not None:
         targets.append((hybrid_model, "forward", model.make_deferred_head,

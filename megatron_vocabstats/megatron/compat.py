@@ -137,9 +137,10 @@ def mtp_loss_bindings() -> list:
     return bindings
 
 
-def has_output_processor(model_cls) -> bool:
-    """True where ``forward`` takes ``output_processor`` (megatron-core 0.18+)."""
-    return "output_processor" in inspect.signature(model_cls.forward).parameters
+def has_output_processor(model_cls, method: str = "forward") -> bool:
+    """True where ``method`` (``forward``, ``build_schedule_plan``) takes ``output_processor``
+    (megatron-core 0.18+)."""
+    return "output_processor" in inspect.signature(getattr(model_cls, method)).parameters
 
 
 def training_module(name: str):

@@ -14,10 +14,12 @@ the fused head cannot stand in for Megatron's output layer.
   layer's forward pre-hooks and hooks run, as on Megatron's own call).
 * :func:`not_fused_reasons` / :func:`fused_or_report`: where the fused head would not reproduce
   Megatron's output layer (a bias; no tp reduction of the input gradient; a deferred weight
-  gradient), Megatron's own path runs, and the reason is logged once on rank 0, or raised with
+  gradient; GTP weight sharding; an fp32 logit dtype; Megatron's 'linear' cross-entropy fusion),
+  Megatron's own path runs, and the reason is logged once on rank 0, or raised with
   ``PluginSettings.require_fused_lm_head`` [--require-fused-lm-head].
 
-May import: :mod:`.settings`, :mod:`.compat`, the standard library and torch.
+May import: :mod:`.settings`, :mod:`.compat`, the standard library, torch and, lazily,
+megatron.core.
 """
 
 from __future__ import annotations
@@ -193,11 +195,34 @@ def deferred_call(layer, hidden: torch.Tensor, weight: torch.Tensor | None = Non
     return logits
 
 
-def not_fused_reasons(output_layer, config, *, deferred: bool = False) -> tuple[str, ...]:
+def _is_gtp_shard(weight) -> bool:
+    """True if ``weight`` is a GTP weight-remat shard (megatron-core 0.19+'s ``is_gtp_param``;
+    the tag it reads where that function is missing)."""
+    if weight is None:
+        return False
+    try:
+        from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
+    except ImportError:  # before 0.19, or a build without it
+        return bool(getattr(weight, "is_gtp_weight_remat", False))
+    return bool(is_gtp_param(weight))
+
+
+def not_fused_reasons(output_layer, config, *, deferred: bool = False,
+                      weight=None) -> tuple[str, ...]:
     """Why the fused head would not reproduce ``output_layer`` and its backward contract (empty
     when it does). MuP's output multiplier is reproduced (a logit scale), so it is no reason.
     ``deferred``: the head runs through :func:`deferred_output_layer`, inside Megatron's own
-    forward, which then must not need the logits themselves (the config logger writes them)."""
+    forward, which then must not need the logits themselves (the config logger writes them).
+    ``weight``: the weight the layer is called with (the tied embedding), if not its own.
+
+    Named, each where this release has it: a bias, ``disable_grad_reduce``, deferred embedding
+    wgrad, GTP weight sharding (the layer's ``gtp_remat_size > 1`` or a GTP-sharded weight:
+    Megatron gathers the shards inside its own autograd function), a logit dtype other than the
+    parameters' (``output_layer.output_dtype``, Megatron-LM's ``--output-logit-dtype``: fp32
+    GEMM outputs, where the fused head rounds each chunk to the hidden dtype) and
+    ``cross_entropy_fusion_impl="linear"`` with ``cross_entropy_loss_fusion`` (Megatron's own
+    fused linear cross-entropy).
+    """
     reasons = []
     if deferred and getattr(config, "config_logger_dir", ""):
         reasons.append("config_logger_dir is set (Megatron's config logger writes the logits)")
@@ -211,6 +236,19 @@ def not_fused_reasons(output_layer, config, *, deferred: bool = False) -> tuple[
         reasons.append("defer_embedding_wgrad_compute (Megatron computes the output weight's "
                        "gradient later from stored logits gradients, which the fused head never "
                        "holds)")
+    if (getattr(output_layer, "gtp_remat_size", 1) > 1
+            or any(_is_gtp_shard(w) for w in (getattr(output_layer, "weight", None), weight))):
+        reasons.append("GTP weight sharding (gtp_weight_remat_size > 1: the output weight is a "
+                       "shard that Megatron gathers inside its own GEMM)")
+    output_dtype = getattr(output_layer, "output_dtype", None)
+    if output_dtype is not None and output_dtype != getattr(config, "params_dtype", None):
+        reasons.append(f"output_layer.output_dtype {output_dtype} (--output-logit-dtype: "
+                       f"Megatron's logits are {output_dtype} GEMM outputs, the fused head "
+                       f"rounds its logits to the hidden dtype)")
+    if (getattr(config, "cross_entropy_loss_fusion", False)
+            and getattr(config, "cross_entropy_fusion_impl", None) == "linear"):
+        reasons.append("cross_entropy_fusion_impl='linear' (Megatron's own fused linear "
+                       "cross-entropy, LinearCrossEntropyModule)")
     return tuple(reasons)
 
 

@@ -153,7 +153,7 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
     cfg = settings.current()
     module = getattr(compute_language_model_loss, "__self__", None)
     if _wants_fused(cfg, labels) and fused_or_report(
-            "GPTModel's LM head", not_fused_reasons(output_layer, config), cfg):
+            _GPT_HEAD, not_fused_reasons(output_layer, config, weight=output_weight), cfg):
         logits = deferred_call(output_layer, hidden_states, output_weight, runtime_gather_output)
         if scale_logits is not None:
             logits = scale_logits(logits)
@@ -173,23 +173,59 @@ def _loss_outside_inference(cfg, arguments) -> bool:
             and arguments.get("inference_params") is None)
 
 
-def make_gpt_forward(original):
-    """``GPTModel.forward`` passing :func:`fused_output_processor` when the fused head applies.
+_GPT_HEAD = "GPTModel's LM head"
 
-    Only for a loss (labels given) outside inference; logits requests and inference keep
-    Megatron's own output path (last-token logits, sequence-parallel gather).
+
+def make_gpt_forward(original):
+    """``GPTModel.forward`` or ``GPTModel.build_schedule_plan`` (0.18+: both take
+    ``output_processor``; the schedule plan's postprocess node hands it to ``_postprocess``)
+    passing :func:`fused_output_processor` when the fused head applies.
+
+    Only for a loss (labels given) outside inference, and where :func:`.head.not_fused_reasons`
+    finds nothing in the model's output layer and config (else reported once, or raised, and
+    Megatron's own output path runs); logits requests and inference keep Megatron's own output
+    path (last-token logits, sequence-parallel gather).
     """
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         cfg = settings.current()
-        if cfg.active and cfg.lm_head_chunk_size > 0 and kwargs.get("output_processor") is None:
-            if _loss_outside_inference(cfg, signature.bind(self, *args, **kwargs).arguments):
-                kwargs["output_processor"] = fused_output_processor
+        if (cfg.active and cfg.lm_head_chunk_size > 0 and kwargs.get("output_processor") is None
+                and _loss_outside_inference(cfg, signature.bind(self, *args, **kwargs).arguments)
+                and fused_or_report(_GPT_HEAD, not_fused_reasons(
+                    getattr(self, "output_layer", None), getattr(self, "config", None)), cfg)):
+            kwargs["output_processor"] = fused_output_processor
         return original(self, *args, **kwargs)
 
     return forward
+
+
+def make_unfused_schedule_plan(original):
+    """``GPTModel.build_schedule_plan`` of a release whose ``forward`` takes an
+    ``output_processor`` but whose schedule plan does not: Megatron's own, with the fused head's
+    absence reported once (or raised under ``require_fused_lm_head``) for a loss outside
+    inference."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def build_schedule_plan(self, *args, **kwargs):
+        cfg = settings.current()
+        if cfg.active and cfg.lm_head_chunk_size > 0 and _loss_outside_inference(
+                cfg, signature.bind(self, *args, **kwargs).arguments):
+            fused_or_report("GPTModel.build_schedule_plan (--overlap-moe-expert-parallel-comm)",
+                            ("this megatron-core's build_schedule_plan takes no "
+                             "output_processor",), cfg)
+        return original(self, *args, **kwargs)
+
+    return build_schedule_plan
+
+
+def _tied_weight(model):
+    """The embedding weight that ``model``'s output layer is called with, if tied (else None)."""
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return None
 
 
 def make_deferred_head(original):
@@ -213,7 +249,8 @@ def make_deferred_head(original):
                 and _loss_outside_inference(cfg, signature.bind(self, *args, **kwargs).arguments)
                 and fused_or_report(f"{type(self).__name__}'s LM head",
                                     not_fused_reasons(self.output_layer, self.config,
-                                                      deferred=True), cfg)):
+                                                      deferred=True, weight=_tied_weight(self)),
+                                    cfg)):
             with deferred_output_layer(self.output_layer):
                 return original(self, *args, **kwargs)
         return original(self, *args, **kwargs)

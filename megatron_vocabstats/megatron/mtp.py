@@ -63,7 +63,8 @@ def make_process_mtp_loss(original):
         module = getattr(arguments["compute_language_model_loss"], "__self__", None)
         if cfg.lm_head_chunk_size > 0 and fused_or_report(
                 "the MTP heads", not_fused_reasons(arguments["output_layer"],
-                                                   arguments["config"]), cfg):
+                                                   arguments["config"],
+                                                   weight=arguments["output_weight"]), cfg):
             return fused_mtp_loss(module, cfg, **arguments)
         return collect_mtp_stats(module, lambda: original(*args, **kwargs))
 
