@@ -1,9 +1,10 @@
 """The shipped per-release ``pretrain_gpt.py`` patches: which release each fits, applying one.
 
 Each ``pretrain_gpt.core_v0.NN.patch`` (next to this module, in the wheel too) records the
-Megatron-LM release tag and upstream commit it was made from (its first lines; ``git apply`` and
-``patch`` skip them) and is :func:`.inserter.add_import`'s change of that commit's script: one
-hunk, three lines of context on each side, so it applies exactly (no fuzz).
+Megatron-LM release tag (``main`` for a line not yet tagged) and upstream commit it was made
+from (its first lines; ``git apply`` and ``patch`` skip them) and is
+:func:`.inserter.add_import`'s change of that commit's script: one hunk, three lines of context
+on each side, so it applies exactly (no fuzz).
 
 For users: :func:`release_of` reads a checkout's release from ``megatron/core/package_info.py``
 and :func:`apply_to_text` applies a patch to a script the way ``git apply`` does without fuzz
