@@ -248,7 +248,10 @@ def config_hook(args) -> settings.PluginSettings:
             (:func:`check_flag_values`: a negative chunk size, a non-finite entropy
             coefficient, label smoothing outside [0, 1), a rollout temperature <= 0, top-k < 1
             other than -1, top-p outside (0, 1], min-p outside [0, 1), an unknown choice), whether
-            or not the plugin is on; a rollout-correction bound the mode does not take
+            or not the plugin is on; a Megatron number the hook reads
+            (``--tensor-model-parallel-size``, ``--context-parallel-size``,
+            ``--make-vocab-size-divisible-by``) that is not an int >= 1
+            (:func:`.run_args.megatron_int`); a rollout-correction bound the mode does not take
             (``--rollout-correction-threshold`` without tis, ``-low``/``-high`` without mis or
             icepop), icepop at sequence level, a band with low >= high; and naming the flags
             to change, for our path together with ``--cross-entropy-loss-fusion``, an entropy
