@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import math
 import warnings
 
 from ..ops.kernels import KERNEL_CHOICES, resolve_kernel
@@ -25,12 +24,18 @@ from ..ops.options import BATCH_INVARIANT_NAMES
 from ..rollout import ROLLOUT_LEVELS, RolloutCorrection
 from . import compat, settings
 from .flag_types import FLAG_TYPES, OPTIONAL_FLAGS, ROLLOUT_FLAGS
+from .run_args import (  # noqa: F401  (FP8_RECIPE_MULTIPLE, fp8_token_alignment: re-exported)
+    FP8_RECIPE_MULTIPLE,
+    VOCAB_SHARD_MULTIPLE,
+    fp8_alignment,
+    fp8_token_alignment,
+    megatron_int,
+    precision_aware_optimizer,
+)
 
 logger = logging.getLogger("megatron_vocabstats")
 
 GROUP_TITLE = "megatron-vocabstats"
-FP8_RECIPE_MULTIPLE = {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}
-VOCAB_SHARD_MULTIPLE = 128
 # --vocab-stats-batch-invariant value -> the ops' batch_invariant argument: the ops' own table.
 BATCH_INVARIANT_FLAG = BATCH_INVARIANT_NAMES
 
@@ -186,59 +191,6 @@ def chain_providers(*providers):
     return provider
 
 
-def _precision_aware_optimizer(args) -> None:
-    missing = []
-    if getattr(args, "optimizer", "adam") != "adam":
-        missing.append(f"--optimizer adam (got {args.optimizer})")
-    if not getattr(args, "use_distributed_optimizer", False):
-        missing.append("--use-distributed-optimizer")
-    if not getattr(args, "bf16", False):
-        missing.append("--bf16")
-    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
-        missing.append("no --accumulate-allreduce-grads-in-fp32 (bf16 main grads)")
-    if not compat.transformer_engine_fused_adam_available():
-        missing.append("transformer-engine with FusedAdam importable (GPU extra)")
-    if missing:
-        raise ValueError(
-            "--precision-aware-optimizer-bf16 needs: " + "; ".join(missing)
-        )
-    args.use_precision_aware_optimizer = True
-    args.main_grads_dtype = "bf16"
-    args.exp_avg_dtype = "bf16"
-    args.exp_avg_sq_dtype = "bf16"
-
-
-def fp8_token_alignment(args) -> int:
-    """Per-sequence token padding multiple under FP8 for this run's cp / tp / sequence parallel.
-
-    The recipe's per-shard multiple (16 tensorwise or delayed, 32 mxfp8, 128 blockwise) combined
-    with the context-parallel split and sequence parallelism by
-    :func:`megatron_vocabstats.packing.sequence_alignment` (the smallest padding that keeps every
-    shard's token count a multiple of the recipe's).
-    """
-    from ..packing import sequence_alignment
-
-    recipe = getattr(args, "fp8_recipe", None) or "delayed"
-    if recipe not in FP8_RECIPE_MULTIPLE:
-        raise ValueError(f"--fp8-recipe {recipe!r}: unknown to megatron-vocabstats "
-                         f"(known: {sorted(FP8_RECIPE_MULTIPLE)})")
-    return sequence_alignment(
-        cp_size=getattr(args, "context_parallel_size", 1) or 1,
-        tp_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
-        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-        fp8_multiple=FP8_RECIPE_MULTIPLE[recipe],
-    )
-
-
-def _fp8(args) -> int:
-    if not getattr(args, "bf16", False):
-        raise ValueError("--fp8-format needs --bf16 (the LM head and the statistics stay bf16); "
-                         "add --bf16 or drop --fp8-format")
-    divisible = getattr(args, "make_vocab_size_divisible_by", VOCAB_SHARD_MULTIPLE)
-    args.make_vocab_size_divisible_by = math.lcm(divisible, VOCAB_SHARD_MULTIPLE)
-    return fp8_token_alignment(args)
-
-
 def _batch_invariant(args):
     """The ops' ``batch_invariant`` for ``--vocab-stats-batch-invariant``, checked against the run.
 
@@ -250,8 +202,8 @@ def _batch_invariant(args):
     mode = BATCH_INVARIANT_FLAG[args.vocab_stats_batch_invariant]
     if mode != "tp":
         return mode
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    divisible = getattr(args, "make_vocab_size_divisible_by", VOCAB_SHARD_MULTIPLE) or 1
+    tp = megatron_int(args, "tensor_model_parallel_size")
+    divisible = megatron_int(args, "make_vocab_size_divisible_by", VOCAB_SHARD_MULTIPLE)
     if tp > 1 and divisible % VOCAB_SHARD_MULTIPLE:
         raise ValueError(
             f"--vocab-stats-batch-invariant tp with --tensor-model-parallel-size {tp} needs "
@@ -296,7 +248,10 @@ def config_hook(args) -> settings.PluginSettings:
             (:func:`check_flag_values`: a negative chunk size, a non-finite entropy
             coefficient, label smoothing outside [0, 1), a rollout temperature <= 0, top-k < 1
             other than -1, top-p outside (0, 1], min-p outside [0, 1), an unknown choice), whether
-            or not the plugin is on; a rollout-correction bound the mode does not take
+            or not the plugin is on; a Megatron number the hook reads
+            (``--tensor-model-parallel-size``, ``--context-parallel-size``,
+            ``--make-vocab-size-divisible-by``) that is not an int >= 1
+            (:func:`.run_args.megatron_int`); a rollout-correction bound the mode does not take
             (``--rollout-correction-threshold`` without tis, ``-low``/``-high`` without mis or
             icepop), icepop at sequence level, a band with low >= high; and naming the flags
             to change, for our path together with ``--cross-entropy-loss-fusion``, an entropy
@@ -333,8 +288,8 @@ def config_hook(args) -> settings.PluginSettings:
         raise ValueError(f"--entropy-coef {args.entropy_coef} needs --vocab-stats-entropy grad "
                          f"(got {args.vocab_stats_entropy})")
     if args.precision_aware_optimizer_bf16:
-        _precision_aware_optimizer(args)
-    alignment = _fp8(args) if getattr(args, "fp8", None) else 1
+        precision_aware_optimizer(args)
+    alignment = fp8_alignment(args) if getattr(args, "fp8", None) else 1
     args.vocab_stats_token_alignment = alignment
     batch_invariant = _batch_invariant(args)
     kernel = getattr(args, "vocab_stats_kernel", "auto")

@@ -1,9 +1,10 @@
 """The shipped per-release ``pretrain_gpt.py`` patches: which release each fits, applying one.
 
 Each ``pretrain_gpt.core_v0.NN.patch`` (next to this module, in the wheel too) records the
-Megatron-LM release tag and upstream commit it was made from (its first lines; ``git apply`` and
-``patch`` skip them) and is :func:`.inserter.add_import`'s change of that commit's script: one
-hunk, three lines of context on each side, so it applies exactly (no fuzz).
+Megatron-LM release tag (``main`` for a line not yet tagged) and upstream commit it was made
+from (its first lines; ``git apply`` and ``patch`` skip them) and is
+:func:`.inserter.add_import`'s change of that commit's script: one hunk, three lines of context
+on each side, so it applies exactly (no fuzz).
 
 For users: :func:`release_of` reads a checkout's release from ``megatron/core/package_info.py``
 and :func:`apply_to_text` applies a patch to a script the way ``git apply`` does without fuzz
@@ -37,12 +38,14 @@ from .inserter import add_import
 
 SCRIPT = "pretrain_gpt.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
-# release -> (Megatron-LM tag, commit of that tag). The newest patch release of each line.
+# release -> (Megatron-LM tag, commit of that tag). The newest patch release of each line; a line
+# not yet tagged names the branch (``main``) and the commit the patch was made from.
 RELEASES = {
     "0.16": ("core_v0.16.1", "55ac7082517c3878ae653c07c09c534b8aed49f6"),
     "0.17": ("core_v0.17.1", "266f1c97dca477ca8b92c16087506da2000b0b84"),
     "0.18": ("core_v0.18.2", "571370c829ca768fe37244f4e2e7f28d8accc4ab"),
     "0.19": ("core_v0.19.0", "5be9626709af2722333bf54797c954c09edeada3"),
+    "0.20": ("main", "d98e8a64ddf34856e74b24714e3bedb2f5a39553"),
 }
 PACKAGE_INFO = os.path.join("megatron", "core", "package_info.py")
 

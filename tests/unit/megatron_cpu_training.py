@@ -91,6 +91,7 @@ def install() -> bool:
     # Megatron's torch LayerNorm refuses --sequence-parallel for want of the parameter tag by
     # which finalize_model_grads all-reduces its gradients: the test-support shim sets it.
     tag_torch_norm_for_sequence_parallel()
+    _no_inference_layers_without_te()
     # pretrain_gpt.py's get_batch moves the batch with .cuda(non_blocking=True).
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     # The model is wrapped in DDP on a side stream (models/dist_utils.py, _ddp_wrap).
@@ -99,6 +100,21 @@ def install() -> bool:
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     _INSTALLED = True
     return True
+
+
+def _no_inference_layers_without_te() -> None:
+    """Megatron-LM main (0.20) builds an MTP layer only after asking
+    ``is_inference_column_parallel_linear(eh_proj)``, an ``isinstance`` against inference layers
+    derived from transformer-engine's; without transformer-engine those are mocks, not classes,
+    and the ``isinstance`` raises. No such layer can exist then: the answer is False."""
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+        from megatron.core.transformer import multi_token_prediction as mtp
+    except ImportError:  # a release without them
+        return
+    if (hasattr(mtp, "is_inference_column_parallel_linear")
+            and not isinstance(inference_layers.InferenceColumnParallelLinear, type)):
+        mtp.is_inference_column_parallel_linear = lambda module: False
 
 
 @contextlib.contextmanager

@@ -256,6 +256,30 @@ def test_fp8_without_bf16_is_rejected(patch, monkeypatch):
         config_hook(args)
 
 
+@pytest.mark.parametrize("argv, name, value, flag", [
+    # a scripted parser's string, under the tp-invariant check and under FP8
+    (["--vocab-stats-batch-invariant", "tp"], "tensor_model_parallel_size", "2",
+     "--tensor-model-parallel-size"),
+    (["--bf16", "--fp8-format", "e4m3"], "tensor_model_parallel_size", "2",
+     "--tensor-model-parallel-size"),
+    (["--bf16", "--fp8-format", "e4m3"], "context_parallel_size", 0, "--context-parallel-size"),
+    (["--bf16", "--fp8-format", "e4m3"], "make_vocab_size_divisible_by", None,
+     "--make-vocab-size-divisible-by"),
+    (["--vocab-stats-batch-invariant", "tp", "--tensor-model-parallel-size", "2"],
+     "make_vocab_size_divisible_by", 128.0, "--make-vocab-size-divisible-by"),
+    (["--bf16", "--fp8-format", "e4m3"], "fp8_recipe", ["mxfp8"], "--fp8-recipe"),
+])
+def test_config_hook_refuses_megatron_values_set_without_the_parser(patch, monkeypatch, argv,
+                                                                   name, value, flag):
+    from megatron_vocabstats.megatron.arguments import config_hook
+
+    _, args = _parse(["--vocab-parallel-stats", *argv], monkeypatch)
+    setattr(args, name, value)
+    with pytest.raises(ValueError, match=f"^{flag} ") as err:
+        config_hook(args)
+    assert repr(value) in str(err.value)
+
+
 def test_conflicting_flags_name_both(patch, monkeypatch):
     from megatron_vocabstats.megatron.arguments import config_hook
 

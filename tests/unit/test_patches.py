@@ -18,7 +18,7 @@ import pytest
 
 from megatron_vocabstats.megatron_lm import cli, inserter, releases
 
-RELEASES = ("0.16", "0.17", "0.18", "0.19")
+RELEASES = ("0.16", "0.17", "0.18", "0.19", "0.20")
 
 
 def test_inserter_adds_the_line_once_after_import_torch():
@@ -48,6 +48,8 @@ def test_patch_is_the_inserters_change_and_records_its_commit(release):
     tag, commit = releases.RELEASES[release]
     assert text.startswith(releases.header(release))
     assert f"{tag} ({commit})" in text and re.fullmatch(r"[0-9a-f]{40}", commit)
+    # A release tag of its own line, or (a line not yet tagged) the branch it was made from.
+    assert tag == "main" or tag.startswith(f"core_v{release}."), tag
     hunk = releases.read_hunk(text)
     added = [line[1:] for line in text.splitlines(keepends=True)
              if line.startswith("+") and not line.startswith("+++")]
@@ -110,10 +112,11 @@ def test_command_refuses_what_does_not_fit(tmp_path, capsys):
     assert cli.main([str(tmp_path), "--insert"]) == 0
     assert open(path).read() == inserter.add_import(before)
     # A release without a shipped patch names the ones that ship and --insert (exit 2).
-    _checkout(tmp_path / "new", "0.20", script="import torch\n")
+    _checkout(tmp_path / "new", "0.21", script="import torch\n")
     assert cli.main([str(tmp_path / "new")]) == 2
     err = capsys.readouterr().err
-    assert "Megatron-LM 0.20" in err and "0.16, 0.17, 0.18, 0.19" in err and "--insert" in err
+    assert "Megatron-LM 0.21" in err and "--insert" in err
+    assert "0.16, 0.17, 0.18, 0.19, 0.20" in err
     # --release picks another release's patch; not a checkout at all: exit 2, named.
     _checkout(tmp_path / "rel", "0.19", minor=20)
     assert cli.main([str(tmp_path / "rel"), "--release", "0.19", "--check"]) == 0

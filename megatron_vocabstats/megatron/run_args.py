@@ -1,0 +1,87 @@
+"""Megatron's own arguments that the config hook reads, and what it sets from them: the
+precision-aware optimizer (:func:`precision_aware_optimizer`) and the FP8 alignment
+(:func:`fp8_alignment`, :func:`fp8_token_alignment`).
+
+Each number read goes through :func:`megatron_int`, the package's one checker of number-like
+options (``ops._argtypes.check_number``), so a value set without Megatron's parser (a scripted
+parser's ``"2"``, a ``None`` from a config) is refused naming the flag, never a ``TypeError`` deep
+in the arithmetic.
+
+May import: the standard library, :mod:`megatron_vocabstats.ops._argtypes`, :mod:`.compat` and,
+lazily, :mod:`megatron_vocabstats.packing`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..ops._argtypes import check_number
+from . import compat
+
+FP8_RECIPE_MULTIPLE = {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}
+VOCAB_SHARD_MULTIPLE = 128
+
+
+def megatron_int(args, name: str, default: int = 1) -> int:
+    """``args.<name>``, an int >= 1 (``default`` where ``args`` has no such attribute), else
+    ``ValueError`` (:class:`~megatron_vocabstats.ops._argtypes.InputTypeError` for a wrong type)
+    naming the flag: ``"--tensor-model-parallel-size must be an int >= 1, got '2' (str)"``."""
+    value = getattr(args, name, default)
+    return check_number(f"--{name.replace('_', '-')}", value, integer=True, low=1)
+
+
+def precision_aware_optimizer(args) -> None:
+    """``--precision-aware-optimizer-bf16``: check every prerequisite (``ValueError`` listing all
+    that are missing) and set Megatron's precision-aware optimizer with bf16 main grads and bf16
+    Adam moments."""
+    missing = []
+    if getattr(args, "optimizer", "adam") != "adam":
+        missing.append(f"--optimizer adam (got {args.optimizer!r})")
+    if not getattr(args, "use_distributed_optimizer", False):
+        missing.append("--use-distributed-optimizer")
+    if not getattr(args, "bf16", False):
+        missing.append("--bf16")
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+        missing.append("no --accumulate-allreduce-grads-in-fp32 (bf16 main grads)")
+    if not compat.transformer_engine_fused_adam_available():
+        missing.append("transformer-engine with FusedAdam importable (GPU extra)")
+    if missing:
+        raise ValueError("--precision-aware-optimizer-bf16 needs: " + "; ".join(missing))
+    args.use_precision_aware_optimizer = True
+    args.main_grads_dtype = "bf16"
+    args.exp_avg_dtype = "bf16"
+    args.exp_avg_sq_dtype = "bf16"
+
+
+def fp8_token_alignment(args) -> int:
+    """Per-sequence token padding multiple under FP8 for this run's cp / tp / sequence parallel.
+
+    The recipe's per-shard multiple (16 tensorwise or delayed, 32 mxfp8, 128 blockwise) combined
+    with the context-parallel split and sequence parallelism by
+    :func:`megatron_vocabstats.packing.sequence_alignment` (the smallest padding that keeps every
+    shard's token count a multiple of the recipe's). ``ValueError`` naming the flag for an
+    unknown recipe or a parallel size that is not an int >= 1.
+    """
+    from ..packing import sequence_alignment
+
+    recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    if not isinstance(recipe, str) or recipe not in FP8_RECIPE_MULTIPLE:
+        raise ValueError(f"--fp8-recipe {recipe!r}: unknown to megatron-vocabstats "
+                         f"(known: {sorted(FP8_RECIPE_MULTIPLE)})")
+    return sequence_alignment(
+        cp_size=megatron_int(args, "context_parallel_size"),
+        tp_size=megatron_int(args, "tensor_model_parallel_size"),
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        fp8_multiple=FP8_RECIPE_MULTIPLE[recipe],
+    )
+
+
+def fp8_alignment(args) -> int:
+    """FP8 on (``args.fp8``): needs bf16; makes ``make_vocab_size_divisible_by`` a multiple of
+    128 and returns :func:`fp8_token_alignment`. ``ValueError`` naming the flags otherwise."""
+    if not getattr(args, "bf16", False):
+        raise ValueError("--fp8-format needs --bf16 (the LM head and the statistics stay bf16); "
+                         "add --bf16 or drop --fp8-format")
+    divisible = megatron_int(args, "make_vocab_size_divisible_by", VOCAB_SHARD_MULTIPLE)
+    args.make_vocab_size_divisible_by = math.lcm(divisible, VOCAB_SHARD_MULTIPLE)
+    return fp8_token_alignment(args)
