@@ -1,17 +1,23 @@
 """The supported-versions table (megatron_vocabstats/versions.py) is the single source: README's
 table is its rendering, pyproject declares its ranges, the error messages word its megatron-core
-row, and its "tested" columns are what CI pins (requirements/, scripts/test.sh)."""
+row, and its "tested" columns are what CI pins (requirements/pyNNN.txt, one per CI leg); the
+running interpreter is read, never assumed."""
 
 from __future__ import annotations
 
+import glob
 import os
+import platform
 import re
 import sys
 import tomllib
+from importlib import metadata
 
 import pytest
 import torch
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 import megatron_vocabstats
 from megatron_vocabstats import versions
@@ -46,10 +52,10 @@ def _requirement(specs, name):
 
 
 @pytest.mark.parametrize("row", versions.SUPPORTED, ids=lambda r: r.name)
-def test_pyproject_declares_each_range(row):
+def test_pyproject_declares_each_requirement(row):
     project = _pyproject()
-    normalise = lambda spec: sorted(spec.split(","))  # noqa: E731 - order-free comparison
     if row.declared_in is None:
+        assert row.requirement is None
         return
     if row.declared_in == "requires-python":
         declared = project["requires-python"]
@@ -58,7 +64,25 @@ def test_pyproject_declares_each_range(row):
     else:
         extra = re.fullmatch(r"\[(\w+)\] extra", row.declared_in).group(1)
         declared = _requirement(project["optional-dependencies"][extra], row.distribution)
-    assert normalise(declared) == normalise(row.specifier), (row.name, declared)
+    assert SpecifierSet(declared) == SpecifierSet(row.requirement), (row.name, declared)
+
+
+@pytest.mark.parametrize("row", [r for r in versions.SUPPORTED if r.requirement],
+                         ids=lambda r: r.name)
+def test_requirement_is_the_ranges_lower_bound_only(row):
+    """pip is never told an upper bound (it would replace the user's torch), and admits the
+    whole supported range, NVIDIA's pre-release builds of its lowest release included."""
+    requirement = SpecifierSet(row.requirement)
+    assert all(spec.operator == ">=" for spec in requirement), row.requirement
+    supported = SpecifierSet(row.supported)
+    lowest = next(s.version for s in supported if s.operator == ">=")
+    (bound,) = requirement
+    assert Version(bound.version).release[:2] == \
+        Version(lowest).release[:2]
+    if row.name == "torch":
+        assert requirement.contains("2.11.0a0+nv26.02", prereleases=True)
+        assert requirement.contains("2.13.0a0+gitabc123.nv26.06")
+        assert requirement.contains("3.0.0")
 
 
 def test_version_is_one_string():
@@ -69,34 +93,82 @@ def test_version_is_one_string():
     assert re.fullmatch(r"\d+\.\d+\.\d+", megatron_vocabstats.__version__)
 
 
+def _ci_pins() -> dict[str, dict[str, str]]:
+    """``{"3.12": {"torch": "2.15.0", ...}, ...}``: each CI venv's ``requirements/pyNNN.txt``."""
+    legs = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "requirements", "py3*.txt"))):
+        match = re.fullmatch(r"py3(\d+)\.txt", os.path.basename(path))
+        if match is None:   # py312-nodeps.txt: installed with --no-deps, no versions of ours
+            continue
+        pins = legs.setdefault(f"3.{match.group(1)}", {})
+        for line in _read("requirements", os.path.basename(path)).splitlines():
+            if "==" in line and not line.lstrip().startswith("#"):
+                dist, version = line.split("#")[0].split("==")
+                pins[dist.strip().lower()] = version.strip()
+    return legs
+
+
 def test_tested_columns_are_what_ci_pins():
-    pins = {}
-    for name in ("py311.txt", "py312.txt"):
-        for line in _read("requirements", name).splitlines():
-            if "==" in line and not line.startswith("#"):
-                dist, version = line.split("==")
-                pins.setdefault(dist.strip().lower(), set()).add(version.strip())
-    assert pins["torch"] == set(versions.component("torch").tested)
-    assert pins["megatron-core"] == set(versions.component("megatron-core").tested)
-    pythons = set(re.findall(r"ensure_venv \S+ (3\.\d+) ", _read("scripts", "test.sh")))
-    assert pythons == set(versions.component("Python").tested)
-    assert f"{sys.version_info.major}.{sys.version_info.minor}" in pythons
-    assert torch.__version__.split("+")[0] in versions.component("torch").tested
+    legs = _ci_pins()
+    assert set(legs) == set(versions.component("Python").tested)
+    for name in ("torch", "megatron-core"):
+        assert {pins[name] for pins in legs.values()} == set(versions.component(name).tested), name
+    # Triton: pinned where pinned, else the one the leg's torch wheel brings (checked below on
+    # the leg that runs).
+    assert {pins["triton"] for pins in legs.values() if "triton" in pins} <= \
+        set(versions.component("Triton").tested)
+
+
+def test_running_versions_are_a_ci_leg():
+    """This interpreter is one of the CI legs, with that leg's pins; each of its components is
+    inside the supported range (no warning where CI runs)."""
+    leg = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pins = _ci_pins()[leg]
+    assert torch.__version__.split("+")[0] == pins["torch"]
+    assert versions.check_version("Python", platform.python_version()) is None
+    assert versions.check_version("torch", torch.__version__) is None
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    if triton is not None:
+        assert triton == pins.get("triton", triton)
+        assert triton in versions.component("Triton").tested, triton
+        assert versions.check_version("Triton", triton) is None
+    try:
+        megatron = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        megatron = None
+    if megatron is not None:
+        assert megatron == pins["megatron-core"]
+        assert versions.check_version("megatron-core", megatron) is None
 
 
 def test_messages_word_the_megatron_row():
     from megatron_vocabstats.megatron import compat
 
     assert compat.SUPPORTED == versions.supported_range("megatron-core")
-    assert compat.SUPPORTED == "megatron-core >=0.16,<0.20 (tested: 0.16.1, 0.19.2)"
+    assert compat.SUPPORTED == "megatron-core >=0.16,<0.21 (tested: 0.16.1, 0.19.2)"
 
 
 def test_version_check_follows_the_table():
     assert versions.check_version("torch", "2.13.0+cu130") is None
-    assert "outside the supported range torch >=2.13,<2.14" in versions.check_version(
-        "torch", "2.9.0a0+nv25.09")
+    # NVIDIA's containers: pre-releases count as their release, inside the range.
+    for ngc in ("2.11.0a0+a5b3d0c.nv26.02", "2.13.0a0+gitabc123.nv26.06",
+                "2.14.0a0+f70c2cd.nv26.08"):
+        assert versions.check_version("torch", ngc) is None, ngc
+    for outside in ("2.10.0", "2.9.0a0+nv25.09", "2.16.0", "2.16.0a0+nv26.12"):
+        assert "outside the supported range torch >=2.11,<2.16 (tested: 2.11.0, 2.14.1, " \
+            "2.15.0)" in versions.check_version("torch", outside), outside
     assert versions.check_version("megatron-core", "0.19.2") is None
-    assert versions.check_version("megatron-core", "0.20.0rc1") is not None
+    assert versions.check_version("megatron-core", "0.20.0") is None       # Megatron-LM main
+    assert versions.check_version("megatron-core", "0.20.0rc1") is None
+    assert versions.check_version("megatron-core", "0.21.0") is not None
+    assert versions.check_version("megatron-core", "0.15.1") is not None
+    assert versions.check_version("Triton", "3.6.0") is None
+    assert versions.check_version("Triton", "3.10.0") is not None
+    assert versions.check_version("Python", "3.13.13") is None
+    assert "Python 3.14.0 is outside" in versions.check_version("Python", "3.14.0")
     assert versions.check_version("CUDA capability", "7.5") is not None
     assert versions.check_version("CUDA capability", "9.0") is None
     assert "not a version" in versions.check_version("Python", "banana")
