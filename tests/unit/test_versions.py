@@ -174,3 +174,66 @@ def test_version_check_follows_the_table():
     assert "not a version" in versions.check_version("Python", "banana")
     with pytest.raises(KeyError, match="no supported-versions row"):
         versions.component("jax")
+
+
+def _untested_warnings(caught) -> list[str]:
+    from megatron_vocabstats import version_check
+
+    return sorted(str(w.message) for w in caught
+                  if issubclass(w.category, version_check.UntestedVersionWarning))
+
+
+def test_ops_alone_warn_once_per_component(monkeypatch):
+    """A user of the ops alone (no patch) hears of a torch or Triton outside the tested range:
+    one warning per component at the first op call of the process, none at import or later."""
+    import warnings
+
+    from megatron_vocabstats import version_check
+    from megatron_vocabstats.ops import vocab_parallel_logprobs
+
+    logits, target = torch.randn(3, 7), torch.tensor([0, 6, 2])
+    version_check.reset()
+    try:
+        with warnings.catch_warnings():     # the running (CI) versions: inside the range
+            warnings.simplefilter("error", version_check.UntestedVersionWarning)
+            vocab_parallel_logprobs(logits, target)
+        version_check.reset()
+        monkeypatch.setattr(torch, "__version__", "2.16.0a0+nv26.12")
+        monkeypatch.setattr(version_check, "_distribution_version",
+                            lambda name: "3.10.0" if name == "triton" else None)
+        monkeypatch.setattr(platform, "python_version", lambda: "3.14.0")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                out = vocab_parallel_logprobs(logits, target)
+        reference = torch.log_softmax(logits.double(), -1).gather(1, target[:, None])[:, 0]
+        torch.testing.assert_close(out.double(), reference)        # the plugin still runs
+        messages = _untested_warnings(caught)
+        assert len(messages) == 3, messages
+        assert messages[0].startswith("Python 3.14.0 is outside the supported range Python "
+                                      ">=3.11,<3.14 (tested: 3.11, 3.12, 3.13)")
+        assert messages[1].startswith("Triton 3.10.0 is outside the supported range Triton "
+                                      ">=3.6,<3.10 (tested: ")
+        assert messages[2].startswith("torch 2.16.0a0+nv26.12 is outside the supported range "
+                                      "torch >=2.11,<2.16 (tested: 2.11.0, 2.14.1, 2.15.0)")
+        # Another rank of the job says nothing (rank 0 speaks for it).
+        version_check.reset()
+        monkeypatch.setenv("RANK", "1")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vocab_parallel_logprobs(logits, target)
+        assert _untested_warnings(caught) == []
+    finally:
+        version_check.reset()
+
+
+def test_ngc_torch_is_its_release_for_pip_and_the_warning():
+    """NVIDIA's container builds: pip's requirement admits them (a pre-release sorts below its
+    release, hence ``>=2.11.0a0``) and the run-time check calls them supported."""
+    from megatron_vocabstats import version_check
+
+    (req,) = [r for r in _pyproject()["dependencies"] if Requirement(r).name == "torch"]
+    for ngc in ("2.11.0a0+a5b3d0c.nv26.02", "2.13.0a0+gitabc123.nv26.06",
+                "2.14.0a0+f70c2cd.nv26.08"):
+        assert Requirement(req).specifier.contains(ngc), (req, ngc)
+        assert version_check.untested({"torch": ngc}) == [], ngc
