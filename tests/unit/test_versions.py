@@ -237,3 +237,61 @@ def test_ngc_torch_is_its_release_for_pip_and_the_warning():
                 "2.14.0a0+f70c2cd.nv26.08"):
         assert Requirement(req).specifier.contains(ngc), (req, ngc)
         assert version_check.untested({"torch": ngc}) == [], ngc
+
+
+# The version warning (megatron_vocabstats.version_check): once per process, one per component.
+
+@pytest.fixture
+def fresh_check():
+    from megatron_vocabstats import version_check
+
+    version_check.reset()
+    yield version_check
+    version_check.reset()
+
+
+def test_one_warning_per_component_once_per_process(fresh_check, monkeypatch):
+    """All four components, megatron-core as the patch passes it; the patch's and the ops'
+    checks together warn once per component."""
+    import warnings
+
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    monkeypatch.setattr(platform, "python_version", lambda: "3.14.1")
+    real = fresh_check._distribution_version
+    monkeypatch.setattr(fresh_check, "_distribution_version",
+                        lambda name: "3.10.0" if name == "triton" else real(name))
+    monkeypatch.setenv("RANK", "3")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fresh_check.warn_untested(megatron_core="0.15.0") == []
+    assert not _untested_warnings(caught), "a rank other than 0 warned"
+    fresh_check.reset()
+    monkeypatch.setenv("RANK", "0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh_check.warn_untested(megatron_core="0.15.0")
+        fresh_check.warn_untested(megatron_core="0.15.0")
+        fresh_check.at_first_op()
+    messages = sorted(_untested_warnings(caught))
+    assert [m.split(" is outside")[0] for m in messages] == [
+        "Python 3.14.1", "Triton 3.10.0", "megatron-core 0.15.0", "torch 2.10.0"], messages
+    assert "the supported range Triton >=3.6,<3.10 (tested: 3.6.0, 3.8.0, 3.9.0)" in messages[1]
+
+
+def test_import_alone_does_not_warn():
+    """The check runs at the first op call, not at import (a torch outside the range)."""
+    import subprocess
+
+    code = ("import warnings, torch; torch.__version__ = '2.16.0'; "
+            "warnings.simplefilter('error'); import megatron_vocabstats, megatron_vocabstats.ops; "
+            "warnings.simplefilter('always'); "
+            "from megatron_vocabstats.version_check import UntestedVersionWarning as W\n"
+            "with warnings.catch_warnings(record=True) as c:\n"
+            "    warnings.simplefilter('always')\n"
+            "    megatron_vocabstats.vocab_parallel_logprobs(torch.randn(2, 4), "
+            "torch.tensor([0, 1]))\n"
+            "print(sum(issubclass(w.category, W) for w in c))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "1"
