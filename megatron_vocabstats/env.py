@@ -32,7 +32,7 @@ def _status(name: str, version: str) -> str:
     problem = versions.check_version(name, version)
     if problem is None:
         return "ok"
-    return f"OUTSIDE the supported {versions.component(name).specifier}"
+    return f"OUTSIDE the supported {versions.component(name).supported}"
 
 
 def _where(module) -> str:
@@ -72,7 +72,7 @@ def _versions(torch) -> list[tuple[str, str]]:
     release = compat.megatron_core_release()
     if release is None:
         rows.append(("megatron-core", "not importable (pip install 'megatron-core"
-                                      f"{versions.component('megatron-core').specifier}')"))
+                                      f"{versions.component('megatron-core').requirement}')"))
     else:
         rows.append(("megatron-core", f"{compat.megatron_core_version()} "
                                       f"[{_status('megatron-core', release)}]"))

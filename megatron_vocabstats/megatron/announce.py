@@ -10,12 +10,13 @@ call; the first call of the process logs, on global rank 0 only, one ``INFO`` re
     off; megatron-core 0.19.2
 
 Later calls do nothing (never per step); :func:`reset` (``patch.remove()`` and tests) re-arms
-it. A megatron-core or torch outside the supported-versions table makes the record a
-``WARNING`` that says so. :func:`describe` gives the same words for a settings object without a
-model (the GSM8K example prints it).
+it. The same first call issues the version warnings
+(:func:`megatron_vocabstats.version_check.warn_untested`, with the imported megatron-core): one
+per component outside the supported-versions table, each once per process. :func:`describe`
+gives the same words for a settings object without a model (the GSM8K example prints it).
 
 May import: :mod:`.settings`, :mod:`.compat`, :mod:`megatron_vocabstats.ops.kernels`,
-:mod:`megatron_vocabstats.versions`, the standard library and torch.
+:mod:`megatron_vocabstats.version_check`, the standard library and torch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import versions
+from .. import version_check
 from ..ops.kernels import resolve_kernel
 from . import compat, settings
 
@@ -93,14 +94,6 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _untested() -> list[str]:
-    problems = [versions.check_version("torch", torch.__version__)]
-    release = compat.megatron_core_release()
-    if release is not None:
-        problems.append(versions.check_version("megatron-core", release))
-    return [p for p in problems if p]
-
-
 def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.device) -> None:
     """Log the line on rank 0 the first time a patched call site runs the plugin (then never
     again until :func:`reset`). ``module``: the Megatron model whose loss is computed."""
@@ -112,12 +105,10 @@ def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.dev
         return
     from .. import __version__
 
-    untested = _untested()
-    message = (f"megatron-vocabstats {__version__} {describe(cfg, fused=fused, device=device)}; "
-               f"{layout(module)}; megatron-core {compat.megatron_core_release()}")
-    if untested:
-        message += "; untested: " + "; ".join(untested)
-    logger.log(logging.WARNING if untested else logging.INFO, message)
+    release = compat.megatron_core_release()
+    version_check.warn_untested(megatron_core=release, stacklevel=3)
+    logger.info(f"megatron-vocabstats {__version__} {describe(cfg, fused=fused, device=device)}; "
+                f"{layout(module)}; megatron-core {release}")
 
 
 def reset() -> None:

@@ -14,7 +14,8 @@ columns, the checksums and float encodings compared there (:func:`target_checksu
 and :class:`InputTypeError` (re-exported from :mod:`._argtypes`), and the two collectives the
 packages above use (:func:`group_rank_size`, :func:`all_gather_flat`, from :mod:`._comm`).
 May import :mod:`._argtypes`, :mod:`._comm` and :mod:`.workspace` (:func:`tracing`) only (and
-torch), so that every module of ``ops/`` and above may import it.
+torch, and :mod:`megatron_vocabstats.version_check`: a builder's first construction in the
+process issues the version warning), so that every module of ``ops/`` and above may import it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import version_check
 from . import _comm
 from ._argtypes import InputTypeError, check_int64
 from ._comm import all_gather_flat, group_rank_size  # the collectives the packages above use
@@ -182,6 +184,8 @@ class CrossRankCheck:
     def __init__(self, group: dist.ProcessGroup | None, *, validate, device: torch.device | None,
                  hint: str, fields: tuple[str | Field, ...] = (), extra: int = 0,
                  group_name: str = "tp_group"):
+        if not version_check.op_checked and not tracing():  # the first op call of the process
+            version_check.at_first_op()
         _, self.size = _comm.group_rank_size(group)
         self.enabled = self.size > 1 and host_checks_enabled(
             validate, device or _comm.exchange_device(group))

@@ -5,6 +5,7 @@ log is checked in test_megatron_training_dist.py."""
 from __future__ import annotations
 
 import logging
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from megatron.core.models.common.language_module.language_module import (  # noq
     LanguageModule,
 )
 
+from megatron_vocabstats import version_check  # noqa: E402
 from megatron_vocabstats.megatron import announce, compat, settings  # noqa: E402
 
 
@@ -26,9 +28,11 @@ def patch():
 
     module.apply()
     announce.reset()
+    version_check.reset()
     yield module
     module.remove()
     announce.reset()
+    version_check.reset()
 
 
 def _loss(module, steps=1):
@@ -53,8 +57,10 @@ def test_first_loss_logs_one_line_on_rank0(patch, caplog, monkeypatch):
     from megatron_vocabstats import __version__
 
     monkeypatch.delenv("VOCABSTATS_KERNEL", raising=False)
-    with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
-        _loss(_module(sequence_parallel=False, context_parallel_size=1), steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", version_check.UntestedVersionWarning)  # CI's versions
+        with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+            _loss(_module(sequence_parallel=False, context_parallel_size=1), steps=3)
     (record,) = _lines(caplog)
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
@@ -85,10 +91,23 @@ def test_line_says_how(patch, caplog, monkeypatch):
     assert announce.describe(settings.PluginSettings(active=False)).startswith("off")
     assert announce.layout(_module(sequence_parallel=True, context_parallel_size=2)) == \
         "tp 1, cp 2, sequence parallel on"
-    # A torch outside the supported range: the line becomes a warning that says so.
-    monkeypatch.setattr(torch, "__version__", "2.9.0a0+nv25.09")
-    with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+    # A torch and a megatron-core outside the supported range: one warning each, once per
+    # process; the line itself stays INFO and the plugin runs.
+    monkeypatch.setattr(torch, "__version__", "2.16.0a0+nv26.12")
+    monkeypatch.setattr(compat, "megatron_core_release", lambda: "0.21.0")
+    with pytest.warns(version_check.UntestedVersionWarning) as caught, \
+            caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
         _loss(_module())
     (record,) = _lines(caplog)
-    assert record.levelno == logging.WARNING
-    assert "untested: torch 2.9.0a0+nv25.09 is outside the supported range" in record.getMessage()
+    assert record.levelno == logging.INFO
+    messages = sorted(str(w.message) for w in caught
+                      if issubclass(w.category, version_check.UntestedVersionWarning))
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("megatron-core 0.21.0 is outside the supported range "
+                                  "megatron-core >=0.16,<0.21 (tested: ")
+    assert messages[1].startswith("torch 2.16.0a0+nv26.12 is outside the supported range torch "
+                                  ">=2.11,<2.16 (tested: ")
+    announce.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", version_check.UntestedVersionWarning)
+        _loss(_module())   # the next run's line: the versions were checked in this process

@@ -33,6 +33,14 @@ def test_report_names_what_is_imported(capsys, monkeypatch):
     assert _row(text, "torch").startswith(f"{torch.__version__} (")
     assert _row(text, "torch").endswith("[ok]")
     assert _row(text, "Python").startswith(platform.python_version())
+    assert _row(text, "Python").endswith("[ok]")
+    try:
+        import triton
+    except ImportError:
+        assert _row(text, "Triton") == "not installed"
+    else:
+        assert _row(text, "Triton").startswith(f"{triton.__version__} (")
+        assert _row(text, "Triton").endswith("[ok]")
     assert "transformer-engine" in text and "apex" in text
     if not torch.cuda.is_available():
         assert _row(text, 'kernel="auto" picks') == "torch"
@@ -53,8 +61,10 @@ def test_missing_and_broken_packages_are_reported_not_raised(capsys, monkeypatch
     monkeypatch.setitem(sys.modules, "apex", None)             # import fails: not installed
     text = _report(capsys)
     assert _row(text, "apex") == "not installed"
-    monkeypatch.setattr(torch, "__version__", "2.9.0a0+nv25.09")   # an NGC container's torch
-    assert _row(_report(capsys), "torch").endswith("[OUTSIDE the supported >=2.13,<2.14]")
+    monkeypatch.setattr(torch, "__version__", "2.9.0a0+nv25.09")   # an old NGC container's torch
+    assert _row(_report(capsys), "torch").endswith("[OUTSIDE the supported >=2.11,<2.16]")
+    monkeypatch.setattr(torch, "__version__", "2.13.0a0+a5b3d0c.nv26.06")   # counts as 2.13
+    assert _row(_report(capsys), "torch").endswith("[ok]")
 
 
 @pytest.mark.megatron

@@ -222,17 +222,17 @@ def test_untested_release_warns_once_names_match(verl, monkeypatch, caplog):
 
 
 def test_torch_outside_the_supported_range_is_a_warning(verl, monkeypatch, caplog):
-    """verl pins its own torch (verl[vllm] 0.9.1: 2.11): the patched line says so at WARNING,
-    which verl's root logger (set to WARNING on import) shows; INFO in the range."""
+    """A torch outside the supported range: the patched line says so at WARNING, which verl's
+    root logger (set to WARNING on import) shows; INFO in the range (verl[vllm] 0.9.1's 2.11)."""
     _, integration = verl
-    for version, level in (("2.11.0+cu128", logging.WARNING), ("2.13.0+cpu", logging.INFO)):
+    for version, level in (("2.10.0+cu128", logging.WARNING), ("2.11.0+cu128", logging.INFO)):
         integration.remove()
         monkeypatch.setattr(torch, "__version__", version)
         with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
             integration.apply()
         (line,) = [r for r in caplog.records if "megatron-vocabstats: patched" in r.getMessage()]
         assert line.levelno == level, (version, line.getMessage())
-        assert ("untested: torch 2.11.0+cu128 is outside the supported range torch >=2.13"
+        assert ("untested: torch 2.10.0+cu128 is outside the supported range torch >=2.11"
                 in line.getMessage()) == (level == logging.WARNING)
         caplog.clear()
 

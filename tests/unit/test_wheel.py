@@ -4,7 +4,8 @@ One build (``pip wheel --no-deps --no-build-isolation`` of a copy of the sources
 written into the checkout), one ``pip install --no-deps --target`` into a temporary directory,
 then this interpreter run from another directory with only that directory added to its path:
 the package, ``megatron_vocabstats.patch``, the shipped ``pretrain_gpt.py`` patches and the
-three command-line tools must all come from the wheel. Two interpreters, about 10 s of CPU.
+three command-line tools must all come from the wheel; and a ``pip install --dry-run`` of it
+into this environment would change nothing but the plugin. About 15 s of CPU.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS = ("vocabstats-env", "vocabstats-patch-megatron", "vocabstats-profile")
@@ -103,6 +106,30 @@ def test_wheel_command_line_tool_runs():
     assert listed.count(site) == 4, listed
     usage = _run([os.path.join(site, "bin", "vocabstats-profile"), "--help"], env=env, cwd=cwd)
     assert usage.startswith("usage: vocabstats-profile "), usage  # its own name, not python -m
+
+
+def test_installing_the_wheel_leaves_torch_alone():
+    """What pip does to the user's torch: nothing. ``pip install --dry-run`` of the wheel into
+    this environment (each CI leg's torch, Triton, megatron-core) would install the plugin alone:
+    its requirements (lower bounds) are met by what is there. Without the machine's pip
+    configuration (its constraints file caps torch) and without an index, so nothing else could
+    be fetched."""
+    from megatron_vocabstats import __version__
+
+    site, wheel = _installed()
+    path = os.path.join(os.path.dirname(site), "dist", wheel)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                           "--disable-pip-version-check", path], env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    would = [line for line in out.splitlines() if line.startswith("Would install")]
+    # None where this environment has the plugin installed already (editable, same version).
+    assert would in ([], [f"Would install megatron-vocabstats-{__version__}"]), out[-2000:]
+    assert re.search(r"^Requirement already satisfied: torch>=2\.11\.0a0 .*\(" +
+                     re.escape(torch.__version__.split("+")[0]) + r"\)$", out, re.M), out[-2000:]
 
 
 @pytest.fixture(autouse=True, scope="module")
