@@ -57,7 +57,8 @@ SUPPORTED: tuple[Component, ...] = (
     Component("megatron-core", "megatron-core", ("0.16.1", "0.19.2"), ">=0.16,<0.21", ">=0.16",
               "[megatron] extra",
               "0.20.0 is Megatron-LM main (no release yet); the patch finds Megatron's names by "
-              "feature, not by version; `pretrain_gpt.py` patches for 0.16 to 0.19"),
+              "feature, not by version; `pretrain_gpt.py` patches for 0.16 to 0.19 and 0.20 "
+              "(Megatron-LM main)"),
     Component("Triton", "triton", ("3.6.0", "3.8.0", "3.9.0"), ">=3.6,<3.10", ">=3.6",
               "[triton] extra",
               "optional, only for `kernel=\"triton\"`; the one each torch's CUDA wheel pins "

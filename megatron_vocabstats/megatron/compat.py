@@ -20,7 +20,7 @@ import os
 from ..mcore import default_tp_group, packed_seq_params_class, tp_group_of  # noqa: F401
 from ..versions import supported_range
 
-# "megatron-core >=0.16,<0.20 (tested: 0.16.1, 0.19.2)", from the supported-versions table.
+# "megatron-core >=0.16,<0.21 (tested: 0.16.1, 0.19.2)", from the supported-versions table.
 SUPPORTED = supported_range("megatron-core")
 
 

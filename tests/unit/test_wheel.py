@@ -88,7 +88,7 @@ def test_wheel_imports_from_outside_the_repository():
     out = json.loads(_run([sys.executable, "-c", code], env=env, cwd=cwd).strip().splitlines()[-1])
     assert out["package"].startswith(site), f"imported {out['package']}, not the wheel"
     assert out["dist"].startswith(site) and out["version"] == out["dist_version"] == __version__
-    assert out["patches"] == [f"pretrain_gpt.core_v0.{m}.patch" for m in (16, 17, 18, 19)]
+    assert out["patches"] == [f"pretrain_gpt.core_v0.{m}.patch" for m in (16, 17, 18, 19, 20)]
     assert sorted(out["tools"]) == sorted(TOOLS)
     assert all(path.startswith(site) for path in out["tools"].values()), out["tools"]
     if megatron:
