@@ -220,3 +220,30 @@ def test_large_logits_keep_their_digits(fused):
         vocab_parallel_stats(leaf, target, entropy="off", kernel="triton").logprobs.sum().backward()
         got = leaf.grad
     assert_within(got, expected, 8 * U32 * 3, "gradient at logits of 1e7")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_logits_near_the_top_of_fp32_keep_finite_logprobs(fused):
+    """Issue 28: bf16 logits near 3e38 with label smoothing: the smoothing sum scales each term
+    before summing (as the torch path does), so the log-probs are the torch path's -2.9e38, not
+    the -inf of an overflowed sum; and the gradient is the torch path's too."""
+    from megatron_vocabstats import linear_vocab_parallel_stats
+
+    x = torch.tensor([[3e38, 0.0, -1.0, 2.0] * 8, [1.0, 3e38, 2.9e38, 0.0] * 8]).bfloat16()
+    target = torch.tensor([1, 0])
+    outs = {}
+    for kernel in ("torch", "triton"):
+        if fused:
+            hidden = torch.ones(2, 1, dtype=torch.bfloat16, requires_grad=True)
+            leaf = x[0].reshape(-1, 1).clone().requires_grad_()
+            st = linear_vocab_parallel_stats(hidden, leaf, target, label_smoothing=0.1,
+                                             entropy="off", kernel=kernel, validate=False)
+        else:
+            leaf = x.clone().requires_grad_()
+            st = vocab_parallel_stats(leaf, target, label_smoothing=0.1, entropy="off",
+                                      kernel=kernel, validate=False)
+        st.logprobs.sum().backward()
+        outs[kernel] = (st.logprobs, leaf.grad.float())
+    assert bool(torch.isfinite(outs["triton"][0]).all()), outs["triton"][0]
+    assert torch.allclose(outs["triton"][0], outs["torch"][0], rtol=1e-6, atol=0)
+    assert torch.allclose(outs["triton"][1], outs["torch"][1], rtol=1e-2, atol=1e-6)

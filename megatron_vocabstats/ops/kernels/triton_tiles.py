@@ -167,12 +167,12 @@ def online_update(z, live, seen, m, s, u, a, floor, zscale, ENTROPY: tl.constexp
         # A part whose scale underflows to 0 adds 0 (never 0 * inf from d * s).
         u = tl.where(scale == 0.0, 0.0, scale * (u + d * s)) + tl.sum(e * x, 1)
     s = s * scale + tl.sum(e, 1)
-    if ZSUM:  # (zscale is a power of two: scaling the sum or its terms rounds the same)
+    if ZSUM:  # each term scaled before the sum, as the torch path does: no overflow at 3e38
         if live is None:
-            a = a + (zscale * seen) * d + tl.sum(x, 1) * zscale
+            a = a + (zscale * seen) * d + tl.sum(x * zscale, 1)
             floor = tl.maximum(floor, tl.max((z <= FLOOR).to(tl.int32), 1))
         else:
-            a = a + (zscale * seen) * d + tl.sum(tl.where(live, x, 0.0), 1) * zscale
+            a = a + (zscale * seen) * d + tl.sum(tl.where(live, x * zscale, 0.0), 1)
             floor = tl.maximum(floor, tl.max((live & (z <= FLOOR)).to(tl.int32), 1))
     return m_new, s, u, a, floor
 
