@@ -247,3 +247,40 @@ def test_logits_near_the_top_of_fp32_keep_finite_logprobs(fused):
     assert bool(torch.isfinite(outs["triton"][0]).all()), outs["triton"][0]
     assert torch.allclose(outs["triton"][0], outs["torch"][0], rtol=1e-6, atol=0)
     assert torch.allclose(outs["triton"][1], outs["torch"][1], rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["rows", "blocks"])
+def test_nan_statistics_are_the_torch_paths(per_block):
+    """Issue 28: a NaN logit makes the part's maximum NaN (torch's ``amax``), not the maximum of
+    the other columns, whatever this Triton's ``tl.maximum`` does with NaN (it skips NaN in
+    compiled code and from Triton 3.8 in the interpreter, propagated it before); -inf rows and
+    rows without NaN as the torch path. Statistics bitwise where they are exact (max, target),
+    NaN exactly where the torch path's are."""
+    gen = torch.Generator().manual_seed(3)
+    n, width = 5, 300
+    x = torch.randn(n, width, generator=gen) * 3
+    x[0, 7] = float("nan")
+    x[1, :] = float("nan")
+    x[2, :] = float("-inf")
+    x[3, 299] = float("nan")
+    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
+    index, owned = _math.local_target_index(torch.tensor([7, 1, 2, 3, 4]),
+                                            torch.ones(n, dtype=torch.bool), layout)
+    nb = -(-width // _math.BLOCK)
+    shape = (_math.NUM_STATS, n, nb) if per_block else (_math.NUM_STATS, n)
+    ours, theirs = torch.zeros(shape), torch.zeros(shape)
+    triton_stats.shard_stats(x, index, owned, ours, layout=layout, temperature=1.0,
+                             entropy=True, zsum=True, per_block=per_block)
+    z = _math.load_chunk(x, torch.empty(n, nb * _math.BLOCK), layout, 1.0)
+    stats = _math.block_stats if per_block else _math.chunk_stats
+    stats(z, torch.empty(n, nb * _math.BLOCK), index, owned, theirs, layout=layout,
+          entropy=True, zsum=True)
+    for row in range(_math.NUM_STATS):
+        assert torch.equal(ours[row].isnan(), theirs[row].isnan()), f"NaN of stat row {row}"
+    for row in (_math.STAT_MAX, _math.STAT_TARGET):
+        assert torch.equal(ours[row].nan_to_num(), theirs[row].nan_to_num()), f"stat row {row}"
+    assert bool(ours[_math.STAT_MAX, [0, 1, 3]].isnan().any(-1).all())
+    st = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="triton")
+    ref = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="torch")
+    for a, b in zip(st, ref):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (a, b)
