@@ -284,3 +284,65 @@ def test_nan_statistics_are_the_torch_paths(per_block):
     ref = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="torch")
     for a, b in zip(st, ref):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (a, b)
+
+
+def test_strided_row_vectors_equal_contiguous():
+    """Issue 28: the per-row vectors a launch reads (lse, coefficients, targets, flags) may come
+    with any strides (torch 2.15: a gradient reaching ``backward`` may have any); the kernels
+    give the bits of contiguous copies, statistics and gradient."""
+    gen = torch.Generator().manual_seed(13)
+    n, width = 6, 40
+    x = (torch.randn(n, width, generator=gen) * 3).bfloat16()
+    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
+
+    def strided(v):  # the same values at stride 2
+        wide = torch.zeros(2 * n, dtype=v.dtype)
+        wide[::2] = v
+        return wide[::2]
+
+    target = torch.randint(0, width, (n,), generator=gen)
+    valid = torch.tensor([True, True, False, True, True, True])
+    index, owned = _math.local_target_index(target, valid, layout)
+    vec = dict(lse=torch.randn(n, generator=gen) + 5, lse_lo=torch.zeros(n),
+               ent=torch.rand(n, generator=gen), coef_lp=torch.randn(n, generator=gen),
+               coef_h=torch.randn(n, generator=gen), index=index, owned=owned, valid=valid)
+    results = []
+    for make in (lambda v: v, strided):
+        kw = {k: make(v) for k, v in vec.items()}
+        assert make is not strided or not kw["coef_lp"].is_contiguous()
+        grad = torch.empty_like(x)
+        triton_stats.stats_grad(x, grad, layout=layout, label_smoothing=0.1, temperature=1.0,
+                                **kw)
+        stats = torch.zeros(_math.NUM_STATS, n)
+        triton_stats.shard_stats(x, kw["index"], kw["owned"], stats, layout=layout,
+                                 temperature=1.0, entropy=True, zsum=True)
+        results.append((grad, stats))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad_layout", ["expanded", "transposed", "sliced"])
+def test_strided_upstream_gradients(grad_layout):
+    """Upstream gradients with any strides (``loss = logprobs.sum()``'s expanded one, a
+    transposed or sliced view): the same gradient bits as from contiguous copies, and the torch
+    path's within its bounds."""
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(3, 2, 50, generator=gen) * 2).bfloat16()
+    target = torch.randint(0, 50, (3, 2), generator=gen)
+    if grad_layout == "expanded":
+        g = torch.full((1, 1), 0.5).expand(3, 2)
+    elif grad_layout == "transposed":
+        g = torch.randn(2, 3, generator=gen).t()
+    else:
+        g = torch.randn(3, 4, generator=gen)[:, ::2]
+    assert not g.is_contiguous()
+    grads = {}
+    for kernel, gl in (("triton", g), ("triton_dense", g.contiguous()), ("torch", g)):
+        leaf = x.clone().requires_grad_()
+        st = vocab_parallel_stats(leaf, target, label_smoothing=0.1,
+                                  kernel=kernel.split("_")[0])
+        torch.autograd.backward((st.logprobs, st.entropy), (gl, gl))
+        grads[kernel] = leaf.grad
+    assert torch.equal(grads["triton"], grads["triton_dense"])
+    torch.testing.assert_close(grads["triton"].float(), grads["torch"].float(), rtol=0.02,
+                               atol=1e-3)
