@@ -31,12 +31,27 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def backend_for(group: dist.ProcessGroup, device_type: str) -> str:
+    """The name (lower case) of the backend that runs ``group``'s collectives on tensors of
+    ``device_type`` (``"cpu"``, ``"cuda"``): of a per-device backend string such as torch's
+    ``"cpu:gloo,cuda:nccl"`` (the multi-device form, also TorchComms') the one named for that
+    type (``""`` if none is), else the group's single backend. Never a substring test: that
+    string is not a gloo group for CUDA tensors."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" not in name:
+        return name
+    pairs = (part.split(":", 1) for part in name.split(","))
+    return {dev.strip(): backend.strip() for dev, backend in pairs}.get(device_type, "")
+
+
 def exchange_device(group: dist.ProcessGroup) -> torch.device:
     """The device of a small collective over ``group`` when no tensor argument names one (e.g. a
-    rank whose ``logits`` is not a tensor must still join the check exchange): the CPU for a
-    gloo group, else the current CUDA device (NCCL)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or not torch.cuda.is_available():
+    rank whose ``logits`` is not a tensor must still join the check exchange): the current CUDA
+    device where CUDA is available and the group has a backend other than gloo for CUDA tensors
+    (NCCL, also in ``"cpu:gloo,cuda:nccl"``), else the CPU. Every rank decides the same from the
+    group's backend string."""
+    cuda = backend_for(group, "cuda")
+    if not torch.cuda.is_available() or cuda in ("", "gloo"):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -108,7 +123,7 @@ def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup | None)
     try:
         scatter(out, full, group=group)
     except RuntimeError:
-        if dist.get_backend(group) != "gloo":
+        if backend_for(group, full.device.type) != "gloo":
             raise
         return reduce_scatter_by_all_reduce(full, group)
     return out

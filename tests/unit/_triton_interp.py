@@ -220,3 +220,129 @@ def test_large_logits_keep_their_digits(fused):
         vocab_parallel_stats(leaf, target, entropy="off", kernel="triton").logprobs.sum().backward()
         got = leaf.grad
     assert_within(got, expected, 8 * U32 * 3, "gradient at logits of 1e7")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_logits_near_the_top_of_fp32_keep_finite_logprobs(fused):
+    """Issue 28: bf16 logits near 3e38 with label smoothing: the smoothing sum scales each term
+    before summing (as the torch path does), so the log-probs are the torch path's -2.9e38, not
+    the -inf of an overflowed sum; and the gradient is the torch path's too."""
+    from megatron_vocabstats import linear_vocab_parallel_stats
+
+    x = torch.tensor([[3e38, 0.0, -1.0, 2.0] * 8, [1.0, 3e38, 2.9e38, 0.0] * 8]).bfloat16()
+    target = torch.tensor([1, 0])
+    outs = {}
+    for kernel in ("torch", "triton"):
+        if fused:
+            hidden = torch.ones(2, 1, dtype=torch.bfloat16, requires_grad=True)
+            leaf = x[0].reshape(-1, 1).clone().requires_grad_()
+            st = linear_vocab_parallel_stats(hidden, leaf, target, label_smoothing=0.1,
+                                             entropy="off", kernel=kernel, validate=False)
+        else:
+            leaf = x.clone().requires_grad_()
+            st = vocab_parallel_stats(leaf, target, label_smoothing=0.1, entropy="off",
+                                      kernel=kernel, validate=False)
+        st.logprobs.sum().backward()
+        outs[kernel] = (st.logprobs, leaf.grad.float())
+    assert bool(torch.isfinite(outs["triton"][0]).all()), outs["triton"][0]
+    assert torch.allclose(outs["triton"][0], outs["torch"][0], rtol=1e-6, atol=0)
+    assert torch.allclose(outs["triton"][1], outs["torch"][1], rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["rows", "blocks"])
+def test_nan_statistics_are_the_torch_paths(per_block):
+    """Issue 28: a NaN logit makes the part's maximum NaN (torch's ``amax``), not the maximum of
+    the other columns, whatever this Triton's ``tl.maximum`` does with NaN (it skips NaN in
+    compiled code and from Triton 3.8 in the interpreter, propagated it before); -inf rows and
+    rows without NaN as the torch path. Statistics bitwise where they are exact (max, target),
+    NaN exactly where the torch path's are."""
+    gen = torch.Generator().manual_seed(3)
+    n, width = 5, 300
+    x = torch.randn(n, width, generator=gen) * 3
+    x[0, 7] = float("nan")
+    x[1, :] = float("nan")
+    x[2, :] = float("-inf")
+    x[3, 299] = float("nan")
+    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
+    index, owned = _math.local_target_index(torch.tensor([7, 1, 2, 3, 4]),
+                                            torch.ones(n, dtype=torch.bool), layout)
+    nb = -(-width // _math.BLOCK)
+    shape = (_math.NUM_STATS, n, nb) if per_block else (_math.NUM_STATS, n)
+    ours, theirs = torch.zeros(shape), torch.zeros(shape)
+    triton_stats.shard_stats(x, index, owned, ours, layout=layout, temperature=1.0,
+                             entropy=True, zsum=True, per_block=per_block)
+    z = _math.load_chunk(x, torch.empty(n, nb * _math.BLOCK), layout, 1.0)
+    stats = _math.block_stats if per_block else _math.chunk_stats
+    stats(z, torch.empty(n, nb * _math.BLOCK), index, owned, theirs, layout=layout,
+          entropy=True, zsum=True)
+    for row in range(_math.NUM_STATS):
+        assert torch.equal(ours[row].isnan(), theirs[row].isnan()), f"NaN of stat row {row}"
+    for row in (_math.STAT_MAX, _math.STAT_TARGET):
+        assert torch.equal(ours[row].nan_to_num(), theirs[row].nan_to_num()), f"stat row {row}"
+    assert bool(ours[_math.STAT_MAX, [0, 1, 3]].isnan().any(-1).all())
+    st = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="triton")
+    ref = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="torch")
+    for a, b in zip(st, ref):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (a, b)
+
+
+def test_strided_row_vectors_equal_contiguous():
+    """Issue 28: the per-row vectors a launch reads (lse, coefficients, targets, flags) may come
+    with any strides (torch 2.15: a gradient reaching ``backward`` may have any); the kernels
+    give the bits of contiguous copies, statistics and gradient."""
+    gen = torch.Generator().manual_seed(13)
+    n, width = 6, 40
+    x = (torch.randn(n, width, generator=gen) * 3).bfloat16()
+    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
+
+    def strided(v):  # the same values at stride 2
+        wide = torch.zeros(2 * n, dtype=v.dtype)
+        wide[::2] = v
+        return wide[::2]
+
+    target = torch.randint(0, width, (n,), generator=gen)
+    valid = torch.tensor([True, True, False, True, True, True])
+    index, owned = _math.local_target_index(target, valid, layout)
+    vec = dict(lse=torch.randn(n, generator=gen) + 5, lse_lo=torch.zeros(n),
+               ent=torch.rand(n, generator=gen), coef_lp=torch.randn(n, generator=gen),
+               coef_h=torch.randn(n, generator=gen), index=index, owned=owned, valid=valid)
+    results = []
+    for make in (lambda v: v, strided):
+        kw = {k: make(v) for k, v in vec.items()}
+        assert make is not strided or not kw["coef_lp"].is_contiguous()
+        grad = torch.empty_like(x)
+        triton_stats.stats_grad(x, grad, layout=layout, label_smoothing=0.1, temperature=1.0,
+                                **kw)
+        stats = torch.zeros(_math.NUM_STATS, n)
+        triton_stats.shard_stats(x, kw["index"], kw["owned"], stats, layout=layout,
+                                 temperature=1.0, entropy=True, zsum=True)
+        results.append((grad, stats))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad_layout", ["expanded", "transposed", "sliced"])
+def test_strided_upstream_gradients(grad_layout):
+    """Upstream gradients with any strides (``loss = logprobs.sum()``'s expanded one, a
+    transposed or sliced view): the same gradient bits as from contiguous copies, and the torch
+    path's within its bounds."""
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(3, 2, 50, generator=gen) * 2).bfloat16()
+    target = torch.randint(0, 50, (3, 2), generator=gen)
+    if grad_layout == "expanded":
+        g = torch.full((1, 1), 0.5).expand(3, 2)
+    elif grad_layout == "transposed":
+        g = torch.randn(2, 3, generator=gen).t()
+    else:
+        g = torch.randn(3, 4, generator=gen)[:, ::2]
+    assert not g.is_contiguous()
+    grads = {}
+    for kernel, gl in (("triton", g), ("triton_dense", g.contiguous()), ("torch", g)):
+        leaf = x.clone().requires_grad_()
+        st = vocab_parallel_stats(leaf, target, label_smoothing=0.1,
+                                  kernel=kernel.split("_")[0])
+        torch.autograd.backward((st.logprobs, st.entropy), (gl, gl))
+        grads[kernel] = leaf.grad
+    assert torch.equal(grads["triton"], grads["triton_dense"])
+    torch.testing.assert_close(grads["triton"].float(), grads["torch"].float(), rtol=0.02,
+                               atol=1e-3)

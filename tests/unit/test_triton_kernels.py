@@ -140,3 +140,30 @@ def test_kernels_compile_for_sm90(tmp_path):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_under_the_interpreter(name):
     check_case("triton_cases.py", 2, name)
+
+
+_FP_FUSION = """
+import sys, torch
+sys.path.insert(0, 'benchmarks')
+import gpu_capture, megatron_vocabstats as m
+with gpu_capture.capturing() as cap:
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.empty(4, 40, dtype=dtype, device='cuda')
+        m.vocab_parallel_stats(x, None, kernel='triton', validate=False)
+        h = torch.empty(4, 16, dtype=dtype, device='cuda')
+        m.linear_vocab_parallel_stats(h, torch.empty(40, 16, dtype=dtype, device='cuda'), None,
+                                      kernel='triton', validate=False)
+print(sorted({(l.name, gpu_capture.specialisation(l)[3].enable_fp_fusion) for l in cap.triton()}))
+"""
+
+
+@needs_triton
+def test_fp_fusion_is_explicit():
+    """Issue 28: every launch sets ``enable_fp_fusion`` itself, so the compiled kernels are the
+    same whatever ``TRITON_DEFAULT_FP_FUSION`` says (Triton 3.10 turns its default off)."""
+    seen = {}
+    for value in ("0", "1"):
+        proc = _run(_FP_FUSION, PYTHONPATH=ROOT, TRITON_DEFAULT_FP_FUSION=value)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        seen[value] = proc.stdout.strip().splitlines()[-1]
+    assert seen["0"] == seen["1"] and "False" not in seen["0"], seen

@@ -64,11 +64,19 @@ def _block(block_n: int | None, width: int, itemsize: int) -> int:
     return block_n
 
 
+# Floating-point contraction (a * b + c as one FMA) of the compiled kernels, given at every
+# launch: Triton's default comes from TRITON_DEFAULT_FP_FUSION (on until 3.9, off from 3.10), and
+# the kernels' bits must not depend on it. On: the bits the kernels were compiled and checked with
+# (tests/unit/_triton_compile.py); each FMA rounds once instead of twice, within the bounds of
+# docs/numerics.md. The interpreter never contracts.
+FP_FUSION = True
+
+
 def launch(kernel, grid, *args, **consts) -> None:
-    """``kernel[grid](*args, **consts)``; under the interpreter, its error for a variable set
-    after triton was imported becomes a ``ValueError`` that says so."""
+    """``kernel[grid](*args, **consts)`` with :data:`FP_FUSION`; under the interpreter, its error
+    for a variable set after triton was imported becomes a ``ValueError`` that says so."""
     try:
-        kernel[grid](*args, **consts)
+        kernel[grid](*args, enable_fp_fusion=FP_FUSION, **consts)
     except Exception as exc:
         if "outside of the scope of a kernel" not in str(exc):
             raise
@@ -78,7 +86,14 @@ def launch(kernel, grid, *args, **consts) -> None:
 
 
 def _flag(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.to(torch.int8)
+    return None if x is None else x.to(torch.int8).contiguous()
+
+
+def _dense(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A ``[n]`` per-row vector as the kernels read it (``ptr + row``): contiguous (a copy only
+    of a strided one: an upstream gradient may have any strides, e.g. a ``sum``'s expanded one,
+    and the coefficients and lse sliced from it keep them)."""
+    return None if x is None else x.contiguous()
 
 
 def _operands(logits, hidden, weight):
@@ -151,7 +166,7 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
     # the kernel: none of its tiles look for a target); per block, the kernel places them.
     picked = has_target and (store is None or per_block)
     flags = dict(HAS_TARGET=picked, ENTROPY=entropy, ZSUM=zsum, SCALE=temperature != 1.0)
-    targets = (index, _flag(owned)) if picked else (out, out)  # placeholders: never read
+    targets = (_dense(index), _flag(owned)) if picked else (out, out)  # placeholders: never read
     scalars = (float(temperature), zsum_scale(layout.vocab_size))
     if not (fused or per_block):
         block = _block(block_n, width, x.element_size())
@@ -222,6 +237,8 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
     flags = dict(HAS_LP=has_lp, HAS_H=has_h, HAS_TARGET=has_target,
                  SMOOTH=has_target and label_smoothing > 0.0, HAS_VALID=valid is not None,
                  SCALE=temperature != 1.0, ROUND=_ROUND[out.dtype], GPU=x.is_cuda)
+    lse, lse_lo, ent, coef_lp, coef_h, index = map(_dense, (lse, lse_lo, ent, coef_lp, coef_h,
+                                                            index))
     dummy = lse  # placeholders: the constexpr flags turn those loads off
     rows = (lse, torch.zeros_like(lse) if lse_lo is None else lse_lo, ent if has_h else dummy,
             coef_lp if has_lp else dummy,

@@ -21,8 +21,10 @@ Online rescaling (Milakov & Gimelshein 2018, "Online normalizer calculation for 
 extended to the entropy and smoothing sums): ``s <- s e^d + sum e^(z - m)``, ``u <- e^d (u + d s)
 + sum e^(z - m)(z - m)``, ``a <- a + c k d + sum c (z - m)`` over the k real columns seen before,
 ``d = m_old - m <= 0``. Every term of ``u`` and ``a`` is <= 0, so large logits (fp16 65504)
-neither overflow nor cancel, as in the torch path. A NaN logit makes the sums NaN (``exp`` of it),
-which the stored statistics keep.
+neither overflow nor cancel, as in the torch path. A NaN logit makes the running maximum NaN
+(:func:`max_nan`, :func:`amax_nan`: NaN propagated explicitly, whatever ``tl.maximum``'s default
+does on this Triton) and the sums NaN, as torch's ``amax`` and sums do; the stored statistics
+keep them.
 
 Only constructs that compile on CUDA GPUs as they run under ``TRITON_INTERPRET=1``: power-of-two
 blocks, masked loads and stores, ``tl.dot`` with every dimension >= 16, constexpr flags for every
@@ -135,6 +137,21 @@ def scaled_z(x, temperature, SCALE: tl.constexpr):
 
 
 @triton.jit
+def max_nan(a, b):
+    """``max(a, b)``, NaN if either is NaN (torch's ``maximum``/``amax``): explicit, because
+    ``tl.maximum``'s default skips NaN in compiled code and, from Triton 3.8, in the
+    interpreter, but propagates it in older interpreters."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_nan(x, AXIS: tl.constexpr):
+    """``x``'s maximum along ``AXIS``, NaN where a NaN is (:func:`max_nan` as the combine: not
+    ``tl.max``, whose NaN handling differs between Triton versions as ``tl.maximum``'s)."""
+    return tl.reduce(x, AXIS, max_nan)
+
+
+@triton.jit
 def tile_order(pid, row_tiles, col_tiles, GROUP: tl.constexpr):
     """``(row tile, column tile)`` of program ``pid`` in grouped order: ``GROUP`` consecutive row
     tiles take each column tile in turn, so the programs resident together share a few weight
@@ -158,7 +175,7 @@ def online_update(z, live, seen, m, s, u, a, floor, zscale, ENTROPY: tl.constexp
     tile's rows, or the lanes of one row: ``GROUP`` consecutive columns each, in one thread, so
     the reductions stay inside it). ``live``: which entries are real columns (broadcast to
     ``z``), or None for all."""
-    m_new = tl.maximum(m, tl.max(z, 1))
+    m_new = max_nan(m, amax_nan(z, 1))
     d = m - m_new
     scale = exp_(d)
     x = z - m_new[:, None]
@@ -167,12 +184,12 @@ def online_update(z, live, seen, m, s, u, a, floor, zscale, ENTROPY: tl.constexp
         # A part whose scale underflows to 0 adds 0 (never 0 * inf from d * s).
         u = tl.where(scale == 0.0, 0.0, scale * (u + d * s)) + tl.sum(e * x, 1)
     s = s * scale + tl.sum(e, 1)
-    if ZSUM:  # (zscale is a power of two: scaling the sum or its terms rounds the same)
+    if ZSUM:  # each term scaled before the sum, as the torch path does: no overflow at 3e38
         if live is None:
-            a = a + (zscale * seen) * d + tl.sum(x, 1) * zscale
+            a = a + (zscale * seen) * d + tl.sum(x * zscale, 1)
             floor = tl.maximum(floor, tl.max((z <= FLOOR).to(tl.int32), 1))
         else:
-            a = a + (zscale * seen) * d + tl.sum(tl.where(live, x, 0.0), 1) * zscale
+            a = a + (zscale * seen) * d + tl.sum(tl.where(live, x * zscale, 0.0), 1)
             floor = tl.maximum(floor, tl.max((live & (z <= FLOOR)).to(tl.int32), 1))
     return m_new, s, u, a, floor
 
@@ -196,7 +213,7 @@ def merge_lanes(m, s, u, a, floor, counts, zscale, ENTROPY: tl.constexpr, ZSUM: 
     """A row's statistics from its lanes' (``[LANES]`` each; ``counts`` each lane's real columns,
     fp32): the merge of ``_math`` over parts (``docs/numerics.md``), the smoothing sums rebased
     on the row's maximum (``a + c n d``)."""
-    mx = tl.max(m, 0)
+    mx = amax_nan(m, 0)
     d = m - mx
     scale = exp_(d)
     s_row = tl.sum(s * scale, 0)
@@ -275,7 +292,7 @@ def grad_values(z, lse, lse_lo, shift, c_lp, c_h, HAS_H: tl.constexpr):
     logp = (z - lse) - lse_lo
     p = exp_(logp)
     if HAS_H:
-        logp = tl.maximum(logp, _LOGP_MIN)
+        logp = max_nan(logp, _LOGP_MIN)
         grad = p * (logp * (-c_h) - shift)
     else:
         grad = p * (-c_lp)
