@@ -35,8 +35,8 @@ import warnings
 
 from . import versions
 
-__all__ = ["UntestedVersionWarning", "found_versions", "untested", "warn_untested",
-           "at_first_op", "reset"]
+__all__ = ["UntestedVersionWarning", "package_info_release", "found_versions", "untested",
+           "warn_untested", "at_first_op", "reset"]
 
 COMPONENTS = ("Python", "torch", "Triton", "megatron-core")
 _checked: set[str] = set()
@@ -58,14 +58,20 @@ def _distribution_version(name: str) -> str | None:
         return None
 
 
-def _imported_megatron_core() -> str | None:
-    """The release of an already imported megatron-core (its ``package_info.VERSION``), else
-    None: an op call never imports Megatron."""
-    info = sys.modules.get("megatron.core.package_info")
+def package_info_release(info) -> str | None:
+    """``"0.19.2"`` (a pre-release tag appended, ``"0.20.0rc0"``) from a
+    ``megatron.core.package_info`` module's ``VERSION`` tuple; None for a module (or None)
+    without one."""
     version = getattr(info, "VERSION", None)
     if isinstance(version, tuple) and len(version) >= 3:
         return ".".join(str(part) for part in version[:3]) + "".join(map(str, version[3:]))
     return None
+
+
+def _imported_megatron_core() -> str | None:
+    """The release of an already imported megatron-core, else None: an op call never imports
+    Megatron."""
+    return package_info_release(sys.modules.get("megatron.core.package_info"))
 
 
 def found_versions(*, megatron_core: str | None = None) -> dict[str, str]:

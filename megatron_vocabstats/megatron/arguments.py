@@ -24,14 +24,7 @@ from ..ops.options import BATCH_INVARIANT_NAMES
 from ..rollout import ROLLOUT_LEVELS, RolloutCorrection
 from . import compat, settings
 from .flag_types import FLAG_TYPES, OPTIONAL_FLAGS, ROLLOUT_FLAGS
-from .run_args import (  # noqa: F401  (FP8_RECIPE_MULTIPLE, fp8_token_alignment: re-exported)
-    FP8_RECIPE_MULTIPLE,
-    VOCAB_SHARD_MULTIPLE,
-    fp8_alignment,
-    fp8_token_alignment,
-    megatron_int,
-    precision_aware_optimizer,
-)
+from .run_args import VOCAB_SHARD_MULTIPLE, fp8_alignment, megatron_int, precision_aware_optimizer
 
 logger = logging.getLogger("megatron_vocabstats")
 

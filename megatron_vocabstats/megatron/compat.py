@@ -6,8 +6,9 @@ messages. ``tp_group_of``, ``default_tp_group`` and ``packed_seq_params_class`` 
 :mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops) and are
 re-exported here.
 
-May import: :mod:`megatron_vocabstats.mcore`, :mod:`megatron_vocabstats.versions`, the
-standard library, torch and, lazily, the third-party Megatron, transformer-engine and apex.
+May import: :mod:`megatron_vocabstats.mcore`, :mod:`megatron_vocabstats.versions`,
+:mod:`megatron_vocabstats.version_check`, the standard library, torch and, lazily, the
+third-party Megatron, transformer-engine and apex.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 
 # Re-exported: the lookups the lower layer needs live in megatron_vocabstats.mcore.
 from ..mcore import default_tp_group, packed_seq_params_class, tp_group_of  # noqa: F401
+from ..version_check import package_info_release
 from ..versions import supported_range
 
 # "megatron-core >=0.16,<0.21 (tested: 0.16.1, 0.19.2)", from the supported-versions table.
@@ -46,9 +48,9 @@ def megatron_core_release() -> str | None:
         from megatron.core import package_info
     except ImportError:
         package_info = None
-    version = getattr(package_info, "VERSION", None)
-    if isinstance(version, tuple) and len(version) >= 3:
-        return ".".join(str(part) for part in version[:3]) + "".join(map(str, version[3:]))
+    release = package_info_release(package_info)
+    if release is not None:
+        return release
     return str(getattr(megatron.core, "__version__", "unknown")).split("+", 1)[0]
 
 

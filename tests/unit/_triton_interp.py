@@ -224,7 +224,7 @@ def test_large_logits_keep_their_digits(fused):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 def test_logits_near_the_top_of_fp32_keep_finite_logprobs(fused):
-    """Issue 28: bf16 logits near 3e38 with label smoothing: the smoothing sum scales each term
+    """bf16 logits near 3e38 with label smoothing: the smoothing sum scales each term
     before summing (as the torch path does), so the log-probs are the torch path's -2.9e38, not
     the -inf of an overflowed sum; and the gradient is the torch path's too."""
     from megatron_vocabstats import linear_vocab_parallel_stats
@@ -251,7 +251,7 @@ def test_logits_near_the_top_of_fp32_keep_finite_logprobs(fused):
 
 @pytest.mark.parametrize("per_block", [False, True], ids=["rows", "blocks"])
 def test_nan_statistics_are_the_torch_paths(per_block):
-    """Issue 28: a NaN logit makes the part's maximum NaN (torch's ``amax``), not the maximum of
+    """A NaN logit makes the part's maximum NaN (torch's ``amax``), not the maximum of
     the other columns, whatever this Triton's ``tl.maximum`` does with NaN (it skips NaN in
     compiled code and from Triton 3.8 in the interpreter, propagated it before); -inf rows and
     rows without NaN as the torch path. Statistics bitwise where they are exact (max, target),
@@ -287,7 +287,7 @@ def test_nan_statistics_are_the_torch_paths(per_block):
 
 
 def test_strided_row_vectors_equal_contiguous():
-    """Issue 28: the per-row vectors a launch reads (lse, coefficients, targets, flags) may come
+    """The per-row vectors a launch reads (lse, coefficients, targets, flags) may come
     with any strides (torch 2.15: a gradient reaching ``backward`` may have any); the kernels
     give the bits of contiguous copies, statistics and gradient."""
     gen = torch.Generator().manual_seed(13)

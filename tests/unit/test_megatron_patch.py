@@ -645,3 +645,31 @@ def test_config_hook_refuses_a_triton_kernel_that_cannot_run(patch, monkeypatch)
     monkeypatch.setenv("VOCABSTATS_KERNEL", "triton")
     with pytest.raises(ValueError, match="--vocab-stats-kernel auto: VOCABSTATS_KERNEL=triton"):
         config_hook(args)
+
+
+def test_schedule_plan_without_output_processor_is_named_or_refused():
+    """A release whose ``forward`` takes the output processor but whose ``build_schedule_plan``
+    does not (none is released yet) runs Megatron's own plan, and the fused head's absence is
+    reported, or refused under ``require_fused_lm_head``; a logits request is left alone."""
+    from megatron_vocabstats.megatron import model
+
+    built = []
+
+    class Model:
+        def build_schedule_plan(self, input_ids, position_ids, attention_mask, labels=None,
+                                inference_context=None):
+            built.append(labels)
+            return "plan"
+
+    plan = model.make_unfused_schedule_plan(Model.build_schedule_plan)
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    try:
+        settings.update(active=True, lm_head_chunk_size=8, require_fused_lm_head=True)
+        with pytest.raises(ValueError, match="build_schedule_plan takes no output_processor"):
+            plan(Model(), None, None, None, labels=labels)
+        assert plan(Model(), None, None, None) == "plan"  # logits: nothing to fuse
+        settings.update(require_fused_lm_head=False)
+        assert plan(Model(), None, None, None, labels=labels) == "plan"
+    finally:
+        settings.reset()
+    assert built == [None, labels]

@@ -159,7 +159,7 @@ print(sorted({(l.name, gpu_capture.specialisation(l)[3].enable_fp_fusion) for l 
 
 @needs_triton
 def test_fp_fusion_is_explicit():
-    """Issue 28: every launch sets ``enable_fp_fusion`` itself, so the compiled kernels are the
+    """Every launch sets ``enable_fp_fusion`` itself, so the compiled kernels are the
     same whatever ``TRITON_DEFAULT_FP_FUSION`` says (Triton 3.10 turns its default off)."""
     seen = {}
     for value in ("0", "1"):

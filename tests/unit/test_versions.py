@@ -183,48 +183,55 @@ def _untested_warnings(caught) -> list[str]:
                   if issubclass(w.category, version_check.UntestedVersionWarning))
 
 
-def test_ops_alone_warn_once_per_component(monkeypatch):
+# The version warning (megatron_vocabstats.version_check): once per process, one per component.
+
+@pytest.fixture
+def fresh_check():
+    from megatron_vocabstats import version_check
+
+    version_check.reset()
+    yield version_check
+    version_check.reset()
+
+
+def test_ops_alone_warn_once_per_component(fresh_check, monkeypatch):
     """A user of the ops alone (no patch) hears of a torch or Triton outside the tested range:
     one warning per component at the first op call of the process, none at import or later."""
     import warnings
 
-    from megatron_vocabstats import version_check
     from megatron_vocabstats.ops import vocab_parallel_logprobs
 
+    version_check = fresh_check
     logits, target = torch.randn(3, 7), torch.tensor([0, 6, 2])
+    with warnings.catch_warnings():     # the running (CI) versions: inside the range
+        warnings.simplefilter("error", version_check.UntestedVersionWarning)
+        vocab_parallel_logprobs(logits, target)
     version_check.reset()
-    try:
-        with warnings.catch_warnings():     # the running (CI) versions: inside the range
-            warnings.simplefilter("error", version_check.UntestedVersionWarning)
-            vocab_parallel_logprobs(logits, target)
-        version_check.reset()
-        monkeypatch.setattr(torch, "__version__", "2.16.0a0+nv26.12")
-        monkeypatch.setattr(version_check, "_distribution_version",
-                            lambda name: "3.10.0" if name == "triton" else None)
-        monkeypatch.setattr(platform, "python_version", lambda: "3.14.0")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                out = vocab_parallel_logprobs(logits, target)
-        reference = torch.log_softmax(logits.double(), -1).gather(1, target[:, None])[:, 0]
-        torch.testing.assert_close(out.double(), reference)        # the plugin still runs
-        messages = _untested_warnings(caught)
-        assert len(messages) == 3, messages
-        assert messages[0].startswith("Python 3.14.0 is outside the supported range Python "
-                                      ">=3.11,<3.14 (tested: 3.11, 3.12, 3.13)")
-        assert messages[1].startswith("Triton 3.10.0 is outside the supported range Triton "
-                                      ">=3.6,<3.10 (tested: ")
-        assert messages[2].startswith("torch 2.16.0a0+nv26.12 is outside the supported range "
-                                      "torch >=2.11,<2.16 (tested: 2.11.0, 2.14.1, 2.15.0)")
-        # Another rank of the job says nothing (rank 0 speaks for it).
-        version_check.reset()
-        monkeypatch.setenv("RANK", "1")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            vocab_parallel_logprobs(logits, target)
-        assert _untested_warnings(caught) == []
-    finally:
-        version_check.reset()
+    monkeypatch.setattr(torch, "__version__", "2.16.0a0+nv26.12")
+    monkeypatch.setattr(version_check, "_distribution_version",
+                        lambda name: "3.10.0" if name == "triton" else None)
+    monkeypatch.setattr(platform, "python_version", lambda: "3.14.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            out = vocab_parallel_logprobs(logits, target)
+    reference = torch.log_softmax(logits.double(), -1).gather(1, target[:, None])[:, 0]
+    torch.testing.assert_close(out.double(), reference)        # the plugin still runs
+    messages = _untested_warnings(caught)
+    assert len(messages) == 3, messages
+    assert messages[0].startswith("Python 3.14.0 is outside the supported range Python "
+                                  ">=3.11,<3.14 (tested: 3.11, 3.12, 3.13)")
+    assert messages[1].startswith("Triton 3.10.0 is outside the supported range Triton "
+                                  ">=3.6,<3.10 (tested: ")
+    assert messages[2].startswith("torch 2.16.0a0+nv26.12 is outside the supported range "
+                                  "torch >=2.11,<2.16 (tested: 2.11.0, 2.14.1, 2.15.0)")
+    # Another rank of the job says nothing (rank 0 speaks for it).
+    version_check.reset()
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vocab_parallel_logprobs(logits, target)
+    assert _untested_warnings(caught) == []
 
 
 def test_ngc_torch_is_its_release_for_pip_and_the_warning():
@@ -237,17 +244,6 @@ def test_ngc_torch_is_its_release_for_pip_and_the_warning():
                 "2.14.0a0+f70c2cd.nv26.08"):
         assert Requirement(req).specifier.contains(ngc), (req, ngc)
         assert version_check.untested({"torch": ngc}) == [], ngc
-
-
-# The version warning (megatron_vocabstats.version_check): once per process, one per component.
-
-@pytest.fixture
-def fresh_check():
-    from megatron_vocabstats import version_check
-
-    version_check.reset()
-    yield version_check
-    version_check.reset()
 
 
 def test_one_warning_per_component_once_per_process(fresh_check, monkeypatch):

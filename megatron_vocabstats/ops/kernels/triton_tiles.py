@@ -128,20 +128,20 @@ def matmul_logits(h_ptr, stride_hm, stride_hk, w_ptr, stride_wn, stride_wk, rows
 
 
 @triton.jit
-def scaled_z(x, temperature, SCALE: tl.constexpr):
-    """``z`` of fp32 logits as ``_math.load_chunk`` makes it: ``x / tau`` (IEEE division),
-    below the floor (-inf too) -> ``FLOOR``; NaN stays NaN. Padding columns are the caller's."""
-    if SCALE:
-        x = tl.math.div_rn(x, temperature)
-    return tl.maximum(x, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def max_nan(a, b):
     """``max(a, b)``, NaN if either is NaN (torch's ``maximum``/``amax``): explicit, because
     ``tl.maximum``'s default skips NaN in compiled code and, from Triton 3.8, in the
     interpreter, but propagates it in older interpreters."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def scaled_z(x, temperature, SCALE: tl.constexpr):
+    """``z`` of fp32 logits as ``_math.load_chunk`` makes it: ``x / tau`` (IEEE division),
+    below the floor (-inf too) -> ``FLOOR``; NaN stays NaN. Padding columns are the caller's."""
+    if SCALE:
+        x = tl.math.div_rn(x, temperature)
+    return max_nan(x, FLOOR)
 
 
 @triton.jit
