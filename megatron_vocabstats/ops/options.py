@@ -98,9 +98,11 @@ def check_keywords(op: str, options: dict, allowed: type) -> None:
     """``TypeError`` (as Python's own for an undeclared keyword) naming the first keyword of
     ``options`` that the ``TypedDict`` ``allowed`` does not declare, and the ones it does: the
     check of the wrappers that take ``**options: Unpack[allowed]``."""
-    unknown = sorted(options.keys() - allowed.__optional_keys__ - allowed.__required_keys__)
+    declared = allowed.__optional_keys__ | allowed.__required_keys__
+    # (a loop, not keys() - set: torch 2.11's dynamo cannot trace a set difference of dict keys)
+    unknown = sorted(key for key in options if key not in declared)
     if unknown:
-        takes = ", ".join(sorted(allowed.__optional_keys__ | allowed.__required_keys__))
+        takes = ", ".join(sorted(declared))
         raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r} (its "
                         f"options: {takes})")
 

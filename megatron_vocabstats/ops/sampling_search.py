@@ -314,7 +314,7 @@ def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerC
     out.copy_(g)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class SampledGrad:
     """The sampler log-probs' :class:`~.engine.ChunkGrad`: :func:`sampled_chunk_grad` of a chunk
     (``coef`` the ``[T]`` fp32 of :func:`grad_coefficient`, ``saved`` what :func:`sampled_pass`

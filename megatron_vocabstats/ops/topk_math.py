@@ -161,7 +161,7 @@ def backward_terms(grad, indices, valid, lse, lse_lo, cfg: StatsConfig):
     return local, g.sum(dim=1), torch.where(owned, g, 0.0), finite_lse(lse, valid), lse_lo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TopKGrad:
     """The top-k log-probs' :class:`~.engine.ChunkGrad`: :func:`chunk_topk_grad` of a chunk from
     the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``,

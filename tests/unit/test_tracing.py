@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packaging.version import Version
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import megatron_vocabstats as mv
@@ -72,6 +73,13 @@ def test_make_fx_symbolic_traces_with_the_defaults(op):
         assert torch.equal(a, b), (op, a, b)
 
 
+# torch 2.11's dynamo asserts (higher_order_ops: "subgraph_vt.is_tensor()") on an
+# autograd.Function whose forward returns None (the entropy that was not asked for): it raises,
+# it never computes a wrong number. Strict: a torch 2.11 that passes must drop the mark.
+@pytest.mark.xfail(Version(torch.__version__).release < (2, 12), strict=True,
+                   raises=AssertionError,
+                   reason="torch 2.11's dynamo cannot capture an autograd.Function with a None "
+                          "output (docs/checks.md)")
 def test_torch_compile_dynamic_with_the_defaults():
     """torch.compile(dynamic=True) of the core op at two token counts (the second reuses the
     dynamic graph). Backend "eager" (dynamo's capture with dynamic shapes, which is what failed;

@@ -126,7 +126,8 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
     else:
         # Shards of unequal widths (vocab_start) send their real column count along, in one
         # more token column of the same all-gather: the smoothing merge needs every shard's.
-        counted = zsum and not cfg.layout.even
+        # (an int: torch 2.11's symbolic shapes cannot add a bool to a SymInt)
+        counted = int(zsum and not cfg.layout.even)
         stats = torch.zeros((rows, num_tokens + counted), dtype=torch.float32, device=device)
         stats_of = kernels.shard_stats(**opts, batch_invariant=bool(cfg.batch_invariant))
         for chunk in chunks:

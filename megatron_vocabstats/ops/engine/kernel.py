@@ -62,7 +62,11 @@ class Chunk(NamedTuple):
 
 class ChunkStats(Protocol):
     """Statistics of this chunk: write the rows' per-shard statistics into ``out``
-    (fp32; ``[NUM_STATS, n]`` for the core statistics, ``[NUM_STATS, n, nb]`` per block)."""
+    (fp32; ``[NUM_STATS, n]`` for the core statistics, ``[NUM_STATS, n, nb]`` per block).
+
+    The implementations are frozen dataclasses with ``eq=False`` (hashed by identity): torch
+    2.11's dynamo hashes a callable object that it built in the traced region before its fields
+    are set."""
 
     def __call__(self, chunk: Chunk, out: torch.Tensor) -> None: ...
 
@@ -74,7 +78,7 @@ class ChunkGrad(Protocol):
     def __call__(self, chunk: Chunk, out: torch.Tensor) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ShardStats:
     """The core op's :class:`ChunkStats`: ``_math.chunk_stats`` (max, sum of exp, exp-weighted
     logits, target logit, smoothing sum; with ``argmax`` the id of the first maximum too) or,
@@ -96,7 +100,7 @@ class ShardStats:
                         batch_invariant=self.batch_invariant, **opts)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class StatsGrad:
     """The core op's :class:`ChunkGrad`: ``_math.chunk_grad`` of ``sum(g_lp * logprobs + g_H *
     entropy)`` from per-token ``[T]`` fp32 vectors (``lse`` finite and ``lse_lo`` its rounding

@@ -265,7 +265,7 @@ def _chunk_source(chunk) -> dict:
     return dict(logits=chunk.logits)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TritonShardStats:
     """:class:`~..engine.kernel.ChunkStats` of :func:`shard_stats` (the fields of
     ``engine.kernel.ShardStats`` plus the temperature, which the torch path applies in
@@ -285,7 +285,7 @@ class TritonShardStats:
                     per_block=self.blocks, store=store, **_chunk_source(chunk))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TritonStatsGrad:
     """:class:`~..engine.kernel.ChunkGrad` of :func:`stats_grad`: the fields of
     ``engine.kernel.StatsGrad`` (``[T]`` vectors, sliced per chunk) plus the temperature."""
