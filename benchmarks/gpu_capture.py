@@ -10,7 +10,8 @@ launches are recorded by a patched ``JITFunction.run`` instead of compiled and r
 kernels by a ``TorchDispatchMode`` on top of the fake mode. What a GPU-less process cannot fake is
 patched for the capture only: the current stream and events (``ops.workspace``), the device
 capability (``(9, 0)``, an H100/H200), the weight-gradient GEMM mode (``"addmm"``, what
-``engine.wgrad`` probes on a CUDA build of torch >= 2.8), ``.item()`` (a value the caller
+``engine.wgrad`` probes on a CUDA build of torch >= 2.8; its fake ``addmm(out_dtype=...)``, which
+torch 2.11 cannot run, by a shape check), ``.item()`` (a value the caller
 gives; Liger reads a count of valid targets on the host), and the workspace cache, whose free
 buffers the capture's fake ones never join.
 
@@ -147,7 +148,14 @@ class _Recorder(TorchDispatchMode):
         if name == "equal":  # Liger's backward skips its scaling when the upstream grad is 1
             self.capture.host_syncs += 1
             return True
-        out = func(*args, **kwargs)
+        if func == torch.ops.aten.addmm.dtype_out:
+            # torch 2.11's fake addmm(out_dtype=...) fails in its decomposition: the shapes
+            # checked by a fake mm instead (not recorded: this mode is off inside its dispatch)
+            out = kwargs["out"]
+            if torch.mm(args[1], args[2], out_dtype=args[3]).shape != out.shape:
+                raise RuntimeError(f"addmm: out {tuple(out.shape)} does not fit the product")
+        else:
+            out = func(*args, **kwargs)
         outputs = _specs(out)
         if outputs and not (func.is_view or name in _NO_KERNEL):
             self.capture.events.append(TorchOp(
