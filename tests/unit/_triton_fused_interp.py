@@ -1,8 +1,8 @@
 """The fused LM head's Triton kernels (``linear_vocab_parallel_stats(kernel="triton")``: the
 logits tiles by ``tl.dot``, never stored) under Triton's CPU interpreter.
 
-Not collected by the suite (no ``test_`` prefix): ``test_triton_kernels.py`` runs it in the
-interpreter's subprocess, with ``_triton_interp.py``. Values and the gradients of hidden and
+Not collected by the suite (no ``test_`` prefix): ``test_triton_fused_kernels.py`` runs it in the
+interpreter's own subprocess. Values and the gradients of hidden and
 weight are checked against the float64 reference of the fused op's own tests
 (``dist/fused_linear_cases.run_and_check``: logits ``round_dtype(hidden @ W.T)``, the same
 tolerances, which allow a logit one model-dtype ulp off the float64 product, as another
@@ -21,7 +21,7 @@ from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stat
 from megatron_vocabstats.ops.kernels import KERNEL_ENV, interpreting
 
 if not interpreting():
-    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_kernels.py)",
+    pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_fused_kernels.py)",
                 allow_module_level=True)
 
 from dist.fused_linear_cases import run_and_check

@@ -94,8 +94,9 @@ VERSIONED = {
     "test_env.py": "the environment report reads the running versions",
     "test_announce.py": "the log line and its out-of-range warnings name the running versions",
     "test_wheel.py": "build, install and import the wheel with the leg's Python and pip",
-    "test_triton_kernels.py": "Triton's CPU interpreter and the sm_90 compile of every launched "
-                              "variant with the leg's Triton",
+    "test_triton_kernels.py": "the unfused kernels under the leg's Triton's CPU interpreter",
+    "test_triton_fused_kernels.py": "the fused head's kernels under the leg's Triton's interpreter",
+    "test_triton_compile.py": "the sm_90 compile of every launched variant with the leg's Triton",
     "test_batch_invariant.py": "bitwise batch invariance with the leg's torch and Triton",
     "test_batch_invariant_dist.py": "bitwise batch invariance across gloo ranks",
     "test_tracing.py": "make_fx and torch.compile change with torch",

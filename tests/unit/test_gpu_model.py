@@ -1,7 +1,7 @@
 """The static GPU model's pieces (``benchmarks/gpu_*.py``, ``docs/gpu-model.md``) on tiny inputs:
 the LRU simulation of the L2, occupancy, loop trip counts read from SASS, and the capture of a
 launch from the real op with the specialisation a GPU launch gets (no compilation here; the
-compiled variants are ``test_triton_kernels.py::test_kernels_compile_for_sm90``'s)."""
+compiled variants are ``test_triton_compile.py::test_kernels_compile_for_sm90``'s)."""
 
 from __future__ import annotations
 

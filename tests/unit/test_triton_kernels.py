@@ -2,14 +2,13 @@
 ``VOCABSTATS_KERNEL``), that the package imports without triton, and the kernels themselves
 under Triton's CPU interpreter: ``_triton_interp.py`` (one subprocess, ``TRITON_INTERPRET=1``
 set before triton decorates the kernels, so the interpreter cannot leak into this process) and
-``dist/triton_cases.py`` (tp 2 on gloo); and that they compile for sm_90 without a GPU
-(``_triton_compile.py``, in a subprocess with its own Triton cache).
+``dist/triton_cases.py`` (tp 2 on gloo). The fused head's kernels under the interpreter:
+``test_triton_fused_kernels.py``; the sm_90 compile: ``test_triton_compile.py``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -111,12 +110,11 @@ def test_import_does_not_import_triton():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("False"), proc.stderr[-4000:]
 
 
-@needs_triton
-def test_kernels_under_the_interpreter():
-    """``_triton_interp.py`` (unfused) and ``_triton_fused_interp.py`` (fused LM head) in one
-    subprocess with ``TRITON_INTERPRET=1``."""
+def run_interpreted(script: str) -> None:
+    """Run the pytest file ``script`` (in tests/unit) in a subprocess with ``TRITON_INTERPRET=1``
+    set before triton decorates the kernels."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           os.path.join(HERE, "_triton_interp.py"), os.path.join(HERE, "_triton_fused_interp.py")]
+           os.path.join(HERE, script)]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=540)
@@ -125,45 +123,13 @@ def test_kernels_under_the_interpreter():
 
 
 @needs_triton
-def test_kernels_compile_for_sm90(tmp_path):
-    """Every variant the ops launch compiles for sm_90 without spills, with the expected loads
-    and wgmma (``_triton_compile.py``, which captures the launches from the ops)."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_triton_compile.py")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=540,
-                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore",
-                               "TRITON_CACHE_DIR": str(tmp_path)})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert re.search(r"compiled [1-9]\d* launched variants for sm_90", proc.stdout), proc.stdout
+def test_kernels_under_the_interpreter():
+    """``_triton_interp.py``: the unfused kernels under the interpreter (the fused LM head's:
+    ``test_triton_fused_kernels.py``)."""
+    run_interpreted("_triton_interp.py")
 
 
 @needs_triton
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_under_the_interpreter(name):
     check_case("triton_cases.py", 2, name)
-
-
-_FP_FUSION = """
-import sys, torch
-sys.path.insert(0, 'benchmarks')
-import gpu_capture, megatron_vocabstats as m
-with gpu_capture.capturing() as cap:
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.empty(4, 40, dtype=dtype, device='cuda')
-        m.vocab_parallel_stats(x, None, kernel='triton', validate=False)
-        h = torch.empty(4, 16, dtype=dtype, device='cuda')
-        m.linear_vocab_parallel_stats(h, torch.empty(40, 16, dtype=dtype, device='cuda'), None,
-                                      kernel='triton', validate=False)
-print(sorted({(l.name, gpu_capture.specialisation(l)[3].enable_fp_fusion) for l in cap.triton()}))
-"""
-
-
-@needs_triton
-def test_fp_fusion_is_explicit():
-    """Every launch sets ``enable_fp_fusion`` itself, so the compiled kernels are the
-    same whatever ``TRITON_DEFAULT_FP_FUSION`` says (Triton 3.10 turns its default off)."""
-    seen = {}
-    for value in ("0", "1"):
-        proc = _run(_FP_FUSION, PYTHONPATH=ROOT, TRITON_DEFAULT_FP_FUSION=value)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        seen[value] = proc.stdout.strip().splitlines()[-1]
-    assert seen["0"] == seen["1"] and "False" not in seen["0"], seen
