@@ -24,28 +24,15 @@ Raises :class:`UnsupportedVerlError` (an ``ImportError``) when verl is missing, 
 name or a signature above moved or changed (a release other than the one this was written
 for, verl 0.9; tested with 0.9.1); then nothing is patched.
 
-May import: :mod:`.verl_ops`, the package's ``VERL_PATCHER``, ``megatron._patching`` and
-``megatron.settings``, ``versions``, torch, packaging, the standard library and, inside
+May import: :mod:`.verl_ops`, :mod:`._framework`, ``megatron.settings`` and, inside
 :func:`apply`, verl.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.metadata
-import inspect
-import logging
-
-import torch
-from packaging.version import InvalidVersion, Version
-
-from .. import versions
-from ..megatron._patching import Patcher, describe
 from ..megatron.settings import PluginSettings
-from . import VERL_PATCHER, verl_ops
-
-logger = logging.getLogger("megatron_vocabstats")
+from . import verl_ops
+from ._framework import Framework, UnsupportedFrameworkError
 
 __all__ = ["UnsupportedVerlError", "apply", "remove", "is_applied", "patched_names",
            "DEFINITIONS", "CONSUMERS", "TESTED"]
@@ -76,100 +63,19 @@ CONSUMERS = {
 }
 
 
-class UnsupportedVerlError(ImportError):
+class UnsupportedVerlError(UnsupportedFrameworkError):
     """verl is missing, or its modules, names or signatures are not the ones this integration
     replaces; nothing was patched."""
 
 
+FRAMEWORK = Framework(name="verl", distribution="verl", install_hint="pip install 'verl==0.9.*'",
+                      tested=TESTED, definitions=DEFINITIONS, consumers=CONSUMERS,
+                      error=UnsupportedVerlError)
+
+
 def verl_version() -> str | None:
     """The installed verl's version (its distribution metadata), None if it is not installed."""
-    try:
-        return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _fail(version, problem: str) -> UnsupportedVerlError:
-    return UnsupportedVerlError(
-        f"megatron-vocabstats' verl integration: verl {version}: {problem}. It replaces the "
-        f"names of verl {' and '.join(TESTED)} (tested with verl 0.9.1); nothing was patched")
-
-
-def _import(name: str, version):
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise _fail(version, f"cannot import {name} ({type(exc).__name__}: {exc})") from exc
-
-
-def _parameters(fn) -> tuple[str, ...] | None:
-    """Parameter names of ``fn``; for an autograd Function's ``apply``, those of its
-    ``forward`` after ``ctx``. None if they cannot be read."""
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
-        fn = owner.forward
-    try:
-        names = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names[1:] if owner is not None and names[:1] == ("ctx",) else names
-
-
-def _original(obj):
-    return obj.__wrapped__ if Patcher.is_ours(obj) else obj
-
-
-def _binding(fn):
-    """The patcher's replacement factory: a fresh function per binding that calls ``fn``."""
-    def make(_original_fn):
-        @functools.wraps(fn)
-        def replacement(*args, **kwargs):
-            return fn(*args, **kwargs)
-        return replacement
-    return make
-
-
-def _targets() -> list[tuple[object, str, object]]:
-    """``(module, name, factory)`` of every binding to replace, all resolved and checked before
-    anything is patched; raises :class:`UnsupportedVerlError`."""
-    version = verl_version()
-    if version is None:
-        raise UnsupportedVerlError("megatron-vocabstats' verl integration needs verl (pip install "
-                                   "'verl==0.9.*'); it is not installed")
-    targets, originals = [], {}
-    for module_name, names in DEFINITIONS.items():
-        module = _import(module_name, version)
-        for name, fn in names.items():
-            if not hasattr(module, name):
-                raise _fail(version, f"{module_name} has no {name}")
-            original = _original(getattr(module, name))
-            want, have = _parameters(fn), _parameters(original)
-            if have != want:
-                raise _fail(version, f"{module_name}.{name} takes {have}, not {want}")
-            originals[name] = (f"{module_name}.{name}", original, fn)
-            targets.append((module, name, _binding(fn)))
-    for module_name, names in CONSUMERS.items():
-        module = _import(module_name, version)
-        for name in names:
-            where, original, fn = originals[name]
-            if not hasattr(module, name):
-                raise _fail(version, f"{module_name} has no {name}")
-            if _original(getattr(module, name)) is not original:
-                raise _fail(version, f"{module_name}.{name} is not {where} (found "
-                                     f"{getattr(module, name)!r})")
-            targets.append((module, name, _binding(fn)))
-    if _minor(version) not in TESTED:
-        logger.warning("megatron-vocabstats (verl): verl %s is not a release this integration "
-                       "was tested with (%s); its names and signatures match", version,
-                       ", ".join(TESTED))
-    return targets
-
-
-def _minor(version: str) -> str:
-    try:
-        return ".".join(map(str, Version(version).release[:2]))
-    except InvalidVersion:
-        return version
+    return FRAMEWORK.version()
 
 
 def apply(**options) -> PluginSettings:
@@ -188,43 +94,21 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     settings = verl_ops.configured(**options)
-    targets = _targets()
+    FRAMEWORK.targets()  # raises before the options change
     verl_ops.configure(settings)
-    patched = []
-    try:
-        for module, name, factory in targets:
-            if VERL_PATCHER.replace(module, name, factory):
-                patched.append(describe(module, name))
-    except BaseException:
-        remove()
-        raise
-    if patched and verl_ops.rank0():
-        # verl's environments pin their own torch (verl[vllm] 0.9.1: torch 2.11): say so where
-        # verl's root logger (WARNING) shows it, as the Megatron patch's first-loss line does.
-        untested = versions.check_version("torch", torch.__version__)
-        logger.log(logging.WARNING if untested else logging.INFO,
-                   "megatron-vocabstats: patched %s for verl %s%s", ", ".join(patched),
-                   verl_version(), f"; untested: {untested}" if untested else "")
+    FRAMEWORK.apply()
     return settings
 
 
 def remove() -> list[str]:
     """Restore every original verl binding; returns the names restored."""
-    restored = VERL_PATCHER.remove_all()
+    restored = FRAMEWORK.remove()
     verl_ops.reset()
-    if restored and verl_ops.rank0():
-        logger.info("megatron-vocabstats: restored %s", ", ".join(restored))
     return restored
 
 
-def is_applied() -> bool:
-    """True while any verl binding is replaced."""
-    return bool(VERL_PATCHER.applied)
-
-
-def patched_names() -> list[str]:
-    """``module.name`` of every verl binding currently replaced."""
-    return VERL_PATCHER.names()
+is_applied = FRAMEWORK.is_applied
+patched_names = FRAMEWORK.patched_names
 
 
 apply()

@@ -29,7 +29,6 @@ never verl itself (it only receives verl's tensors).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 
 import torch
@@ -38,6 +37,7 @@ from ..mcore import default_tp_group
 from ..megatron.settings import PluginSettings
 from ..ops import linear_vocab_parallel_stats, vocab_parallel_stats
 from ..ops.options import check_choice
+from ._framework import rank0
 
 logger = logging.getLogger("megatron_vocabstats")
 
@@ -101,12 +101,6 @@ def reset() -> None:
     global _settings
     _settings = PluginSettings(active=False)
     _noted.clear()
-
-
-def rank0() -> bool:
-    """Whether this process is global rank 0 (``RANK``, as torchrun and Ray's verl workers set
-    it; no variable: a single process): the one that logs."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _note_once(name: str) -> None:

@@ -1,0 +1,203 @@
+"""Rebinding a framework's own functions to the ops: resolve and signature-check every binding,
+then replace all of them or none, and restore them on request.
+
+A framework integration (``integrations/verl.py`` and its siblings) declares a
+:class:`Framework`: where the framework defines each replaced function, which of its modules
+bind those names at import, and the replacement functions (whose parameter names must equal the
+originals'). :meth:`Framework.apply` checks everything before it patches anything and logs one
+line on rank 0; :meth:`Framework.remove` restores every original.
+
+May import: ``megatron._patching``, ``versions``, the package's ``PATCHERS``, torch, packaging
+and the standard library.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from packaging.version import InvalidVersion, Version
+
+from .. import versions
+from ..megatron._patching import Patcher, describe
+from . import PATCHERS
+
+logger = logging.getLogger("megatron_vocabstats")
+
+
+class UnsupportedFrameworkError(ImportError):
+    """The framework is missing, or its modules, names or signatures are not the ones the
+    integration replaces; nothing was patched."""
+
+
+def rank0() -> bool:
+    """Whether this process is global rank 0 (``RANK``, as torchrun and Ray workers set it; no
+    variable: a single process): the one that logs."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def parameters(fn) -> tuple[str, ...] | None:
+    """Parameter names of ``fn``; for an autograd Function's ``apply``, those of its
+    ``forward`` after ``ctx``. None if they cannot be read."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+        fn = owner.forward
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1:] if owner is not None and names[:1] == ("ctx",) else names
+
+
+def _original(obj):
+    return obj.__wrapped__ if Patcher.is_ours(obj) else obj
+
+
+def _binding(fn):
+    """The patcher's replacement factory: a fresh function per binding that calls ``fn``."""
+    def make(_original_fn):
+        @functools.wraps(fn)
+        def replacement(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return replacement
+    return make
+
+
+def _minor(version: str) -> str:
+    try:
+        return ".".join(map(str, Version(version).release[:2]))
+    except InvalidVersion:
+        return version
+
+
+@dataclass
+class Framework:
+    """One framework's bindings and how to replace them.
+
+    Attributes:
+        name: the framework as users call it ("verl", "slime", ...), used in every message.
+        distribution: its installed distribution's name (for its version), None where it ships
+            no installable package (its version is then read by ``version_of``).
+        install_hint: what to run when it is missing.
+        tested: the releases (major.minor) the replacements were written against.
+        definitions: ``{module: {name: replacement}}``, where the framework defines each
+            replaced function; the replacement's parameter names must be the original's.
+        consumers: ``{module: (name, ...)}``, modules that bind a defined name at import; their
+            binding must be the defining module's object.
+        version_of: reads the version where there is no distribution (returns None if absent).
+        error: the exception raised (a subclass of :class:`UnsupportedFrameworkError`).
+    """
+
+    name: str
+    distribution: str | None
+    install_hint: str
+    tested: tuple[str, ...]
+    definitions: Mapping[str, Mapping[str, Callable]]
+    consumers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    version_of: Callable[[], str | None] | None = None
+    error: type[UnsupportedFrameworkError] = UnsupportedFrameworkError
+
+    @property
+    def patcher(self) -> Patcher:
+        # Kept in the package's __init__, so that reloading an integration module cannot forget
+        # what it replaced.
+        return PATCHERS.setdefault(self.name, Patcher())
+
+    def version(self) -> str | None:
+        """The installed framework's version, None if it is not installed."""
+        if self.version_of is not None:
+            return self.version_of()
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def _fail(self, version, problem: str) -> UnsupportedFrameworkError:
+        return self.error(
+            f"megatron-vocabstats' {self.name} integration: {self.name} {version}: {problem}. It "
+            f"replaces the names of {self.name} {' and '.join(self.tested)}; nothing was patched")
+
+    def _import(self, module_name: str, version):
+        try:
+            return importlib.import_module(module_name)
+        except ImportError as exc:
+            raise self._fail(version, f"cannot import {module_name} "
+                                      f"({type(exc).__name__}: {exc})") from exc
+
+    def targets(self) -> list[tuple[object, str, object]]:
+        """``(module, name, factory)`` of every binding to replace, all resolved and checked
+        before anything is patched; raises :class:`UnsupportedFrameworkError`."""
+        version = self.version()
+        if version is None:
+            raise self.error(
+                f"megatron-vocabstats' {self.name} integration needs {self.name} "
+                f"({self.install_hint}); it is not installed")
+        targets, originals = [], {}
+        for module_name, names in self.definitions.items():
+            module = self._import(module_name, version)
+            for name, fn in names.items():
+                if not hasattr(module, name):
+                    raise self._fail(version, f"{module_name} has no {name}")
+                original = _original(getattr(module, name))
+                want, have = parameters(fn), parameters(original)
+                if have != want:
+                    raise self._fail(version, f"{module_name}.{name} takes {have}, not {want}")
+                originals[name] = (f"{module_name}.{name}", original, fn)
+                targets.append((module, name, _binding(fn)))
+        for module_name, names in self.consumers.items():
+            module = self._import(module_name, version)
+            for name in names:
+                where, original, fn = originals[name]
+                if not hasattr(module, name):
+                    raise self._fail(version, f"{module_name} has no {name}")
+                if _original(getattr(module, name)) is not original:
+                    raise self._fail(version, f"{module_name}.{name} is not {where} (found "
+                                              f"{getattr(module, name)!r})")
+                targets.append((module, name, _binding(fn)))
+        if _minor(version) not in self.tested:
+            logger.warning("megatron-vocabstats (%s): %s %s is not a release this integration "
+                           "was tested with (%s); its names and signatures match", self.name,
+                           self.name, version, ", ".join(self.tested))
+        return targets
+
+    def apply(self) -> list[str]:
+        """Replace every binding (all or none); returns the ``module.name`` patched now (empty
+        when already applied). Logs one line on rank 0, a WARNING if torch is outside the
+        tested range (frameworks' loggers often show only warnings)."""
+        targets = self.targets()
+        patched = []
+        try:
+            for module, name, factory in targets:
+                if self.patcher.replace(module, name, factory):
+                    patched.append(describe(module, name))
+        except BaseException:
+            self.patcher.remove_all()
+            raise
+        if patched and rank0():
+            untested = versions.check_version("torch", torch.__version__)
+            logger.log(logging.WARNING if untested else logging.INFO,
+                       "megatron-vocabstats: patched %s for %s %s%s", ", ".join(patched),
+                       self.name, self.version(), f"; untested: {untested}" if untested else "")
+        return patched
+
+    def remove(self) -> list[str]:
+        """Restore every original binding; returns the names restored."""
+        restored = self.patcher.remove_all()
+        if restored and rank0():
+            logger.info("megatron-vocabstats: restored %s", ", ".join(restored))
+        return restored
+
+    def is_applied(self) -> bool:
+        """True while any binding is replaced."""
+        return bool(self.patcher.applied)
+
+    def patched_names(self) -> list[str]:
+        """``module.name`` of every binding currently replaced."""
+        return self.patcher.names()
