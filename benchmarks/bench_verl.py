@@ -16,7 +16,7 @@ step's peak), and forward + backward (``update_policy``):
   states, no logits. verl's own fused kernel is Triton on CUDA: on CPU it has no row.
 
 verl comes from the installed verl (its real modules; without verl's dependencies, through
-``tests/unit/_verl_stubs.py``). Run from the repo root, one torchrun job per tp size::
+``tests/unit/_framework_stubs.py``). Run from the repo root, one torchrun job per tp size::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_verl.py --tokens 1024 \\
         --vocab 151936 --hidden 512
@@ -53,9 +53,9 @@ def load_verl():
         return {name: importlib.import_module(name) for name in (ENGINE, FUSED)}
     except ImportError:
         sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
-        import _verl_stubs
+        import _framework_stubs
 
-        return _verl_stubs.load_verl()
+        return _framework_stubs.load("verl")
 
 
 def held_bytes(fn, device) -> int:

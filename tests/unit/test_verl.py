@@ -1,5 +1,5 @@
 """The verl integration (``megatron_vocabstats.integrations.verl``) on verl's real modules from
-the installed verl wheel (loaded by ``_verl_stubs`` without verl's heavy dependencies), in one
+the installed verl wheel (loaded by ``_framework_stubs`` without verl's heavy dependencies), in one
 process: what it replaces and restores, the bindings it must cover in the pinned wheel, its
 errors on a release whose names moved, the differences it logs, and the fused path (tp = 1)
 against float64. The tp = 2 cases and verl's own functions: ``test_verl_dist.py``.
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import _verl_stubs
+import _framework_stubs
 from _reference import (
     UNIT_ROUNDOFF,
     assert_within,
@@ -38,16 +38,16 @@ def verl():
     """verl's modules (real code, stubbed dependencies) and the integration, imported (which
     applies it); removed and unloaded afterwards."""
     pytest.importorskip("megatron.core")
-    if _verl_stubs.verl_root() is None:
+    if _framework_stubs.root("verl") is None:
         pytest.skip("verl is not installed (requirements/py312-nodeps.txt)")
-    modules = _verl_stubs.load_verl()
+    modules = _framework_stubs.load("verl")
     integration = importlib.import_module(INTEGRATION)
     integration.apply()
     try:
         yield modules, integration
     finally:
         integration.remove()
-        _verl_stubs.unload_verl()
+        _framework_stubs.unload("verl")
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +133,7 @@ def test_every_import_of_a_replaced_name_in_the_wheel_is_covered(verl):
     <name>``) is in CONSUMERS with exactly those names; imports inside functions read the
     definition module at call time, which is patched."""
     _, integration = verl
-    root = pathlib.Path(_verl_stubs.verl_root())
+    root = pathlib.Path(_framework_stubs.root("verl"))
     replaced = {name for names in integration.DEFINITIONS.values() for name in names}
     found: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
@@ -214,7 +214,7 @@ def test_moved_names_raise_and_patch_nothing(verl, monkeypatch, move, message):
 def test_untested_release_warns_once_names_match(verl, monkeypatch, caplog):
     _, integration = verl
     integration.remove()
-    monkeypatch.setattr(integration, "verl_version", lambda: "0.10.0")
+    monkeypatch.setattr(integration.FRAMEWORK, "version_of", lambda: "0.10.0")
     with caplog.at_level(logging.WARNING, logger="megatron_vocabstats"):
         integration.apply()
     assert integration.is_applied()

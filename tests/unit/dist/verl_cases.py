@@ -1,4 +1,4 @@
-"""verl's real functions (the installed verl wheel, loaded by ``_verl_stubs``) against the verl
+"""verl's real functions (the installed verl wheel, loaded by ``_framework_stubs``) against the verl
 integration on 2 gloo ranks (tp = 2, Megatron's ``parallel_state``); run by
 tests/unit/test_verl_dist.py.
 
@@ -45,14 +45,14 @@ FUSED = "verl.models.mcore.model_forward_fused"
 def _verl():
     """verl's real modules, Megatron's parallel state at tp = world size, and the integration
     (imported, which applies it, then removed: each case applies it itself)."""
-    import _verl_stubs
+    import _framework_stubs
 
     try:
         from megatron.core import parallel_state
     except ImportError as exc:
         raise Skip(f"megatron-core not importable: {exc}") from exc
     try:
-        modules = _verl_stubs.load_verl()
+        modules = _framework_stubs.load("verl")
     except ImportError as exc:
         raise Skip(str(exc)) from exc
     if not parallel_state.model_parallel_is_initialized():
@@ -60,7 +60,7 @@ def _verl():
     import megatron_vocabstats.integrations.verl as integration
 
     integration.remove()
-    return modules, integration, _verl_stubs.eager
+    return modules, integration, _framework_stubs.eager
 
 
 def _shard(full, group):
