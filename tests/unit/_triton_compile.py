@@ -11,7 +11,7 @@ recorded, and each distinct specialisation (Triton's own binder on the recorded 
 same constexprs, 16-byte alignment and ``== 1`` specialisation of ints and strides, dtypes) is
 compiled once. Checks on what compiled:
 
-* no local memory (register spills) in any variant, but for :func:`_known_spill`'s;
+* no local memory (register spills) in any variant;
 * on 16-byte aligned bf16/fp16 rows (V = 151,936, as torch's tensors are launched) every global
   load of a kernel's main innermost loop (the one with the widest loads: the unfused kernels'
   masked tail loop may load narrow) is 16 bytes per thread (``.128``): the fused kernels' weight
@@ -133,44 +133,6 @@ def _consts(launch) -> dict:
     return {name: launch.arg(name) for name in COVERAGE if name in launch.kernel.arg_names}
 
 
-# The variants known to spill on Triton 3.8, as it printed them: (kernel, dtype, constexprs and
-# whether the logits rows are 16-byte aligned).
-_SPILLS_3_8 = (
-    ("_row_stats_kernel", torch.bfloat16, dict(HAS_TARGET=True, ENTROPY=True, ZSUM=True,
-                                              SCALE=True, aligned=True)),
-    ("_tile_stats_kernel", torch.float16, dict(HAS_TARGET=True, ENTROPY=True, ZSUM=True,
-                                              SCALE=True, BLOCKS=False, FUSED=True,
-                                              STORE=False)),
-    ("_tile_stats_kernel", torch.float16, dict(HAS_TARGET=True, ENTROPY=False, ZSUM=False,
-                                              SCALE=False, BLOCKS=False, FUSED=True,
-                                              STORE=False)),
-    ("_tile_stats_kernel", torch.float16, dict(HAS_TARGET=False, ENTROPY=True, ZSUM=True,
-                                              SCALE=False, BLOCKS=False, FUSED=True,
-                                              STORE=True)),
-)
-
-
-def _known_spill(launch) -> bool:
-    """The variants known to spill, left open in docs/kernels.md ("Register spills on Triton 3.8
-    and 3.9"): on Triton >= 3.9 the fused bf16/fp16 statistics tiles of the full row (not per
-    block) with a target or the stored logits; on 3.8 the four of :data:`_SPILLS_3_8`; none on
-    3.6 and 3.7. Listed, not waived: such a variant is reported on every run, and one that no
-    longer spills fails until it leaves the list, as does a spill anywhere else."""
-    import triton
-
-    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
-    dtype = launch.arg("x_ptr").dtype
-    if version == (3, 8):
-        x = launch.arg("x_ptr")
-        facts = {**_consts(launch), "aligned": x.stride[0] * x.itemsize % 16 == 0}
-        return any(launch.name == name and dtype == want and
-                   all(facts.get(k) == v for k, v in consts.items())
-                   for name, want, consts in _SPILLS_3_8)
-    return (version >= (3, 9) and launch.name == "_tile_stats_kernel" and launch.arg("FUSED")
-            and launch.arg("x_ptr").itemsize < 4 and not launch.arg("BLOCKS")
-            and bool(launch.arg("HAS_TARGET") or launch.arg("STORE")))
-
-
 def _wide(launch) -> bool:
     """Whether 16-byte loads are expected: bf16/fp16 logits or hidden rows 16-byte aligned and
     the tile wide enough (not the per-128-column blocks of one stored row), no K mask (an H that
@@ -201,11 +163,7 @@ def main() -> int:
         results = list(pool.map(_compile, range(len(_TODO))))
     for launch, (spills, wgmma, wide) in zip(_TODO, results, strict=True):
         what = f"{launch.name} {_consts(launch)} {launch.arg('x_ptr').dtype}"
-        if _known_spill(launch):
-            print(f"known spill: {what}: {spills} bytes/instructions of local memory")
-            if not spills:
-                errors.append(f"{what}: no longer spills: take it off _known_spill")
-        elif spills:
+        if spills:
             errors.append(f"{what}: {spills} bytes/instructions of local memory (spills)")
         fused = launch.name.startswith("_tile") and launch.arg("hidden") > 1
         if fused and launch.arg("x_ptr").itemsize < 4 and not wgmma:

@@ -30,7 +30,7 @@ from megatron_vocabstats.ops.kernels import triton_stats
 
 # Many row, column and K tiles, two column tiles per split (several splits merged), groups of
 # two row tiles in the launch order.
-SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_N=32, GROUP_M=2)
+SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, GRAD_BLOCK_N=16, BLOCK_K=16, SPLIT_N=32, GROUP_M=2)
 
 
 @pytest.fixture(params=["own_tiles", "small_tiles"])

@@ -24,18 +24,21 @@ from .._argtypes import check_choice
 # narrow shards) and MAX_BLOCK_BYTES of logits: 4 KiB per program and step in flight.
 MAX_BLOCK_N = 2048
 MAX_BLOCK_BYTES = 4096
-# The fused LM-head kernels' tiles (bf16/fp16): BLOCK_M rows x BLOCK_N columns, BLOCK_K of the
-# hidden size per tl.dot, SPLIT_N columns (a multiple of BLOCK_N) per statistics program, GROUP_M
-# row tiles per group of the launch order (triton_tiles.tile_order), and the launch's warps and
-# pipeline stages. Fixed, never autotuned (a row's reduction order must not depend on the batch).
-# Chosen with the static H200 model (docs/gpu-model.md): 128 x 256 tiles in two warpgroups load
-# 2 bytes from L2 per 85 FLOPs; 2,048-column splits give T = 4096 over 2,000 programs.
-LINEAR_BLOCKS = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, SPLIT_N=2048, GROUP_M=16,
-                     num_warps=8, num_stages=3)
+# The fused LM-head kernels' tiles (bf16/fp16): BLOCK_M rows x BLOCK_N columns for the
+# statistics (GRAD_BLOCK_N for the gradient), BLOCK_K of the hidden size per tl.dot, SPLIT_N
+# columns (a multiple of BLOCK_N) per statistics program, GROUP_M row tiles per group of the
+# launch order (triton_tiles.tile_order), and the launch's warps and pipeline stages. Fixed,
+# never autotuned (a row's reduction order must not depend on the batch). Chosen with the static
+# H200 model (docs/gpu-model.md): 128 x 256 gradient tiles in two warpgroups load 2 bytes from L2
+# per 85 FLOPs; the statistics tiles are 128 x 128, because 128 x 256 with the online softmax's
+# state spills registers on Triton 3.8 and 3.9 (tests/unit/_triton_compile.py); 2,048-column
+# splits give T = 4096 over 2,000 programs.
+LINEAR_BLOCKS = dict(BLOCK_M=128, BLOCK_N=128, GRAD_BLOCK_N=256, BLOCK_K=64, SPLIT_N=2048,
+                     GROUP_M=16, num_warps=8, num_stages=3)
 # fp32 models: IEEE fp32 products on the CUDA cores (no tensor cores), tiles that fit in
 # registers without spilling (checked by tests/unit/_triton_compile.py).
-LINEAR_BLOCKS_FP32 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, SPLIT_N=2048, GROUP_M=16,
-                          num_warps=4, num_stages=2)
+LINEAR_BLOCKS_FP32 = dict(BLOCK_M=32, BLOCK_N=64, GRAD_BLOCK_N=64, BLOCK_K=32, SPLIT_N=2048,
+                          GROUP_M=16, num_warps=4, num_stages=2)
 
 
 def linear_blocks(dtype: torch.dtype, blocks: dict | None = None) -> dict:

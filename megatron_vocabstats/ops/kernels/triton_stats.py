@@ -108,14 +108,15 @@ def _operands(logits, hidden, weight):
 
 
 def _tiles(x, hidden_size: int, blocks: dict | None, per_block: bool = False,
-           store: bool = False) -> tuple:
+           store: bool = False, grad: bool = False) -> tuple:
     """``(launch constexprs and options, columns per split, row tiles per group)`` of the fused
     kernels for ``x``'s dtype. Per-block statistics: 128-column tiles (``_layout.BLOCK``).
-    Storing the logits too: half the K step and one more stage (registers for the store). An H
+    ``grad``: the gradient kernel's tiles (``GRAD_BLOCK_N`` columns). Storing the logits too:
+    half the K step and one more stage (registers for the store). An H
     that is no multiple of the K step: steps of 16 (the masked loads of an H that is no multiple
     of 16 are scalar; wider steps spill registers). All fixed by the dtype and H alone."""
     t = linear_blocks(x.dtype, blocks)
-    block_n = BLOCK if per_block else t["BLOCK_N"]
+    block_n = BLOCK if per_block else t["GRAD_BLOCK_N" if grad else "BLOCK_N"]
     block_k, stages = t["BLOCK_K"], t["num_stages"]
     if store:
         block_k, stages = max(16, block_k // 2), stages + 1
@@ -171,9 +172,12 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
     if not (fused or per_block):
         block = _block(block_n, width, x.element_size())
         group = min(16 // x.element_size(), block)  # one 16-byte load per lane and step
+        lanes = block // group
+        # One lane per thread for the widest blocks (256 lanes: 8 warps); 4 warps spilled
+        # registers there on Triton 3.8 (tests/unit/_triton_compile.py).
         launch(_row_stats_kernel, (n,), x, x.stride(0), x.stride(1), *targets, out,
                out.stride(0), out.stride(1), width, layout.real_width, *scalars,
-               LANES=block // group, GROUP=group, **flags)
+               LANES=lanes, GROUP=group, num_warps=max(4, min(8, lanes // 32)), **flags)
         return
     if fused:
         consts, split, group = _tiles(x, hidden_size, blocks, per_block, store is not None)
@@ -251,7 +255,7 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
                out.stride(1), *rows, width, *scalars,
                BLOCK_N=_block(block_n, width, x.element_size()), **flags)
         return
-    consts, _, _ = _tiles(x, hidden_size, blocks)
+    consts, _, _ = _tiles(x, hidden_size, blocks, grad=True)
     grid = (triton.cdiv(n, consts["ROWS"]), triton.cdiv(width, consts["BLOCK_N"]))
     launch(_tile_grad_kernel, grid, x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1),
            hidden_size, out, out.stride(0), out.stride(1), *rows, n, width, *scalars, **consts,
