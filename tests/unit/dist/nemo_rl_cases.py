@@ -206,7 +206,7 @@ def _hidden_case(world, layout):
 
     def call(fn):
         h, wt = _leaf(hidden), _leaf(weight)
-        out = fn(h, wt, False, ids, rank * width, (rank + 1) * width, tp)
+        out = fn(h, wt, False, ids, rank * width, (rank + 1) * width, tp, chunk_size=S // 2)
         (out * w).sum().backward()
         return out.detach(), h.grad, wt.grad
 
