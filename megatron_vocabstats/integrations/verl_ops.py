@@ -22,13 +22,13 @@ returns (sign, dtype, shape). The first call of each logs once (rank 0, logger
   the caller sums over tp (the backward of its sequence-parallel gather).
 
 May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.mcore`,
-:mod:`megatron_vocabstats.megatron.settings` (the options and their validation) and torch;
+:mod:`megatron_vocabstats.megatron.settings`, :mod:`._options` (the options and their
+validation, the notes) and torch;
 never verl itself (it only receives verl's tensors).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import torch
@@ -37,14 +37,8 @@ from ..mcore import default_tp_group
 from ..megatron.settings import PluginSettings
 from ..ops import linear_vocab_parallel_stats, vocab_parallel_stats
 from ..ops.options import check_choice
-from ._framework import rank0
+from ._options import OPTIONS, IntegrationOptions  # noqa: F401 - OPTIONS: what apply() takes
 
-logger = logging.getLogger("megatron_vocabstats")
-
-# The options apply() takes: fields of PluginSettings, with the same meaning and checks, except
-# that lm_head_chunk_size 0 means auto here (verl, not the plugin, decides whether to fuse).
-OPTIONS = ("vocab_size", "logprobs_chunk_size", "lm_head_chunk_size", "validate",
-           "batch_invariant", "kernel")
 REDUCTIONS = ("none", "sum", "mean")
 
 _LABELS = ("a label of -100 gives 0 and no gradient (verl: {theirs}); another label outside the "
@@ -71,51 +65,36 @@ NOTES = {
         + "; any hidden size and device (verl's kernel: CUDA, hidden size a multiple of 128)"),
 }
 
-_settings = PluginSettings(active=False)
-_noted: set[str] = set()
+_OPTIONS = IntegrationOptions(
+    "verl", NOTES, padding="verl normalises over all W*tp columns")
 
 
 def configured(**options) -> PluginSettings:
     """``options`` (names in :data:`OPTIONS`) validated as ``PluginSettings`` fields; raises
     ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} of the verl integration; it takes "
-                         f"{list(OPTIONS)}")
-    return PluginSettings(active=True, **options)
+    return _OPTIONS.configured(**options)
 
 
 def configure(settings: PluginSettings) -> None:
     """Make ``settings`` (from :func:`configured`) the options of every replacement."""
-    global _settings
-    _settings = settings
+    _OPTIONS.configure(settings)
 
 
 def current() -> PluginSettings:
     """The options in force (``active`` False while the integration is not applied)."""
-    return _settings
+    return _OPTIONS.settings
 
 
 def reset() -> None:
     """Back to the defaults; the differences will be logged again at their next first call."""
-    global _settings
-    _settings = PluginSettings(active=False)
-    _noted.clear()
+    _OPTIONS.reset()
 
 
-def _note_once(name: str) -> None:
-    if name in _noted:
-        return
-    _noted.add(name)
-    if rank0():
-        padding = ("" if _settings.vocab_size is None else
-                   f"; vocab_size={_settings.vocab_size}: the padding columns get zero "
-                   "probability (verl normalises over all W*tp columns)")
-        logger.warning("megatron-vocabstats (verl): %s %s%s.", name, NOTES[name], padding)
+_note_once = _OPTIONS.note_once
 
 
 def _unfused(entropy: str) -> dict:
-    options = replace(_settings.stats_options(), entropy=entropy)
+    options = replace(_OPTIONS.settings.stats_options(), entropy=entropy)
     return options.op_kwargs(tp_group=default_tp_group())
 
 
@@ -179,8 +158,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if isinstance(labels, torch.Tensor):
         labels = labels.reshape(-1)
-    options = replace(_settings.stats_options(fused=True), entropy="grad",
-                      chunk_size=_settings.lm_head_chunk_size or None, temperature=temperature)
+    settings = _OPTIONS.settings
+    options = replace(settings.stats_options(fused=True), entropy="grad",
+                      chunk_size=settings.lm_head_chunk_size or None, temperature=temperature)
     stats = linear_vocab_parallel_stats(hidden, weight, labels, partial_hidden_grad=True,
                                         **options.op_kwargs(tp_group=dist_process_group))
     logprobs = stats.logprobs
