@@ -191,11 +191,15 @@ class Framework:
                            self.name, version, ", ".join(self.tested))
         return targets
 
-    def apply(self) -> list[str]:
+    def apply(self, before: Callable[[], None] | None = None) -> list[str]:
         """Replace every binding (all or none); returns the ``module.name`` patched now (empty
-        when already applied). Logs one line on rank 0, a WARNING if torch is outside the
-        tested range (frameworks' loggers often show only warnings)."""
+        when already applied). ``before``: called once every binding is resolved and checked,
+        before any is patched (an integration's options take effect there). Logs one line on
+        rank 0, a WARNING if torch is outside the tested range (frameworks' loggers often show
+        only warnings)."""
         targets = self.targets()
+        if before is not None:
+            before()
         patched = []
         try:
             for module, name, factory in targets:

@@ -77,18 +77,20 @@ def apply(**options) -> PluginSettings:
         UnsupportedArealError: AReaL missing or its names moved (nothing is patched then).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
-    settings = areal_ops.configured(**options)
-    FRAMEWORK.targets()  # raises before the options change
-    areal_ops.configure(settings)
-    FRAMEWORK.apply()
+    unknown = sorted(set(options) - set(areal_ops.OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} of the AReaL integration; it takes "
+                         f"{list(areal_ops.OPTIONS)}")
+    settings = areal_ops.SETTINGS.configured(**options)
+    FRAMEWORK.apply(before=lambda: areal_ops.SETTINGS.configure(settings))
     return settings
 
 
 def remove() -> list[str]:
-    """Restore every original AReaL binding; returns the names restored."""
-    restored = FRAMEWORK.remove()
-    areal_ops.reset()
-    return restored
+    """Restore every original AReaL binding; returns the names restored (the options go back
+    to their defaults)."""
+    areal_ops.SETTINGS.reset()
+    return FRAMEWORK.remove()
 
 
 is_applied = FRAMEWORK.is_applied

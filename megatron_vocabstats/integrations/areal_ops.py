@@ -34,7 +34,6 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..megatron.settings import PluginSettings
 from ..ops import vocab_parallel_stats
 from ..ops.options import check_number
 from ._options import IntegrationOptions
@@ -55,32 +54,8 @@ NOTES = {
                                               "(AReaL's gives NaN)",
 }
 
-_OPTIONS = IntegrationOptions("AReaL", NOTES)
-
-
-def configured(**options) -> PluginSettings:
-    """``options`` (names in :data:`OPTIONS`) validated as ``PluginSettings`` fields; raises
-    ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} of the AReaL integration; it takes "
-                         f"{list(OPTIONS)}")
-    return _OPTIONS.configured(**options)
-
-
-def configure(settings: PluginSettings) -> None:
-    """Make ``settings`` (from :func:`configured`) the options of every replacement."""
-    _OPTIONS.configure(settings)
-
-
-def current() -> PluginSettings:
-    """The options in force (``active`` False while the integration is not applied)."""
-    return _OPTIONS.settings
-
-
-def reset() -> None:
-    """Back to the defaults; the differences will be logged again at their next first call."""
-    _OPTIONS.reset()
+SETTINGS = IntegrationOptions("AReaL", NOTES)
+"""The options in force (``SETTINGS.settings``; set by ``areal.apply``) and the notes logged."""
 
 
 def _check(logits, labels, chunk_size) -> None:
@@ -114,11 +89,11 @@ def _row_argmax(logits, rank, group):
 
 
 def _stats(name, logits, labels, temperature, tp_group, chunk_size, entropy):
-    _OPTIONS.note_once(name)
+    SETTINGS.note_once(name)
     _check(logits, labels, chunk_size)
     group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
     rank = 0 if group is None else dist.get_rank(group)
-    settings = _OPTIONS.settings
+    settings = SETTINGS.settings
     options = replace(settings.stats_options(), entropy=entropy, temperature=temperature)
     width = logits.shape[-1]
     tp = 1 if group is None else dist.get_world_size(group)

@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
-from verl_cases import _grad_close, _shard  # noqa: E402
-
-from _reference import assert_within, reference_stats, stats_bounds, temperature_dz  # noqa: E402
+from _harness import Cases, Skip, main
+from _reference import assert_within, reference_stats, stats_bounds, temperature_dz
+from verl_cases import _grad_close, _shard
 
 CASES = Cases()
 WIDTH = 24  # the vocabulary: shards of 12 at tp = 2
@@ -178,12 +177,9 @@ def areal_ids_outside_the_vocabulary(group):
             results = _both(modules, integration, "gather_logprobs_entropy", full, labels, 0.7,
                             group, dict(validate=validate), w_lp=w_lp, w_h=w_h, backward=True)
         else:
-            try:
-                modules[ENGINE].gather_logprobs_entropy(full, labels, 0.7, tp_group=group)
-            except (IndexError, RuntimeError) as exc:
-                assert "index" in str(exc).lower(), str(exc)
-            else:
-                raise AssertionError("AReaL's tp = 1 gather took ids outside the vocabulary")
+            _raises(lambda: modules[ENGINE].gather_logprobs_entropy(full, labels, 0.7,
+                                                                    tp_group=group),
+                    (IndexError, RuntimeError), "index", "AReaL's tp = 1 gather")
             integration.apply(validate=validate)
             try:
                 results = {"ours": _run(modules[ENGINE].gather_logprobs_entropy, full, labels,
@@ -230,21 +226,23 @@ def areal_empty_micro_batch(group):
     before any collective (no hang)."""
     modules, integration = _areal()
     logits, labels = torch.randn(0, WIDTH // 2), torch.zeros(0, dtype=torch.long)
-    try:
-        modules[ENGINE].gather_logprobs(logits, labels, tp_group=group)
-    except AssertionError as exc:
-        assert "at least one element" in str(exc), str(exc)
-    else:
-        raise AssertionError("AReaL took an empty micro-batch")
+    _raises(lambda: modules[ENGINE].gather_logprobs(logits, labels, tp_group=group),
+            AssertionError, "at least one element", "AReaL")
     integration.apply()
     try:
-        modules[ENGINE].gather_logprobs_entropy(logits, labels, tp_group=group)
-    except ValueError as exc:
-        assert "logits is an empty micro-batch" in str(exc), str(exc)
-    else:
-        raise AssertionError("ours took an empty micro-batch")
+        _raises(lambda: modules[ENGINE].gather_logprobs_entropy(logits, labels, tp_group=group),
+                ValueError, "logits is an empty micro-batch", "ours")
     finally:
         integration.remove()
+
+
+def _raises(call, kind, text, side):
+    try:
+        call()
+    except kind as exc:
+        assert text in str(exc).lower(), str(exc)
+    else:
+        raise AssertionError(f"{side}: no {kind}")
 
 
 if __name__ == "__main__":
