@@ -91,6 +91,10 @@ class Framework:
             replaced function; the replacement's parameter names must be the original's.
         consumers: ``{module: (name, ...)}``, modules that bind a defined name at import; their
             binding must be the defining module's object.
+        optional: consumer modules that are skipped (with one INFO line) when importing them
+            fails for a missing third-party module, e.g. an engine whose backend is not
+            installed: such a module cannot be in use. A missing module of the framework itself
+            still raises.
         version_of: reads the version where there is no distribution (returns None if absent).
         error: the exception raised (a subclass of :class:`UnsupportedFrameworkError`).
     """
@@ -101,6 +105,7 @@ class Framework:
     tested: tuple[str, ...]
     definitions: Mapping[str, Mapping[str, Callable]]
     consumers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    optional: tuple[str, ...] = ()
     version_of: Callable[[], str | None] | None = None
     error: type[UnsupportedFrameworkError] = UnsupportedFrameworkError
 
@@ -131,6 +136,23 @@ class Framework:
             raise self._fail(version, f"cannot import {module_name} "
                                       f"({type(exc).__name__}: {exc})") from exc
 
+    def _import_consumer(self, module_name: str, version):
+        """The consumer module, or None for an optional one that needs a missing third-party
+        module (logged)."""
+        try:
+            return importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").split(".")[0]
+            if module_name not in self.optional or missing in ("", module_name.split(".")[0]):
+                raise self._fail(version, f"cannot import {module_name} "
+                                          f"({type(exc).__name__}: {exc})") from exc
+            logger.info("megatron-vocabstats (%s): %s not patched: it needs %s, which is not "
+                        "installed", self.name, module_name, exc.name)
+            return None
+        except ImportError as exc:
+            raise self._fail(version, f"cannot import {module_name} "
+                                      f"({type(exc).__name__}: {exc})") from exc
+
     def targets(self) -> list[tuple[object, str, object]]:
         """``(module, name, factory)`` of every binding to replace, all resolved and checked
         before anything is patched; raises :class:`UnsupportedFrameworkError`."""
@@ -152,7 +174,9 @@ class Framework:
                 originals[name] = (f"{module_name}.{name}", original, fn)
                 targets.append((module, name, _binding(fn)))
         for module_name, names in self.consumers.items():
-            module = self._import(module_name, version)
+            module = self._import_consumer(module_name, version)
+            if module is None:
+                continue
             for name in names:
                 where, original, fn = originals[name]
                 if not hasattr(module, name):
@@ -167,11 +191,15 @@ class Framework:
                            self.name, version, ", ".join(self.tested))
         return targets
 
-    def apply(self) -> list[str]:
+    def apply(self, before: Callable[[], None] | None = None) -> list[str]:
         """Replace every binding (all or none); returns the ``module.name`` patched now (empty
-        when already applied). Logs one line on rank 0, a WARNING if torch is outside the
-        tested range (frameworks' loggers often show only warnings)."""
+        when already applied). ``before``: called once every binding is resolved and checked,
+        before any is patched (an integration's options take effect there). Logs one line on
+        rank 0, a WARNING if torch is outside the tested range (frameworks' loggers often show
+        only warnings)."""
         targets = self.targets()
+        if before is not None:
+            before()
         patched = []
         try:
             for module, name, factory in targets:

@@ -43,9 +43,18 @@ REAL = {
         "verl.models.mcore.model_forward_fused",
         "verl.models.mcore.model_forward_1f1b_overlap",
     ),
+    "areal": (
+        "areal.utils.functional.vocab_parallel",
+        "areal.utils.functional",
+        "areal.models.tree_attn.functional",
+        "areal.engine.megatron_engine",
+        "areal.engine.fsdp_engine",
+        "areal.experimental.engine.archon_engine",
+    ),
 }
 INSTALL = {
     "verl": "pip install --no-deps 'verl==0.9.*'",
+    "areal": "pip install --no-deps 'areal==1.0.4'",
 }
 
 
