@@ -318,15 +318,15 @@ def linear_vocab_parallel_stats(
             :func:`vocab_parallel_stats` raises; with ``validate`` on tp > 1, on every rank,
             including a sequence-parallel shard whose length differs across ranks, and the
             hidden size H, ``sequence_parallel``, ``grad_weights`` (given or None, and its values),
-            ``accumulate_into_main_grad``, the same first weight row on every rank (the full
-            weight replicated, or the wrong group; named as ``tp_group``), the gradients asked
-            (``hidden`` / ``weight`` ``requires_grad`` under grad mode: backward's dX
-            reduction, and whether backward runs), ``partial_hidden_grad``, ``return_argmax``
-            or, with ``grad_weights``, ``chunk_size`` differing across the ranks (the error names
-            the field and prints each rank's value); ``return_argmax`` not a bool, with
-            ``grad_weights``, or with a kernel that resolves to "triton". Without ``validate``
-            those fail, hang or give wrong gradients; so does a backward that runs on some ranks
-            only (every rank's loss must use the outputs).
+            ``accumulate_into_main_grad``, the same first weight row on every rank with at
+            least ``vocab_size`` rows (the full weight replicated; named as ``tp_group``), the
+            gradients asked (``hidden`` / ``weight`` ``requires_grad`` under grad mode:
+            backward's dX reduction, and whether backward runs), ``partial_hidden_grad``,
+            ``return_argmax`` or, with ``grad_weights``, ``chunk_size`` differing across the
+            ranks (the error names the field and prints each rank's value); ``return_argmax``
+            not a bool, with ``grad_weights``, or with a kernel that resolves to "triton".
+            Without ``validate`` those fail, hang or give wrong gradients; so does a backward
+            that runs on some ranks only (every rank's loss must use the outputs).
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are used up by the first).
     """
