@@ -62,6 +62,7 @@ from .engine import (
 from .linear_checks import checked_linear_config
 from .options import LinearStatsKwargs, StatsKwargs, check_keywords
 from .vocab_parallel import VocabStats
+from .workspace import untracked
 
 __all__ = [
     "CPU_LINEAR_CHUNK_BYTES",
@@ -80,6 +81,7 @@ _ChunkBuffers, _accumulate_wgrad, _wgrad_mode = ChunkBuffers, accumulate_wgrad, 
 class _LinearVocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, grad_weights, cfg: LinearStatsConfig, tp_group):
+        hidden, weight = untracked(hidden), untracked(weight)
         sc = cfg.stats
         argmax = None
         total = full_hidden(hidden, cfg, tp_group)

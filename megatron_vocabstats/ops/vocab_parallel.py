@@ -30,6 +30,7 @@ from ._checks import (
 )
 from ._math import finite_lse, grad_coefficients, merge_stats
 from .options import VocabStatsKwargs, check_bool, check_keywords
+from .workspace import untracked
 
 # Moved to the engine (ops.engine); still importable from here.
 flatten_target = engine.flatten_target
@@ -71,6 +72,7 @@ def _flatten(logits, target, cfg: StatsConfig):
 class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
+        logits = untracked(logits)
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
         chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True,
