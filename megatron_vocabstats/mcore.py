@@ -2,10 +2,11 @@
 
 Lives here: :func:`tp_group_of` / :func:`default_tp_group` (the tensor-parallel group of a
 Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`),
-:func:`megatron_tp_size` (read by the ops' missing-group check) and
-:func:`packed_seq_params_class` (read by :mod:`megatron_vocabstats.packing`). They sit below
-``megatron_vocabstats.megatron`` so that the losses and packing (and the ops) can use them
-without importing that subpackage; :mod:`megatron_vocabstats.megatron.compat` re-exports them.
+:func:`megatron_tp_size` and :func:`megatron_padded_vocab_size` (read by the ops' checks of
+``tp_group``) and :func:`packed_seq_params_class` (read by :mod:`megatron_vocabstats.packing`).
+They sit below ``megatron_vocabstats.megatron`` so that the losses and packing (and the ops)
+can use them without importing that subpackage; :mod:`megatron_vocabstats.megatron.compat`
+re-exports them.
 
 May import: torch and, lazily, the third-party ``megatron.core``; never another module of the
 package. Importing it never imports Megatron.
@@ -55,6 +56,15 @@ def megatron_tp_size() -> int | None:
     if not parallel_state.model_parallel_is_initialized():
         return 0
     return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def megatron_padded_vocab_size() -> int | None:
+    """``args.padded_vocab_size`` of a Megatron-LM training run (``megatron.training``'s global
+    arguments) where they are set, else None. Never imports Megatron; for the ops'
+    identical-shards check (logits that wide hold the whole vocabulary, not one shard)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    size = getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "padded_vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def default_tp_group() -> dist.ProcessGroup | None:

@@ -17,9 +17,9 @@ given as a tensor or, by a caller that never materialises them, as a :class:`Log
 compared columns of its exchange, :func:`check_finite` and the double-backward guards. The
 pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._layout` (the
 shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
-(the ``kernel`` choice, :func:`~.kernels.resolve_kernel`) and
-:mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`); every name that used to be
-defined here is re-exported. May import those modules, :mod:`._comm` and
+(the ``kernel`` choice, :func:`~.kernels.resolve_kernel`), :mod:`._replicated` (identical
+shards on every rank) and :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`);
+every name that used to be defined here is re-exported. May import those modules, :mod:`._comm` and
 ``megatron_vocabstats.mcore`` (whether Megatron's parallel state is tensor parallel: a missing
 ``tp_group``), not the op modules.
 """
@@ -48,6 +48,7 @@ from ._argtypes import (
 )
 from ._layout import BLOCK, ShardLayout, check_contiguous, shard_layout
 from ._layout import MAX_ID as _MAX_ID  # noqa: F401 - re-exported
+from ._replicated import identical_shards
 from .agreement import (
     CrossRankCheck,
     Field,
@@ -301,11 +302,11 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
 
 
 def _first_row_sample(logits, width: int) -> int:
-    """A checksum of the logits' first row (0: nothing to compare). Distinct vocabulary shards
-    never share it; equal on every rank, the ranks hold the same logits: the full logits
-    replicated, or a group that is not the one the vocabulary was split over. A constant row
-    tells nothing (a shard of padding, all-equal logits); a LogitsSpec gives its ``sample``
-    (the fused op: the first weight row), a stride-0 stand-in has no data."""
+    """A checksum of the logits' first row (0: nothing to compare). Equal on every rank, the
+    ranks hold the same logits (:func:`._replicated.identical_shards`: the full logits
+    replicated, a group other than the one the vocabulary was split over, or equal shards). A
+    constant row tells nothing (a shard of padding, all-equal logits); a LogitsSpec gives its
+    ``sample`` (the fused op: the first weight row), a stride-0 stand-in has no data."""
     if isinstance(logits, LogitsSpec):
         row = logits.sample
         if row is None or row.numel() == 0:
@@ -363,13 +364,8 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
     if not cfg.layout.even:
         check_contiguous([r[-2] for r in table], [r[-1] for r in table], cfg.layout.vocab_size)
     if table[0][-3] != 0 and all(r[-3] == table[0][-3] for r in table):
-        raise ValueError(
-            f"logits: every rank of the tp={checks.size} tp_group holds the same "
-            f"[..., {cfg.layout.width}] logits (vocab_size={cfg.layout.vocab_size}; the fused "
-            "head: the same weight rows): pass each rank its own vocabulary shard [..., V/tp] "
-            "(weight [V/tp, H]) with the tp_group it was split over, not the full logits or "
-            "weight replicated on every rank (for those: tp_group=None)"
-        )
+        identical_shards(cfg.layout.width, checks.size,
+                         None if options.get("vocab_size") is None else cfg.layout.vocab_size)
     return cfg
 
 

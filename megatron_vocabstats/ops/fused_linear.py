@@ -62,6 +62,7 @@ from .engine import (
 from .linear_checks import checked_linear_config
 from .options import LinearStatsKwargs, StatsKwargs, check_keywords
 from .vocab_parallel import VocabStats
+from .workspace import untracked
 
 __all__ = [
     "CPU_LINEAR_CHUNK_BYTES",
@@ -80,6 +81,7 @@ _ChunkBuffers, _accumulate_wgrad, _wgrad_mode = ChunkBuffers, accumulate_wgrad, 
 class _LinearVocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, grad_weights, cfg: LinearStatsConfig, tp_group):
+        hidden, weight = untracked(hidden), untracked(weight)
         sc = cfg.stats
         argmax = None
         total = full_hidden(hidden, cfg, tp_group)
@@ -318,15 +320,15 @@ def linear_vocab_parallel_stats(
             :func:`vocab_parallel_stats` raises; with ``validate`` on tp > 1, on every rank,
             including a sequence-parallel shard whose length differs across ranks, and the
             hidden size H, ``sequence_parallel``, ``grad_weights`` (given or None, and its values),
-            ``accumulate_into_main_grad``, the same first weight row on every rank (the full
-            weight replicated, or the wrong group; named as ``tp_group``), the gradients asked
-            (``hidden`` / ``weight`` ``requires_grad`` under grad mode: backward's dX
-            reduction, and whether backward runs), ``partial_hidden_grad``, ``return_argmax``
-            or, with ``grad_weights``, ``chunk_size`` differing across the ranks (the error names
-            the field and prints each rank's value); ``return_argmax`` not a bool, with
-            ``grad_weights``, or with a kernel that resolves to "triton". Without ``validate``
-            those fail, hang or give wrong gradients; so does a backward that runs on some ranks
-            only (every rank's loss must use the outputs).
+            ``accumulate_into_main_grad``, the same first weight row on every rank with at
+            least ``vocab_size`` rows (the full weight replicated; named as ``tp_group``), the
+            gradients asked (``hidden`` / ``weight`` ``requires_grad`` under grad mode:
+            backward's dX reduction, and whether backward runs), ``partial_hidden_grad``,
+            ``return_argmax`` or, with ``grad_weights``, ``chunk_size`` differing across the
+            ranks (the error names the field and prints each rank's value); ``return_argmax``
+            not a bool, with ``grad_weights``, or with a kernel that resolves to "triton".
+            Without ``validate`` those fail, hang or give wrong gradients; so does a backward
+            that runs on some ranks only (every rank's loss must use the outputs).
         RuntimeError: a second backward through one forward with ``grad_weights`` (not
             supported: the gradients stored in forward are used up by the first).
     """

@@ -34,12 +34,14 @@ from .sampling_search import (
     sampled_pass,
     sampling_outputs,
 )
+from .workspace import untracked
 
 
 class _LinearSamplingLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, cfg: SamplerConfig, lcfg: LinearStatsConfig,
                 tp_group):
+        hidden, weight = untracked(hidden), untracked(weight)
         sc = cfg.stats
         total = full_hidden(hidden, lcfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])

@@ -36,6 +36,7 @@ from .linear_checks import checked_linear_config, lead_shape
 from .options import ScaledKwargs, check_keywords
 from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows
 from .topk_math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
+from .workspace import untracked
 
 
 def _linear_config(hidden, weight, tp_group, **options) -> LinearStatsConfig:
@@ -46,6 +47,7 @@ def _linear_config(hidden, weight, tp_group, **options) -> LinearStatsConfig:
 class _LinearTopKLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, indices, valid, cfg: LinearStatsConfig, tp_group):
+        hidden, weight = untracked(hidden), untracked(weight)
         sc = cfg.stats
         total = full_hidden(hidden, cfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])
@@ -184,11 +186,11 @@ def linear_vocab_parallel_topk(
                          **options)
     sc, k = cfg.stats, int(k)  # (checked: an integral number, numpy's included)
     with torch.no_grad():
-        total = full_hidden(hidden.detach(), cfg, tp_group)
+        total = full_hidden(untracked(hidden).detach(), cfg, tp_group)
         hidden2d = total.reshape(-1, total.shape[-1])
         bufs = ChunkBuffers(hidden2d, sc.layout.width, sc.chunk_size)
         try:
-            chunks = linear_chunks(hidden2d, weight.detach(), None, None, sc, bufs)
+            chunks = linear_chunks(hidden2d, untracked(weight).detach(), None, None, sc, bufs)
             top = topk_pass(chunks, hidden2d.shape[0], hidden.device,
                             TopKConfig(stats=sc, k=k), tp_group)
         finally:

@@ -61,6 +61,7 @@ from .sampling_search import (
     sort_keys,
     value_of,
 )
+from .workspace import untracked
 
 # A top_k at least this large keeps every column of any vocabulary (ids are below 2**31).
 _TOP_K_ALL = 2**62
@@ -108,7 +109,7 @@ class _SamplingLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, cfg: SamplerConfig, tp_group):
         sc = cfg.stats
-        logits2d = logits.reshape(-1, sc.layout.width)
+        logits2d = untracked(logits).reshape(-1, sc.layout.width)
         target1d, valid = flatten_target(target, sc.ignore_index)
         logprobs, outside, saved = sampled_pass(
             lambda: logits_chunks(logits2d, target1d, valid, sc), target1d, valid, cfg,

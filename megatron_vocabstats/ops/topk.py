@@ -58,6 +58,7 @@ from .topk_math import (
     rank_keys,
     topk_pass,
 )
+from .workspace import untracked
 
 # Names that moved to topk_math / topk_checks and stay importable from here.
 __all__ = [
@@ -154,7 +155,7 @@ def _topk(logits, k, tp_group, *, normalize: bool, vocab_size=None, **options) -
                                label_smoothing=0.0, **options)
     k = int(k)  # (checked: an integral number, numpy's included)
     cfg = TopKConfig(stats=stats_cfg, k=k, normalize=normalize)
-    logits2d = logits.detach().reshape(-1, stats_cfg.layout.width)
+    logits2d = untracked(logits).detach().reshape(-1, stats_cfg.layout.width)
     with torch.no_grad():
         chunks = logits_chunks(logits2d, None, None, stats_cfg)
         top = topk_pass(chunks, logits2d.shape[0], logits.device, cfg, tp_group)
@@ -196,7 +197,7 @@ def vocab_parallel_topk_logits(
 class _TopKLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, indices, valid, cfg: StatsConfig, tp_group):
-        logits2d = logits.reshape(-1, cfg.layout.width)
+        logits2d = untracked(logits).reshape(-1, cfg.layout.width)
         indices2d = indices.reshape(-1, indices.shape[-1])
         chunks = logits_chunks(logits2d, None, None, cfg)
         logprobs, lse, lse_lo = picked_pass(chunks, indices2d, valid, cfg, tp_group)

@@ -30,6 +30,7 @@ from ._checks import (
 )
 from ._math import finite_lse, grad_coefficients, merge_stats
 from .options import VocabStatsKwargs, check_bool, check_keywords
+from .workspace import untracked
 
 # Moved to the engine (ops.engine); still importable from here.
 flatten_target = engine.flatten_target
@@ -71,6 +72,7 @@ def _flatten(logits, target, cfg: StatsConfig):
 class _VocabParallelStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, cfg: StatsConfig, tp_group):
+        logits = untracked(logits)
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
         chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True,
@@ -234,11 +236,12 @@ def vocab_parallel_stats(
             ``chunk_size <= 0``, an unknown ``entropy`` mode, a ``temperature`` that is not
             finite or below 2.94e-39, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that
             does not fit the shards, a missing ``tp_group`` (see there), and (with
-            ``validate``) the same logits on every rank (a first row that is not constant and
-            equal on every rank: the full logits replicated, or a group other than the one the
-            vocabulary was split over; the message names ``tp_group``), target ids
-            outside ``[0, V)`` other than ``ignore_index``, shards, targets or options that
-            differ across ranks (the message names the field and prints each rank's value), and
+            ``validate``) the full logits replicated on every rank (a first row that is not
+            constant and equal on every rank, at least ``vocab_size`` wide; narrower, or without
+            ``vocab_size``, equal shards are computed as shards with one warning per process;
+            the message names ``tp_group``), target ids outside ``[0, V)`` other than
+            ``ignore_index``, shards, targets or options that differ across ranks (the message
+            names the field and prints each rank's value), and
             scored rows whose logits are NaN, +inf or all -inf, or whose ``logits / temperature``
             overflows fp32 (reported as a too small ``temperature``). Without ``validate`` such
             rows give NaN. Under tensor parallelism with ``validate`` any error of one rank's

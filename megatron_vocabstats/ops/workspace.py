@@ -90,6 +90,22 @@ def tracing() -> bool:
     return proxy is not None or detect_fake_mode() is not None
 
 
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def untracked(tensor: torch.Tensor) -> torch.Tensor:
+    """An autograd Function's input as its forward should use it: while a tracer runs
+    (:func:`tracing`), a floating tensor viewed as the integer dtype of its width and back (the
+    same memory and bits, no copy), else ``tensor`` itself. ``make_fx`` records the forward's
+    aten ops without the grad mode they ran under (``detach`` as a plain ``alias``), so a replay
+    of the traced graph on inputs that require grad would track the forward's in-place and
+    ``out=`` work on its buffers, and fail; through an integer view it tracks nothing, like the
+    eager forward (no grad)."""
+    if not tracing() or not tensor.is_floating_point():
+        return tensor
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).view(tensor.dtype)
+
+
 def _size_class(numel: int) -> int:
     """``numel`` rounded up to a multiple of about 1/8 to 1/16 of itself (at least 1)."""
     step = 1 << max(0, numel.bit_length() - 4)

@@ -73,6 +73,29 @@ def test_make_fx_symbolic_traces_with_the_defaults(op):
         assert torch.equal(a, b), (op, a, b)
 
 
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_traced_graph_replays_with_grad_requiring_inputs(op):
+    """Issue 30 (torchtitan's ``test_symbolic_seq_len_traces_chunking``): the loss traced with
+    ``make_fx(tracing_mode="symbolic")`` from inputs that require grad, then the traced graph
+    called on fresh inputs that require grad gives the eager value. Before: ``RuntimeError: a
+    leaf Variable that requires grad is being used in an in-place operation`` at ``clamp_`` of
+    a workspace view (the Function's forward, no-grad in eager, replayed with grad on)."""
+    def loss(x, h, w, t, i):
+        return OPS[op](x, h, w, t, i)
+
+    def fresh(seed):
+        g = torch.Generator().manual_seed(seed)
+        x, h, w, t, i = _inputs()
+        x, h, w = (torch.randn(a.shape, generator=g).requires_grad_() for a in (x, h, w))
+        return x, h, w, t, i
+
+    graph = make_fx(loss, tracing_mode="symbolic")(*fresh(1))
+    inputs = fresh(2)
+    with torch.no_grad():
+        eager = loss(*inputs)
+    assert torch.equal(graph(*inputs).detach(), eager), op
+
+
 # torch 2.11's dynamo asserts (higher_order_ops: "subgraph_vt.is_tensor()") on an
 # autograd.Function whose forward returns None (the entropy that was not asked for): it raises,
 # it never computes a wrong number. Strict: a torch 2.11 that passes must drop the mark.

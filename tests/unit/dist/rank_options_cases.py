@@ -358,25 +358,28 @@ def losses(group):
 
 @CASES.register
 def missing_or_wrong_group(group):
-    """A group that is not the one the vocabulary was split over: the full logits replicated on
-    every rank (was: off by log(tp) without vocab_size), or the same shard on every rank, raise
-    on every rank naming tp_group; so does the drop-in's tp_group=None before Megatron's
-    parallel state is initialised, and any op's tp_group=None once it is initialised with
-    tp = 2 (was: per-shard statistics, up to 1.85 nats off, without an error)."""
+    """The full logits (or weight) replicated on every rank where that is known (``vocab_size``
+    no wider than the shard; without it equal shards are computed as shards, with a warning:
+    identical_shards_cases.py) raise on every rank naming tp_group; so does the drop-in's
+    tp_group=None before Megatron's parallel state is initialised, and any op's tp_group=None
+    once it is initialised with tp = 2 (was: per-shard statistics, up to 1.85 nats off,
+    without an error)."""
     rank = _rank(group)
     g = torch.Generator().manual_seed(3)
     full = torch.randn(T, 2 * W, generator=g)
     target = torch.randint(0, 2 * W, (T,), generator=g)
     _check(group, [
-        ("replicated logits", "tp_group holds the same",
-         lambda r: mv.vocab_parallel_stats(full, target, tp_group=group)),
+        ("replicated logits, padded vocabulary", "tp_group holds the same",
+         lambda r: mv.vocab_parallel_stats(full, target.clamp(max=2 * W - 2), tp_group=group,
+                                           vocab_size=2 * W - 1)),
         ("replicated logits, vocab_size", "tp_group holds the same",
          lambda r: mv.vocab_parallel_logprobs(full, target, tp_group=group, vocab_size=2 * W)),
-        ("the same shard", "tp_group holds the same",
-         lambda r: mv.vocab_parallel_topk(full[:, :W], 2, tp_group=group)),
+        ("replicated logits, top-k", "tp_group holds the same",
+         lambda r: mv.vocab_parallel_topk(full[:, :W], 2, tp_group=group, vocab_size=W)),
         ("the full weight on every rank", "tp_group holds the same",
          lambda r: mv.linear_vocab_parallel_stats(_data(r)["hidden"], torch.randn(
-             2 * W, H, generator=torch.Generator().manual_seed(5)), target, tp_group=group)),
+             2 * W, H, generator=torch.Generator().manual_seed(5)), target, tp_group=group,
+             vocab_size=2 * W)),
     ])
     from megatron.core import parallel_state
 
