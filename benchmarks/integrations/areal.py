@@ -54,7 +54,7 @@ def cases(T: int, V: int, H: int, tp_group, dtype) -> dict:
     def step(fn):
         def run():
             gen = torch.Generator().manual_seed(1000 + rank)  # shards differ across ranks
-            logits = torch.randn(T, V // tp, generator=gen).to(dtype).requires_grad_()
+            logits = torch.randn(T, V // tp, generator=gen, dtype=dtype).requires_grad_()
             labels = torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(7))
             logprobs, entropy = fn(logits, labels, 1.0, tp_group=tp_group)
             (logprobs.sum() + entropy.sum()).backward()

@@ -71,7 +71,7 @@ def cases(T: int, V: int, H: int, tp_group, dtype: torch.dtype) -> dict:
 
     def inputs():
         generator = torch.Generator().manual_seed(rank)
-        logits = torch.randn(1, T, width, generator=generator).to(dtype).requires_grad_()
+        logits = torch.randn(1, T, width, generator=generator, dtype=dtype).requires_grad_()
         ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(0))
         return logits, ids
 
@@ -89,7 +89,7 @@ def cases(T: int, V: int, H: int, tp_group, dtype: torch.dtype) -> dict:
 
     def ours_fused():
         generator = torch.Generator().manual_seed(rank)
-        hidden = torch.randn(T // size, 1, H, generator=generator).to(dtype).requires_grad_()
+        hidden = torch.randn(T // size, 1, H, generator=generator, dtype=dtype).requires_grad_()
         weight = (torch.randn(width, H, generator=generator) / H**0.5).to(dtype)
         weight.requires_grad_()
         ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(0))
