@@ -194,6 +194,11 @@ class Framework:
             logger.info("megatron-vocabstats: restored %s", ", ".join(restored))
         return restored
 
+    def original(self, module_name: str, name: str) -> Callable:
+        """The framework's own ``module_name.name`` (unwrapped if replaced): what a replacement
+        calls for the cases it leaves to the framework. Imports the module."""
+        return _original(getattr(importlib.import_module(module_name), name))
+
     def is_applied(self) -> bool:
         """True while any binding is replaced."""
         return bool(self.patcher.applied)

@@ -43,9 +43,14 @@ REAL = {
         "verl.models.mcore.model_forward_fused",
         "verl.models.mcore.model_forward_1f1b_overlap",
     ),
+    "skyrl": (
+        "skyrl.backends.skyrl_train.distributed.megatron.model_utils",
+        "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper",
+    ),
 }
 INSTALL = {
     "verl": "pip install --no-deps 'verl==0.9.*'",
+    "skyrl": "pip install --no-deps 'skyrl==0.3.0'",
 }
 
 

@@ -107,6 +107,8 @@ VERSIONED = {
     "test_workspace.py": "buffer reuse relies on torch's tensor versioning and streams API",
     "test_verl.py": "verl's real module code on the leg's torch (verl pins torch 2.11)",
     "test_verl_dist.py": "verl's real module code on gloo ranks",
+    "test_skyrl.py": "SkyRL's real module code on the leg's torch (skyrl 0.3.0 pins torch 2.11)",
+    "test_skyrl_dist.py": "SkyRL's real module code on gloo ranks (skyrl 0.3.0 pins torch 2.11)",
     "test_megatron_import.py": "the patch's lookup of Megatron's names on the leg's Python",
     "test_megatron_patch.py": "the patch binds to Megatron's signatures (inspect per Python)",
 }
