@@ -10,10 +10,10 @@ Importing this module calls :func:`apply`, which replaces the eight functions of
 ``_fused_vocab_parallel_entropy_from_hidden`` and
 ``from_parallel_hidden_to_entropy_packed_sequences`` (``trainer.fused_lm_head_logprob=true``:
 the LM head fused into the statistics), with the functions of :mod:`.skyrl_ops` (SkyRL's
-signatures and conventions; the differences are logged once). SkyRL's own CP and packing helpers (:data:`.skyrl_ops.HELPERS`) are resolved first and
-kept. Applying twice patches once, :func:`remove` restores every original, and a failure patches
-nothing. In a Ray job every worker process must import it (e.g. at the top of the entry point
-that builds SkyRL's Megatron workers, or through ``PYTHONSTARTUP``/a ``sitecustomize``).
+signatures and conventions; the differences are logged once). SkyRL's own CP and packing
+helpers (:data:`.skyrl_ops.HELPERS`) are resolved first and kept. Applying twice patches once,
+:func:`remove` restores every original, and a failure patches nothing. In a Ray job every
+worker process must import it (e.g. in a ``sitecustomize`` on the workers' path).
 
 Raises :class:`UnsupportedSkyRLError` (an ``ImportError``) when SkyRL is missing, or a module, a
 name or a signature above moved or changed (a release other than the one this was written for,
