@@ -51,10 +51,15 @@ REAL = {
         "areal.engine.fsdp_engine",
         "areal.experimental.engine.archon_engine",
     ),
+    "skyrl": (
+        "skyrl.backends.skyrl_train.distributed.megatron.model_utils",
+        "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper",
+    ),
 }
 INSTALL = {
     "verl": "pip install --no-deps 'verl==0.9.*'",
     "areal": "pip install --no-deps 'areal==1.0.4'",
+    "skyrl": "pip install --no-deps 'skyrl==0.3.0'",
 }
 
 

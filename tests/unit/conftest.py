@@ -109,6 +109,8 @@ VERSIONED = {
     "test_verl_dist.py": "verl's real module code on gloo ranks",
     "test_nemo_rl.py": "NeMo-RL needs Python 3.13: the integration's bindings on the 3.13 leg",
     "test_nemo_rl_dist.py": "NeMo-RL needs Python 3.13: its conventions on gloo ranks there",
+    "test_skyrl.py": "SkyRL's real module code on the leg's torch (skyrl 0.3.0 pins torch 2.11)",
+    "test_skyrl_dist.py": "SkyRL's real module code on gloo ranks (skyrl 0.3.0 pins torch 2.11)",
     "test_megatron_import.py": "the patch's lookup of Megatron's names on the leg's Python",
     "test_megatron_patch.py": "the patch binds to Megatron's signatures (inspect per Python)",
 }

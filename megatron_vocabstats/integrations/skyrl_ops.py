@@ -1,0 +1,325 @@
+"""SkyRL's Megatron log-prob and entropy functions, computed by the ops: the replacements that
+:mod:`megatron_vocabstats.integrations.skyrl` binds in SkyRL's modules.
+
+Each function takes the arguments of the SkyRL function it replaces and returns what that one
+returns (shape, dtype, layout). What SkyRL 0.3 computes (read from the wheel ``skyrl==0.3.0``,
+``skyrl/backends/skyrl_train/distributed/megatron/model_utils.py``; the same at NovaSky-AI/SkyRL
+``a956457``):
+
+- ``from_parallel_logits_to_logprobs(vocab_parallel_logits [B, S/cp, W], target [B, S], ...)``:
+  the targets rolled left by one (the next token), padded to ``S/cp * cp`` and split for context
+  parallelism (chunks ``r`` and ``2cp-1-r``), fp32 ``log p`` over the ``W * tp`` columns, the CP
+  shards gathered back, the padding and the last position dropped: fp32 ``[B, S - 1]``. An id
+  outside ``[vocab_start_index, vocab_end_index)`` of every rank gives 0;
+- ``..._packed_sequences(logits [1, T/cp, W], target [1, T], cu_seqlens_padded, unpacked_seqlen,
+  ...)``: the same per packed sequence (rolled within each sequence), scattered back to fp32
+  ``[B, unpacked_seqlen - 1]`` by ``attention_mask``, ``sub_seq_lengths`` or the padded
+  sequence offsets, zeros elsewhere;
+- ``from_parallel_hidden_to_logprobs[_packed_sequences]``: the same from the decoder's hidden
+  states ``[B, S, H]`` (gathered over sequence parallelism by SkyRL's output processor, whose
+  backward reduce-scatters: ``d hidden`` is this rank's share) and the weight shard ``[W, H]``,
+  the logits rounded to the weight's dtype, ``temperature`` applied to the weight;
+- ``vocab_parallel_entropy(logits [..., W])``: entropy in the logits' dtype on Megatron's
+  tensor-parallel group, with a gradient; ``vocab_parallel_entropy_packed_sequences``: the mean
+  over action tokens of that, ``(metric, term for the loss)``;
+- ``_fused_vocab_parallel_entropy_from_hidden(hidden [B, S, H], weight, tp_group, ...)``: fp32
+  ``[B, S]`` entropy without a correct gradient (a metric; its all-reduces are outside
+  autograd), and ``from_parallel_hidden_to_entropy_packed_sequences`` on it.
+
+Kept as SkyRL's own code: the CP split and gather and the packed index helpers (the private
+functions of ``model_utils`` listed in :data:`HELPERS`, resolved by ``skyrl.apply``), and the two
+packed entropy functions whole (their per-token entropy is the replaced name they look up in
+``model_utils``). The differences are logged once per function (:data:`NOTES`).
+
+May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.mcore`, :mod:`._options`,
+torch; never SkyRL itself (its helpers are handed over by :func:`set_helpers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..mcore import default_tp_group
+from ..ops import linear_vocab_parallel_stats, vocab_parallel_stats
+from ._options import IntegrationOptions
+
+IGNORE = -100  # the ops' default ignore_index; an id outside the vocabulary becomes it
+
+# SkyRL's own layout code (model_utils' private helpers) and the two packed entropy functions
+# kept whole: set by skyrl.apply() before anything is patched.
+HELPERS = ("_get_tokens_on_this_cp_rank", "allgather_cp_sharded_tensor",
+           "_packed_sequence_indices", "_packed_cp_rank_and_local_indices",
+           "allgather_cp_sharded_packed_tensor", "_packed_subseq_row_indices_offsets_and_lens",
+           "vocab_parallel_entropy_packed_sequences",
+           "from_parallel_hidden_to_entropy_packed_sequences")
+_helpers: dict[str, Callable] = {}
+
+_IDS = ("an id outside the vocabulary gives 0 as SkyRL's, with no gradient (SkyRL's passes "
+        "-softmax as if the id were in another shard)")
+_LOGITS = ("runs on vocab_parallel_stats; SkyRL's target roll, CP split/gather and packing kept. "
+           "Differences: " + _IDS + "; chunk_size is not used (the op chunks by "
+           "logprobs_chunk_size; values do not depend on it); nothing fp32 of [B, S, W] is "
+           "saved or preallocated")
+_HIDDEN = ("runs on linear_vocab_parallel_stats (partial d hidden, SkyRL's contract); SkyRL's "
+           "target roll, CP split/gather and packing kept. Differences: " + _IDS + "; the "
+           "temperature divides the fp32 logits (SkyRL divides a copy of the weight, rounded to "
+           "its dtype); fused_backend and chunk_size are not used (lm_head_chunk_size chunks)")
+NOTES = {
+    "from_parallel_logits_to_logprobs": _LOGITS,
+    "from_parallel_logits_to_logprobs_packed_sequences": _LOGITS,
+    "from_parallel_hidden_to_logprobs": _HIDDEN,
+    "from_parallel_hidden_to_logprobs_packed_sequences": _HIDDEN,
+    "vocab_parallel_entropy": (
+        "runs on vocab_parallel_stats. Differences: computed from fp32 chunks and rounded once "
+        "to the logits' dtype (SkyRL computes in that dtype); a -inf-masked vocabulary gives a "
+        "finite entropy (SkyRL's: NaN, 0 * -inf)"),
+    "vocab_parallel_entropy_packed_sequences": (
+        "SkyRL's own, on the replaced vocab_parallel_entropy"),
+    "_fused_vocab_parallel_entropy_from_hidden": (
+        "runs on linear_vocab_parallel_stats. Differences: with gradients enabled (SkyRL's "
+        "use_entropy_loss) the entropy has the exact gradient, d hidden this rank's share "
+        "(SkyRL's gives a metric only); chunk_size is not used; temperature as for the "
+        "log-probs"),
+    "from_parallel_hidden_to_entropy_packed_sequences": (
+        "SkyRL's own, on the replaced _fused_vocab_parallel_entropy_from_hidden (a gradient "
+        "when its loss asks for one)"),
+}
+OPTIONS = IntegrationOptions("SkyRL", NOTES, padding="SkyRL normalises over all W*tp columns")
+
+
+def set_helpers(helpers: dict[str, Callable]) -> None:
+    """Hand over SkyRL's own functions named in :data:`HELPERS` (``skyrl.apply`` does)."""
+    _helpers.update(helpers)
+
+
+def _helper(name: str) -> Callable:
+    try:
+        return _helpers[name]
+    except KeyError:
+        raise RuntimeError(f"megatron-vocabstats' SkyRL integration: SkyRL's {name} was not "
+                           "resolved; call megatron_vocabstats.integrations.skyrl.apply()"
+                           ) from None
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _in_vocabulary(target, width, tp_group, vocab_start_index, vocab_end_index):
+    """``target`` with every id outside the global vocabulary replaced by :data:`IGNORE`;
+    checks that this rank's window is Megatron's equal split, as SkyRL's callers pass it."""
+    rank = _rank(tp_group)
+    if (int(vocab_start_index), int(vocab_end_index)) != (rank * width, (rank + 1) * width):
+        raise ValueError(
+            f"vocab_start_index, vocab_end_index: ({vocab_start_index}, {vocab_end_index}) on "
+            f"tp rank {rank}; the integration takes Megatron's equal split of the {width}-wide "
+            f"shards, ({rank * width}, {(rank + 1) * width})")
+    vocab = OPTIONS.settings.vocab_size or width * _size(tp_group)
+    return torch.where((target >= 0) & (target < vocab), target, torch.full_like(target, IGNORE))
+
+
+def _grad_context(inference_only: bool):
+    return torch.no_grad() if inference_only else contextlib.nullcontext()
+
+
+def _logits_core(logits, target, vocab_start_index, vocab_end_index, group, inference_only):
+    """fp32 ``log p(target)`` of the rank's rows (SkyRL's ``DistributedLogprob``)."""
+    labels = _in_vocabulary(target, logits.shape[-1], group, vocab_start_index, vocab_end_index)
+    options = replace(OPTIONS.settings.stats_options(), entropy="off")
+    with _grad_context(inference_only):
+        return vocab_parallel_stats(logits, labels, **options.op_kwargs(tp_group=group)).logprobs
+
+
+def _fused_kwargs(group, temperature, entropy: str) -> dict:
+    options = replace(OPTIONS.settings.stats_options(fused=True), entropy=entropy,
+                      temperature=temperature)
+    return options.op_kwargs(tp_group=group)
+
+
+def _hidden_core(hidden, weight, target, vocab_start_index, vocab_end_index, group,
+                 inference_only, temperature):
+    """fp32 ``log p(target)`` of ``hidden [B, S, H] @ weight.T`` (SkyRL's fused Function):
+    ``d hidden`` is this rank's share (SkyRL's sequence-parallel gather sums it)."""
+    labels = _in_vocabulary(target, weight.shape[0], group, vocab_start_index, vocab_end_index)
+    lead = hidden.shape[:-1]
+    with _grad_context(inference_only):
+        stats = linear_vocab_parallel_stats(
+            hidden.to(weight.dtype).reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+            partial_hidden_grad=True, **_fused_kwargs(group, temperature, "off"))
+    return stats.logprobs.reshape(lead)
+
+
+def _unpadded(row_fn, target, local_len, cp_group):
+    """SkyRL's non-packed layout: roll, pad to ``local_len * cp``, keep this CP rank's two
+    chunks; ``row_fn(target)`` gives the rank's log-probs, gathered back, unpadded, shifted."""
+    cp = _size(cp_group)
+    target = target.roll(shifts=-1, dims=-1)
+    pad = local_len * cp - target.shape[1]
+    if pad > 0:
+        target = torch.nn.functional.pad(target, (0, pad), value=0)
+    if cp > 1:
+        target = _helper("_get_tokens_on_this_cp_rank")(target, _rank(cp_group), cp, seq_dim=1)
+    logprobs = row_fn(target).contiguous()
+    if cp > 1:
+        logprobs = _helper("allgather_cp_sharded_tensor")(logprobs, cp_group, seq_dim=1)
+    if pad > 0:
+        logprobs = logprobs[:, :-pad]
+    return logprobs[:, :-1]
+
+
+def _packed(row_fn, target, cu_seqlens_padded, unpacked_seqlen, cp_group, attention_mask,
+            sub_seq_lengths):
+    """SkyRL's packed layout: each sequence's targets rolled within it, this CP rank's tokens
+    (SkyRL's load-balanced split), ``row_fn(targets [1, T/cp])``, the CP shards gathered, then
+    scattered back to ``[B, unpacked_seqlen - 1]`` (zeros where no next token is known)."""
+    indices = _helper("_packed_sequence_indices")
+    target = target.squeeze(0)
+    total, device = target.shape[0], target.device
+    cu, _, seq, offset, padded_len = indices(cu_seqlens_padded, total, device)
+    rolled = target[cu[seq] + torch.remainder(offset + 1, padded_len[seq])]
+    cp = _size(cp_group)
+    if cp > 1:
+        owner, local = _helper("_packed_cp_rank_and_local_indices")(cu, seq, offset, padded_len, cp)
+        mine = owner == _rank(cp_group)
+        rolled = torch.empty(total // cp, dtype=target.dtype, device=device).index_put_(
+            (local[mine],), rolled[mine])
+    probs = row_fn(rolled.unsqueeze(0)).contiguous().squeeze(0)
+    if cp > 1:
+        probs = _helper("allgather_cp_sharded_packed_tensor")(probs, cu, cp_group)
+    batch = len(sub_seq_lengths) if sub_seq_lengths is not None else cu.shape[0] - 1
+    out = torch.zeros((batch, unpacked_seqlen - 1), dtype=probs.dtype, device=probs.device)
+    if sub_seq_lengths is not None:
+        rows, starts, lengths = _helper("_packed_subseq_row_indices_offsets_and_lens")(
+            cu, sub_seq_lengths, device)
+        keep = offset < (lengths - 1).clamp(min=0)[seq]
+        col = starts[seq] + offset
+        keep &= col < unpacked_seqlen - 1
+        out[rows[seq][keep], col[keep]] = probs[keep]
+    elif attention_mask is not None:
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        lengths = mask.sum(dim=1, dtype=torch.long)
+        ordinal = mask.long().cumsum(dim=1)
+        where = mask[:, :-1] & (ordinal[:, :-1] < lengths[:, None])
+        out[where] = probs[offset < (lengths - 1).clamp(min=0)[seq]]
+    else:
+        keep = (offset < (padded_len - 1).clamp(min=0)[seq]) & (offset < unpacked_seqlen - 1)
+        out[seq[keep], offset[keep]] = probs[keep]
+    return out
+
+
+def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_index,
+                                     vocab_end_index, tp_group, inference_only=False,
+                                     cp_group=None, chunk_size=None):
+    """SkyRL's ``from_parallel_logits_to_logprobs``: fp32 ``[B, S - 1]`` log-probs of the next
+    token of ``target [B, S]`` from this rank's shard ``[B, S/cp, W]`` (module docstring).
+    ``inference_only``: computed without autograd. Raises ``ValueError`` naming the argument
+    for bad input (:func:`~megatron_vocabstats.vocab_parallel_stats`)."""
+    del chunk_size
+    OPTIONS.note_once("from_parallel_logits_to_logprobs")
+    return _unpadded(lambda t: _logits_core(vocab_parallel_logits, t, vocab_start_index,
+                                            vocab_end_index, tp_group, inference_only),
+                     target, vocab_parallel_logits.shape[1], cp_group)
+
+
+def from_parallel_logits_to_logprobs_packed_sequences(
+        vocab_parallel_logits, target, cu_seqlens_padded, unpacked_seqlen, vocab_start_index,
+        vocab_end_index, group, inference_only=False, cp_group=None, chunk_size=None,
+        attention_mask=None, sub_seq_lengths=None):
+    """SkyRL's packed variant: ``vocab_parallel_logits [1, T/cp, W]``, ``target [1, T]``;
+    fp32 ``[B, unpacked_seqlen - 1]`` (module docstring)."""
+    del chunk_size
+    OPTIONS.note_once("from_parallel_logits_to_logprobs_packed_sequences")
+    logits = vocab_parallel_logits.squeeze(0).unsqueeze(0)
+    return _packed(lambda t: _logits_core(logits, t, vocab_start_index, vocab_end_index, group,
+                                          inference_only),
+                   target, cu_seqlens_padded, unpacked_seqlen, cp_group, attention_mask,
+                   sub_seq_lengths)
+
+
+def from_parallel_hidden_to_logprobs(hidden, lm_head_weight, target, vocab_start_index,
+                                     vocab_end_index, tp_group, inference_only=False,
+                                     cp_group=None, chunk_size=None, temperature=1.0,
+                                     fused_backend="torch"):
+    """SkyRL's fused ``from_parallel_hidden_to_logprobs``: as
+    :func:`from_parallel_logits_to_logprobs` of ``hidden [B, S/cp, H] @ lm_head_weight.T /
+    temperature`` without the logits; backward gives this rank's share of ``d hidden`` and the
+    gradient of the weight shard ``[W, H]``."""
+    del chunk_size, fused_backend
+    OPTIONS.note_once("from_parallel_hidden_to_logprobs")
+    return _unpadded(lambda t: _hidden_core(hidden, lm_head_weight, t, vocab_start_index,
+                                            vocab_end_index, tp_group, inference_only,
+                                            temperature),
+                     target, hidden.shape[1], cp_group)
+
+
+def from_parallel_hidden_to_logprobs_packed_sequences(
+        hidden, lm_head_weight, target, cu_seqlens_padded, unpacked_seqlen, vocab_start_index,
+        vocab_end_index, group, inference_only=False, cp_group=None, chunk_size=None,
+        attention_mask=None, sub_seq_lengths=None, temperature=1.0, fused_backend="torch"):
+    """SkyRL's fused packed variant: ``hidden [1, T/cp, H]``; as
+    :func:`from_parallel_logits_to_logprobs_packed_sequences`."""
+    del chunk_size, fused_backend
+    OPTIONS.note_once("from_parallel_hidden_to_logprobs_packed_sequences")
+    rows = hidden.squeeze(0).unsqueeze(0)
+    return _packed(lambda t: _hidden_core(rows, lm_head_weight, t, vocab_start_index,
+                                          vocab_end_index, group, inference_only, temperature),
+                   target, cu_seqlens_padded, unpacked_seqlen, cp_group, attention_mask,
+                   sub_seq_lengths)
+
+
+def vocab_parallel_entropy(vocab_parallel_logits):
+    """SkyRL's ``vocab_parallel_entropy``: ``-sum p log p`` (nats) of the shard ``[..., W]`` on
+    Megatron's tensor-parallel group, shaped like its leading dims, in the logits' dtype
+    (computed in fp32, rounded once), differentiable; finite for a ``-inf``-masked vocabulary."""
+    OPTIONS.note_once("vocab_parallel_entropy")
+    options = replace(OPTIONS.settings.stats_options(), entropy="grad")
+    stats = vocab_parallel_stats(vocab_parallel_logits, None,
+                                 **options.op_kwargs(tp_group=default_tp_group()))
+    return stats.entropy.to(vocab_parallel_logits.dtype)
+
+
+def vocab_parallel_entropy_packed_sequences(vocab_parallel_logits, cu_seqlens_padded,
+                                            unpacked_seqlen, num_actions, attention_mask,
+                                            loss_mask, cp_group, sub_seq_lengths=None):
+    """SkyRL's own function (its action weighting and CP sums), whose per-token entropy is
+    :func:`vocab_parallel_entropy` while the integration is applied."""
+    OPTIONS.note_once("vocab_parallel_entropy_packed_sequences")
+    return _helper("vocab_parallel_entropy_packed_sequences")(
+        vocab_parallel_logits, cu_seqlens_padded, unpacked_seqlen, num_actions, attention_mask,
+        loss_mask, cp_group, sub_seq_lengths=sub_seq_lengths)
+
+
+def _fused_vocab_parallel_entropy_from_hidden(hidden, lm_head_weight, tp_group, chunk_size=None,
+                                              temperature=1.0):
+    """SkyRL's fused per-token entropy: fp32 ``[B, S]`` of ``hidden [B, S, H] @
+    lm_head_weight.T / temperature``. With gradients enabled (SkyRL's ``use_entropy_loss``) it
+    is differentiable: ``d hidden`` this rank's share (SkyRL's sequence-parallel gather sums
+    it), the weight shard's gradient; otherwise a metric (nothing saved)."""
+    del chunk_size
+    OPTIONS.note_once("_fused_vocab_parallel_entropy_from_hidden")
+    mode = "grad" if torch.is_grad_enabled() else "metric"
+    stats = linear_vocab_parallel_stats(
+        hidden.to(lm_head_weight.dtype).reshape(-1, hidden.shape[-1]), lm_head_weight, None,
+        partial_hidden_grad=True, **_fused_kwargs(tp_group, temperature, mode))
+    return stats.entropy.reshape(hidden.shape[:-1])
+
+
+def from_parallel_hidden_to_entropy_packed_sequences(
+        hidden, lm_head_weight, cu_seqlens_padded, unpacked_seqlen, num_actions, attention_mask,
+        loss_mask, cp_group, tp_group, sub_seq_lengths=None, chunk_size=None, temperature=1.0):
+    """SkyRL's own function, whose per-token entropy is
+    :func:`_fused_vocab_parallel_entropy_from_hidden` while the integration is applied."""
+    OPTIONS.note_once("from_parallel_hidden_to_entropy_packed_sequences")
+    return _helper("from_parallel_hidden_to_entropy_packed_sequences")(
+        hidden, lm_head_weight, cu_seqlens_padded, unpacked_seqlen, num_actions, attention_mask,
+        loss_mask, cp_group, tp_group=tp_group, sub_seq_lengths=sub_seq_lengths,
+        chunk_size=chunk_size, temperature=temperature)
