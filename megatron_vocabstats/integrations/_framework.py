@@ -97,6 +97,8 @@ class Framework:
             still raises.
         version_of: reads the version where there is no distribution (returns None if absent).
         error: the exception raised (a subclass of :class:`UnsupportedFrameworkError`).
+        options: the integration's ``_options.IntegrationOptions``: :meth:`apply` configures
+            it, :meth:`remove` resets it.
     """
 
     name: str
@@ -108,6 +110,7 @@ class Framework:
     optional: tuple[str, ...] = ()
     version_of: Callable[[], str | None] | None = None
     error: type[UnsupportedFrameworkError] = UnsupportedFrameworkError
+    options: object = None
 
     @property
     def patcher(self) -> Patcher:
@@ -191,15 +194,17 @@ class Framework:
                            self.name, version, ", ".join(self.tested))
         return targets
 
-    def apply(self, before: Callable[[], None] | None = None) -> list[str]:
+    def apply(self, settings=None, before: Callable[[], None] | None = None) -> list[str]:
         """Replace every binding (all or none); returns the ``module.name`` patched now (empty
-        when already applied). ``before``: called once every binding is resolved and checked,
-        before any is patched (an integration's options take effect there). Logs one line on
-        rank 0, a WARNING if torch is outside the tested range (frameworks' loggers often show
-        only warnings)."""
+        when already applied). Once every binding is resolved and checked, before any is
+        patched: ``before()`` runs and ``settings`` (validated ``PluginSettings``) become the
+        :attr:`options` in force. Logs one line on rank 0, a WARNING if torch is outside the
+        tested range (frameworks' loggers often show only warnings)."""
         targets = self.targets()
         if before is not None:
             before()
+        if settings is not None:
+            self.options.configure(settings)
         patched = []
         try:
             for module, name, factory in targets:
@@ -216,8 +221,11 @@ class Framework:
         return patched
 
     def remove(self) -> list[str]:
-        """Restore every original binding; returns the names restored."""
+        """Restore every original binding (the options back to their defaults); returns the
+        names restored."""
         restored = self.patcher.remove_all()
+        if self.options is not None:
+            self.options.reset()
         if restored and rank0():
             logger.info("megatron-vocabstats: restored %s", ", ".join(restored))
         return restored

@@ -61,7 +61,7 @@ class UnsupportedArealError(UnsupportedFrameworkError):
 FRAMEWORK = Framework(name="AReaL", distribution="areal",
                       install_hint="pip install 'areal==1.0.4'", tested=TESTED,
                       definitions=DEFINITIONS, consumers=CONSUMERS, optional=ENGINES,
-                      error=UnsupportedArealError)
+                      error=UnsupportedArealError, options=areal_ops.SETTINGS)
 
 
 def apply(**options) -> PluginSettings:
@@ -82,14 +82,13 @@ def apply(**options) -> PluginSettings:
         raise ValueError(f"unknown option(s) {unknown} of the AReaL integration; it takes "
                          f"{list(areal_ops.OPTIONS)}")
     settings = areal_ops.SETTINGS.configured(**options)
-    FRAMEWORK.apply(before=lambda: areal_ops.SETTINGS.configure(settings))
+    FRAMEWORK.apply(settings)
     return settings
 
 
 def remove() -> list[str]:
     """Restore every original AReaL binding; returns the names restored (the options go back
     to their defaults)."""
-    areal_ops.SETTINGS.reset()
     return FRAMEWORK.remove()
 
 

@@ -94,7 +94,8 @@ def nemo_rl_version() -> str | None:
 FRAMEWORK = Framework(
     name="NeMo-RL", distribution=None, version_of=nemo_rl_version,
     install_hint="a checkout of NVIDIA-NeMo/RL on the path, Python 3.13", tested=TESTED,
-    definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedNemoRLError)
+    definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedNemoRLError,
+    options=nemo_rl_ops.OPTIONS)
 
 
 def apply(**options) -> PluginSettings:
@@ -111,20 +112,15 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     settings = nemo_rl_ops.OPTIONS.configured(**options)
-    FRAMEWORK.targets()  # raises before the options change
-    nemo_rl_ops.set_fallbacks({name: FRAMEWORK.original(MODEL_UTILS, name)
-                               for name in DEFINITIONS[MODEL_UTILS]})
-    nemo_rl_ops.OPTIONS.configure(settings)
-    FRAMEWORK.apply()
+    FRAMEWORK.apply(settings, before=lambda: nemo_rl_ops.set_fallbacks(
+        {name: FRAMEWORK.original(MODEL_UTILS, name) for name in DEFINITIONS[MODEL_UTILS]}))
     return settings
 
 
 def remove() -> list[str]:
     """Restore every original NeMo-RL binding; returns the names restored."""
-    restored = FRAMEWORK.remove()
-    nemo_rl_ops.OPTIONS.reset()
     nemo_rl_ops.set_fallbacks({})
-    return restored
+    return FRAMEWORK.remove()
 
 
 is_applied = FRAMEWORK.is_applied

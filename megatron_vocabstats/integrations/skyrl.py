@@ -48,7 +48,8 @@ class UnsupportedSkyRLError(UnsupportedFrameworkError):
 
 FRAMEWORK = Framework(name="SkyRL", distribution="skyrl",
                       install_hint="pip install 'skyrl[megatron]==0.3.*'", tested=TESTED,
-                      definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSkyRLError)
+                      definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSkyRLError,
+                      options=skyrl_ops.OPTIONS)
 
 
 def skyrl_version() -> str | None:
@@ -85,18 +86,13 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     settings = skyrl_ops.OPTIONS.configured(**options)
-    FRAMEWORK.targets()  # raises before the options change
-    skyrl_ops.set_helpers(_helpers())
-    skyrl_ops.OPTIONS.configure(settings)
-    FRAMEWORK.apply()
+    FRAMEWORK.apply(settings, before=lambda: skyrl_ops.set_helpers(_helpers()))
     return settings
 
 
 def remove() -> list[str]:
     """Restore every original SkyRL binding; returns the names restored."""
-    restored = FRAMEWORK.remove()
-    skyrl_ops.OPTIONS.reset()
-    return restored
+    return FRAMEWORK.remove()
 
 
 is_applied = FRAMEWORK.is_applied

@@ -94,9 +94,7 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     settings = verl_ops.configured(**options)
-    FRAMEWORK.targets()  # raises before the options change
-    verl_ops.configure(settings)
-    FRAMEWORK.apply()
+    FRAMEWORK.apply(before=lambda: verl_ops.configure(settings))
     return settings
 
 

@@ -188,3 +188,29 @@ def eager():
     run them eagerly (the same arithmetic, without compiling on a CPU test machine)."""
     with torch._dynamo.config.patch(disable=True):
         yield
+
+
+def applied(package: str, integration: str, requirements: str):
+    """A pytest fixture's body: the package's :data:`REAL` modules and the integration module
+    ``integration``, imported (which applies it); ``(modules, integration module)``, removed and
+    unloaded afterwards. Skips without megatron-core or the package (``requirements``: the file
+    that pins it)."""
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    if root(package) is None:
+        pytest.skip(f"{package} is not installed ({requirements})")
+    modules = load(package)
+    module = importlib.import_module(integration)
+    module.apply()
+    try:
+        yield modules, module
+    finally:
+        module.remove()
+        unload(package)
+
+
+def bindings(integration) -> list[tuple[str, str]]:
+    """``(module name, attribute)`` of every binding an integration module replaces."""
+    return [(module, name) for table in (integration.DEFINITIONS, integration.CONSUMERS)
+            for module, names in table.items() for name in names]

@@ -27,29 +27,14 @@ FSDP = "areal.engine.fsdp_engine"
 
 @pytest.fixture(scope="module")
 def areal():
-    """AReaL's modules (real code, stubbed dependencies) and the integration, imported (which
-    applies it); removed and unloaded afterwards."""
-    if _framework_stubs.root("areal") is None:
-        pytest.skip("AReaL is not installed (requirements/py311-nodeps.txt)")
-    modules = _framework_stubs.load("areal")
-    integration = importlib.import_module(INTEGRATION)
-    integration.apply()
-    try:
-        yield modules, integration
-    finally:
-        integration.remove()
-        _framework_stubs.unload("areal")
-
-
-def _bindings(integration):
-    return ([(m, n) for m, names in integration.DEFINITIONS.items() for n in names]
-            + [(m, n) for m, names in integration.CONSUMERS.items() for n in names])
+    """The areal modules (real code, stubbed dependencies) and the integration, applied."""
+    yield from _framework_stubs.applied("areal", INTEGRATION, "requirements/py311-nodeps.txt")
 
 
 def _untouched(modules, integration) -> bool:
     return all(getattr(modules[m], n).__module__ == VP and not hasattr(getattr(modules[m], n),
                                                                        "__wrapped__")
-               for m, n in _bindings(integration))
+               for m, n in _framework_stubs.bindings(integration))
 
 
 def test_import_applies_every_binding_and_remove_restores(areal):
@@ -58,7 +43,7 @@ def test_import_applies_every_binding_and_remove_restores(areal):
 
     integration.remove()
     assert _untouched(modules, integration)
-    originals = {b: getattr(modules[b[0]], b[1]) for b in _bindings(integration)}
+    originals = {b: getattr(modules[b[0]], b[1]) for b in _framework_stubs.bindings(integration)}
     importlib.reload(integration)  # the import applies it
     assert len(integration.patched_names()) == len(originals) == 12
     for (module, name), original in originals.items():
@@ -149,7 +134,7 @@ def test_moved_names_raise_and_patch_nothing(areal, monkeypatch, move, message):
         with pytest.raises(ImportError):
             importlib.reload(integration)
         assert not integration.is_applied()
-        for m, n in _bindings(integration):
+        for m, n in _framework_stubs.bindings(integration):
             assert not hasattr(getattr(modules[m], n, None), "__wrapped__"), (m, n)
     finally:
         monkeypatch.undo()

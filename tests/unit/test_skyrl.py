@@ -23,30 +23,14 @@ WRAPPER = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper"
 
 @pytest.fixture(scope="module")
 def skyrl():
-    """SkyRL's modules (real code, stubbed dependencies) and the integration, imported (which
-    applies it); removed and unloaded afterwards."""
-    pytest.importorskip("megatron.core")
-    if _framework_stubs.root("skyrl") is None:
-        pytest.skip("skyrl is not installed (requirements/py311-nodeps.txt)")
-    modules = _framework_stubs.load("skyrl")
-    integration = importlib.import_module(INTEGRATION)
-    integration.apply()
-    try:
-        yield modules, integration
-    finally:
-        integration.remove()
-        _framework_stubs.unload("skyrl")
-
-
-def _bindings(integration):
-    return [(module, name) for table in (integration.DEFINITIONS, integration.CONSUMERS)
-            for module, names in table.items() for name in names]
+    """The skyrl modules (real code, stubbed dependencies) and the integration, applied."""
+    yield from _framework_stubs.applied("skyrl", INTEGRATION, "requirements/py311-nodeps.txt")
 
 
 def test_import_applies_every_binding_and_remove_restores(skyrl):
     modules, integration = skyrl
     integration.remove()
-    originals = {b: getattr(modules[b[0]], b[1]) for b in _bindings(integration)}
+    originals = {b: getattr(modules[b[0]], b[1]) for b in _framework_stubs.bindings(integration)}
     assert all(o.__module__ == MU for o in originals.values()), originals
     importlib.reload(integration)  # the import applies it
     assert len(integration.patched_names()) == len(originals) == 16

@@ -35,30 +35,13 @@ LCE = "verl.utils.kernel.linear_cross_entropy"
 
 @pytest.fixture(scope="module")
 def verl():
-    """verl's modules (real code, stubbed dependencies) and the integration, imported (which
-    applies it); removed and unloaded afterwards."""
-    pytest.importorskip("megatron.core")
-    if _framework_stubs.root("verl") is None:
-        pytest.skip("verl is not installed (requirements/py312-nodeps.txt)")
-    modules = _framework_stubs.load("verl")
-    integration = importlib.import_module(INTEGRATION)
-    integration.apply()
-    try:
-        yield modules, integration
-    finally:
-        integration.remove()
-        _framework_stubs.unload("verl")
+    """The verl modules (real code, stubbed dependencies) and the integration, applied."""
+    yield from _framework_stubs.applied("verl", INTEGRATION, "requirements/py312-nodeps.txt")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def _bindings(integration):
-    """``(module name, attribute)`` of every binding the integration replaces."""
-    return ([(m, n) for m, names in integration.DEFINITIONS.items() for n in names]
-            + [(m, n) for m, names in integration.CONSUMERS.items() for n in names])
 
 
 def _is_verl_original(obj) -> bool:
@@ -73,7 +56,7 @@ def test_import_applies_every_binding_and_remove_restores(verl):
 
     integration.remove()
     assert not integration.is_applied()
-    originals = {b: getattr(modules[b[0]], b[1]) for b in _bindings(integration)}
+    originals = {b: getattr(modules[b[0]], b[1]) for b in _framework_stubs.bindings(integration)}
     assert all(_is_verl_original(o) for o in originals.values()), originals
     importlib.reload(integration)  # the import applies it
     assert len(integration.patched_names()) == len(originals) == 9
@@ -92,7 +75,7 @@ def test_apply_twice_patches_once_and_replaces_the_options(verl):
     from megatron_vocabstats.integrations import verl_ops
 
     integration.apply()
-    before = {b: getattr(modules[b[0]], b[1]) for b in _bindings(integration)}
+    before = {b: getattr(modules[b[0]], b[1]) for b in _framework_stubs.bindings(integration)}
     settings = integration.apply(logprobs_chunk_size=7, validate=False)
     assert settings is verl_ops.current() and settings.logprobs_chunk_size == 7
     assert all(getattr(modules[m], n) is obj for (m, n), obj in before.items())
@@ -114,7 +97,8 @@ def test_bad_option_raises_and_patches_nothing(verl, options, error):
         with pytest.raises((TypeError, ValueError), match=error):
             integration.apply(**options)
         assert not integration.is_applied()
-        assert all(_is_verl_original(getattr(modules[m], n)) for m, n in _bindings(integration))
+        assert all(_is_verl_original(getattr(modules[m], n))
+                   for m, n in _framework_stubs.bindings(integration))
     finally:
         integration.apply()
 
@@ -203,7 +187,7 @@ def test_moved_names_raise_and_patch_nothing(verl, monkeypatch, move, message):
         with pytest.raises(ImportError, match=message.replace("(", r"\(").replace(")", r"\)")):
             importlib.reload(integration)
         assert not integration.is_applied()
-        for m, n in _bindings(integration):
+        for m, n in _framework_stubs.bindings(integration):
             obj = getattr(modules[m], n, None)
             assert obj is None or not hasattr(obj, "__wrapped__"), (m, n)
     finally:
