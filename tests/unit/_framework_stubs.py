@@ -1,5 +1,6 @@
 """Test support: a framework's real modules from its installed wheel (verl, AReaL, SkyRL,
-Megatron-Bridge), without the framework's heavy dependencies (ray, vllm, transformers, ...).
+Megatron-Bridge, whose package ``megatron.bridge`` shares the ``megatron`` namespace with
+megatron-core), without the framework's heavy dependencies (ray, vllm, transformers, ...).
 
 The tests install each framework with ``pip install --no-deps`` (``requirements/*-nodeps.txt``,
 see ``scripts/_env.sh``). Its package ``__init__`` files import much of the framework and all of
@@ -51,10 +52,19 @@ REAL = {
         "areal.engine.fsdp_engine",
         "areal.experimental.engine.archon_engine",
     ),
+    # A sub-package of the ``megatron`` namespace that megatron-core shares: only its own
+    # modules are stubbed, megatron.core stays real.
+    "megatron.bridge": (
+        "megatron.bridge.training.losses",
+        "megatron.bridge.training.utils.packed_seq_utils",
+        "megatron.bridge.training.utils.pg_utils",
+        "megatron.bridge.training.gpt_step",
+    ),
 }
 INSTALL = {
     "verl": "pip install --no-deps 'verl==0.9.*'",
     "areal": "pip install --no-deps 'areal==1.0.4'",
+    "megatron.bridge": "pip install --no-deps 'megatron-bridge==0.3.1'",
 }
 
 
@@ -112,16 +122,17 @@ class StubModule(types.ModuleType):
 
 
 class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``own``: stub every module of ``package`` but its :data:`REAL` ones (first on
-    ``sys.meta_path``); otherwise stub what no other finder found for the package's code (last
-    on it)."""
+    """``own``: stub every module of ``package`` (a dotted name may be a sub-package of a
+    namespace package, as ``megatron.bridge``: its siblings stay real) but its :data:`REAL` ones
+    (first on ``sys.meta_path``); otherwise stub what no other finder found for the package's
+    code (last on it)."""
 
     def __init__(self, package: str, root: str, own: bool):
         self.package, self.root, self.own = package, root, own
         self.made: list[str] = []
 
     def find_spec(self, fullname, path=None, target=None):
-        is_own = fullname.split(".")[0] == self.package
+        is_own = fullname == self.package or fullname.startswith(self.package + ".")
         if is_own != self.own or fullname in REAL[self.package]:
             return None
         if not self.own and not self._imported_by_package():
@@ -142,7 +153,9 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         module = StubModule(spec.name)
-        directory = os.path.join(os.path.dirname(self.root), *spec.name.split("."))
+        # the package's own directory, then the parts of the name below the package
+        inner = spec.name.split(".")[len(self.package.split(".")):]
+        directory = os.path.join(self.root, *inner)
         module.__path__ = [directory] if self.own and os.path.isdir(directory) else []
         self.made.append(spec.name)
         return module
