@@ -120,9 +120,9 @@ def _step(gpt_step, model):
     """Bridge's ``forward_step`` then its loss function and backward, as its schedule runs them;
     ``(loss, num_tokens, per-token losses, output-layer weight gradient, counts, log lines,
     logits gradient or None)``."""
-    import _framework_stubs
     from megatron.core.models.common.language_module import language_module
 
+    import _framework_stubs
     import megatron_vocabstats.megatron.model as patched_model
     import megatron_vocabstats.ops.fused_linear as fused_linear
 
