@@ -9,6 +9,9 @@ call; the first call of the process logs, on global rank 0 only, one ``INFO`` re
     torch, label smoothing 0.0, checks on, batch invariance off; tp 2, cp 1, sequence parallel
     off; megatron-core 0.19.2
 
+A model config with ``cross_entropy_loss_fusion=True`` (where no Megatron parser ran to refuse
+it with ``--vocab-parallel-stats``, e.g. Megatron-Bridge, whose default it is) adds
+``; supersedes cross_entropy_loss_fusion=True (...)`` to the line: that fused loss does not run.
 Later calls do nothing (never per step); :func:`reset` (``patch.remove()`` and tests) re-arms
 it. The same first call issues the version warnings
 (:func:`megatron_vocabstats.version_check.warn_untested`, with the imported megatron-core): one
@@ -88,6 +91,18 @@ def layout(module) -> str:
             f"{_on_off(getattr(config, 'sequence_parallel', False))}")
 
 
+def superseded(module) -> str:
+    """``"; supersedes cross_entropy_loss_fusion=True (...)"`` where the module's config asks for
+    Megatron's fused cross-entropy, which the plugin's loss replaces (no Megatron parser ran to
+    refuse the pair: Megatron-Bridge's ``GPTModelProvider`` turns it on by default); else ``""``."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "cross_entropy_loss_fusion", False):
+        return ""
+    impl = getattr(config, "cross_entropy_fusion_impl", None)
+    return (f"; supersedes cross_entropy_loss_fusion=True (cross_entropy_fusion_impl {impl!r}: "
+            f"Megatron's fused cross-entropy does not run)")
+
+
 def _rank() -> int:
     if dist.is_initialized():
         return dist.get_rank()
@@ -108,7 +123,7 @@ def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.dev
     release = compat.megatron_core_release()
     version_check.warn_untested(megatron_core=release, stacklevel=3)
     logger.info(f"megatron-vocabstats {__version__} {describe(cfg, fused=fused, device=device)}; "
-                f"{layout(module)}; megatron-core {release}")
+                f"{layout(module)}; megatron-core {release}{superseded(module)}")
 
 
 def reset() -> None:

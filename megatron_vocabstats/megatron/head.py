@@ -14,7 +14,8 @@ the fused head cannot stand in for Megatron's output layer.
   layer's forward pre-hooks and hooks run, as on Megatron's own call).
 * :func:`not_fused_reasons` / :func:`fused_or_report`: where the fused head would not reproduce
   Megatron's output layer (a bias; no tp reduction of the input gradient; a deferred weight
-  gradient; GTP weight sharding; an fp32 logit dtype; Megatron's 'linear' cross-entropy fusion),
+  gradient; GTP weight sharding; an fp32 logit dtype; Megatron's 'linear' cross-entropy fusion;
+  ModelOpt distillation's capture of the output layer's logits),
   Megatron's own path runs, and the reason is logged once on rank 0, or raised with
   ``PluginSettings.require_fused_lm_head`` [--require-fused-lm-head].
 
@@ -207,6 +208,20 @@ def _is_gtp_shard(weight) -> bool:
     return bool(is_gtp_param(weight))
 
 
+def _modelopt_capture(output_layer) -> bool:
+    """True if a ModelOpt distillation hook captures ``output_layer``'s outputs: a
+    ``modelopt.torch.distill`` ``DistillationModel`` registers a forward hook on the student's
+    and the teacher's logit layers that keeps each output as ``_intermediate_output`` for its
+    KD loss (Megatron-Bridge's ``distill``)."""
+    if output_layer is None:
+        return False
+    if "_intermediate_output" in vars(output_layer):
+        return True
+    hooks = getattr(output_layer, "_forward_hooks", None) or {}
+    return any(str(getattr(hook, "__module__", "")).startswith("modelopt.")
+               for hook in hooks.values())
+
+
 def not_fused_reasons(output_layer, config, *, deferred: bool = False,
                       weight=None) -> tuple[str, ...]:
     """Why the fused head would not reproduce ``output_layer`` and its backward contract (empty
@@ -221,9 +236,14 @@ def not_fused_reasons(output_layer, config, *, deferred: bool = False,
     parameters' (``output_layer.output_dtype``, Megatron-LM's ``--output-logit-dtype``: fp32
     GEMM outputs, where the fused head rounds each chunk to the hidden dtype) and
     ``cross_entropy_fusion_impl="linear"`` with ``cross_entropy_loss_fusion`` (Megatron's own
-    fused linear cross-entropy).
+    fused linear cross-entropy), ModelOpt distillation (a ``DistillationModel`` capture hook on
+    the output layer: its KD loss reads the logits).
     """
     reasons = []
+    if _modelopt_capture(output_layer):
+        reasons.append("ModelOpt distillation captures output_layer's outputs (a "
+                       "DistillationModel forward hook; its KD loss reads the logits, which the "
+                       "fused head never makes)")
     if deferred and getattr(config, "config_logger_dir", ""):
         reasons.append("config_logger_dir is set (Megatron's config logger writes the logits)")
     if getattr(output_layer, "bias", None) is not None:

@@ -1,5 +1,6 @@
 """Test support: a framework's real modules from its installed wheel (verl, AReaL, SkyRL,
-Megatron-Bridge), without the framework's heavy dependencies (ray, vllm, transformers, ...).
+Megatron-Bridge, whose package ``megatron.bridge`` shares the ``megatron`` namespace with
+megatron-core), without the framework's heavy dependencies (ray, vllm, transformers, ...).
 
 The tests install each framework with ``pip install --no-deps`` (``requirements/*-nodeps.txt``,
 see ``scripts/_env.sh``). Its package ``__init__`` files import much of the framework and all of
@@ -11,7 +12,9 @@ they make with a stub:
   :class:`StubModule` whose ``__path__`` is the real directory, so that the real submodules are
   found there;
 - a third-party module that the framework's code imports and no installed package provides is a
-  :class:`StubModule` too (only while loading; these stubs leave ``sys.modules`` afterwards).
+  :class:`StubModule` too, and so is another framework of :data:`REAL` that it imports (installed
+  with ``--no-deps``, it cannot import itself); only while loading: these stubs leave
+  ``sys.modules`` afterwards.
   Imports by other code (torch's optional imports, say) fail as usual.
 
 A stub module's attributes are stub classes: they can be subclassed, called, used as decorators
@@ -55,12 +58,25 @@ REAL = {
         "skyrl.backends.skyrl_train.distributed.megatron.model_utils",
         "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper",
     ),
+    # A sub-package of the ``megatron`` namespace that megatron-core shares: only its own
+    # modules are stubbed, megatron.core stays real.
+    "megatron.bridge": (
+        "megatron.bridge.training.losses",
+        "megatron.bridge.training.utils.packed_seq_utils",
+        "megatron.bridge.training.utils.pg_utils",
+        "megatron.bridge.training.gpt_step",
+    ),
 }
 INSTALL = {
     "verl": "pip install --no-deps 'verl==0.9.*'",
     "areal": "pip install --no-deps 'areal==1.0.4'",
     "skyrl": "pip install --no-deps 'skyrl==0.3.0'",
+    "megatron.bridge": "pip install --no-deps 'megatron-bridge==0.3.1'",
 }
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
 
 
 def root(package: str) -> str | None:
@@ -117,16 +133,29 @@ class StubModule(types.ModuleType):
 
 
 class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``own``: stub every module of ``package`` but its :data:`REAL` ones (first on
-    ``sys.meta_path``); otherwise stub what no other finder found for the package's code (last
-    on it)."""
+    """``own``: stub every module of ``package`` (a dotted name may be a sub-package of a
+    namespace package, as ``megatron.bridge``: its siblings stay real) but its :data:`REAL` ones
+    (first on ``sys.meta_path``); otherwise stub what no other finder found for the package's
+    code (last on it)."""
 
     def __init__(self, package: str, root: str, own: bool):
         self.package, self.root, self.own = package, root, own
         self.made: list[str] = []
+        self.foreign: list[str] = []
+
+    def _foreign(self, fullname) -> bool:
+        """Another framework of :data:`REAL` (installed ``--no-deps`` for its own tests, so its
+        ``__init__`` imports fail), imported by this package's code and not imported yet:
+        AReaL's engine imports ``megatron.bridge``."""
+        return (fullname not in sys.modules
+                and any(_within(fullname, other) for other in REAL if other != self.package)
+                and self._imported_by_package())
 
     def find_spec(self, fullname, path=None, target=None):
-        is_own = fullname.split(".")[0] == self.package
+        is_own = _within(fullname, self.package)
+        if self.own and not is_own and self._foreign(fullname):
+            self.foreign.append(fullname)
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         if is_own != self.own or fullname in REAL[self.package]:
             return None
         if not self.own and not self._imported_by_package():
@@ -147,8 +176,11 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         module = StubModule(spec.name)
-        directory = os.path.join(os.path.dirname(self.root), *spec.name.split("."))
-        module.__path__ = [directory] if self.own and os.path.isdir(directory) else []
+        # the package's own directory, then the parts of the name below the package
+        inner = spec.name.split(".")[len(self.package.split(".")):]
+        directory = os.path.join(self.root, *inner)
+        own_dir = self.own and spec.name not in self.foreign and os.path.isdir(directory)
+        module.__path__ = [directory] if own_dir else []
         self.made.append(spec.name)
         return module
 
@@ -170,7 +202,7 @@ def load(package: str) -> dict[str, types.ModuleType]:
     finally:
         sys.meta_path.remove(own)
         sys.meta_path.remove(missing)
-        for name in missing.made:
+        for name in missing.made + own.foreign:
             sys.modules.pop(name, None)
     return modules
 

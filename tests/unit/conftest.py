@@ -113,6 +113,9 @@ VERSIONED = {
     "test_skyrl_dist.py": "SkyRL's real module code on gloo ranks (skyrl 0.3.0 pins torch 2.11)",
     "test_megatron_import.py": "the patch's lookup of Megatron's names on the leg's Python",
     "test_megatron_patch.py": "the patch binds to Megatron's signatures (inspect per Python)",
+    "test_megatron_bridge.py": "megatron-bridge 0.3.1 needs megatron-core < 0.17: the oldest leg",
+    "test_megatron_bridge_dist.py": "megatron-bridge 0.3.1 needs megatron-core < 0.17: its "
+                                    "forward_step on gloo ranks on the oldest leg",
 }
 
 
