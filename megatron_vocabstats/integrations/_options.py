@@ -1,0 +1,71 @@
+"""The options an integration's ``apply(**options)`` takes, and its once-per-name notes: one
+:class:`IntegrationOptions` per framework (``verl_ops``, ``nemo_rl_ops``, ...).
+
+The options are fields of ``PluginSettings`` with the same meaning and checks (``vocab_size``,
+``logprobs_chunk_size``, ``lm_head_chunk_size``, ``validate``, ``batch_invariant``, ``kernel``);
+the notes are the conventions in which a replacement differs from the framework's function,
+logged once per name on rank 0 (logger ``megatron_vocabstats``, WARNING) at its first call.
+
+May import: ``megatron.settings``, :mod:`._framework` (``rank0``) and the standard library.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from ..megatron.settings import PluginSettings
+from ._framework import rank0
+
+logger = logging.getLogger("megatron_vocabstats")
+
+# The options apply() takes: fields of PluginSettings, with the same meaning and checks, except
+# that lm_head_chunk_size 0 means auto here (the framework, not the plugin, decides to fuse).
+OPTIONS = ("vocab_size", "logprobs_chunk_size", "lm_head_chunk_size", "validate",
+           "batch_invariant", "kernel")
+
+
+class IntegrationOptions:
+    """One framework's options in force and the notes already logged.
+
+    Args:
+        framework: the framework's name, used in messages.
+        notes: ``{replaced name: what differs}``, logged by :meth:`note_once`.
+        padding: appended to a note when ``vocab_size`` is set (what the padding columns get,
+            in the framework's words).
+    """
+
+    def __init__(self, framework: str, notes: Mapping[str, str], padding: str = ""):
+        self.framework, self.notes, self.padding = framework, notes, padding
+        self.settings = PluginSettings(active=False)
+        self.noted: set[str] = set()
+
+    def configured(self, **options) -> PluginSettings:
+        """``options`` (names in :data:`OPTIONS`) validated as ``PluginSettings`` fields; raises
+        ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} of the {self.framework} integration; "
+                             f"it takes {list(OPTIONS)}")
+        return PluginSettings(active=True, **options)
+
+    def configure(self, settings: PluginSettings) -> None:
+        """Make ``settings`` (from :meth:`configured`) the options of every replacement."""
+        self.settings = settings
+
+    def reset(self) -> None:
+        """Back to the defaults; every note will be logged again at its next first call."""
+        self.settings = PluginSettings(active=False)
+        self.noted.clear()
+
+    def note_once(self, name: str) -> None:
+        """Log ``notes[name]`` the first time (rank 0 only)."""
+        if name in self.noted:
+            return
+        self.noted.add(name)
+        if rank0():
+            padding = ("" if self.settings.vocab_size is None else
+                       f"; vocab_size={self.settings.vocab_size}: the padding columns get zero "
+                       f"probability ({self.padding or 'theirs count'})")
+            logger.warning("megatron-vocabstats (%s): %s %s%s.", self.framework, name,
+                           self.notes[name], padding)
