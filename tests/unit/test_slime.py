@@ -85,35 +85,28 @@ def test_missing_slime_names_it():
         importlib.import_module(INTEGRATION)
 
 
-def test_moved_signature_patches_nothing():
-    modules = _slime_standin.install()
-    try:
-        def moved(logits, tokens, tp_group, with_entropy=False, chunk_size=-1):
-            raise AssertionError("not called")
-        modules[PPO].calculate_log_probs_and_entropy = moved
-        sys.modules.pop(INTEGRATION, None)
-        with pytest.raises(ImportError, match=r"slime 0\.3\.1: slime\.utils\.ppo_utils\."
-                                              r"calculate_log_probs_and_entropy takes"):
-            importlib.import_module(INTEGRATION)
-        assert modules[LOSS].calculate_log_probs_and_entropy is \
-            _slime_standin.calculate_log_probs_and_entropy
-    finally:
-        _slime_standin.uninstall()
-        sys.modules.pop(INTEGRATION, None)
+def _moved(logits, tokens, tp_group, with_entropy=False, chunk_size=-1):
+    raise AssertionError("not called")
 
 
-def test_consumer_bound_elsewhere_patches_nothing():
+def _other(logits, tokens, tp_group, with_entropy=False, chunk_size=-1, log_prob_keep_mask=None,
+           with_entropy_grad=True):
+    raise AssertionError("not called")
+
+
+@pytest.mark.parametrize("where, fn, untouched, match", [
+    (PPO, _moved, LOSS, r"slime 0\.3\.1: slime\.utils\.ppo_utils\.calculate_log_probs_and_entropy "
+                        r"takes"),
+    (LOSS, _other, PPO, "loss.calculate_log_probs_and_entropy is not"),
+], ids=["signature moved", "consumer bound elsewhere"])
+def test_moved_names_patch_nothing(where, fn, untouched, match):
     modules = _slime_standin.install()
     try:
-        def other(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
-                  log_prob_keep_mask=None, with_entropy_grad=True):
-            raise AssertionError("not called")
-        modules[LOSS].calculate_log_probs_and_entropy = other
+        setattr(modules[where], NAME, fn)
         sys.modules.pop(INTEGRATION, None)
-        with pytest.raises(ImportError, match="loss.calculate_log_probs_and_entropy is not"):
+        with pytest.raises(ImportError, match=match):
             importlib.import_module(INTEGRATION)
-        assert modules[PPO].calculate_log_probs_and_entropy is \
-            _slime_standin.calculate_log_probs_and_entropy
+        assert getattr(modules[untouched], NAME) is _slime_standin.calculate_log_probs_and_entropy
     finally:
         _slime_standin.uninstall()
         sys.modules.pop(INTEGRATION, None)
