@@ -4,6 +4,9 @@ rebound to the ops, one import each (as Liger-Kernel's ``apply_liger_kernel_to_*
 - :mod:`.verl`: ``import megatron_vocabstats.integrations.verl`` (or its ``apply()``) makes verl's
   Megatron engine compute log-probs and entropy with the ops (docs/verl.md); :mod:`.verl_ops`
   holds the replacement functions, with verl's signatures and conventions.
+- :mod:`.slime`: ``import megatron_vocabstats.integrations.slime`` (or slime's
+  ``--custom-megatron-init-path megatron_vocabstats.integrations.slime.apply``) makes slime's
+  ``calculate_log_probs_and_entropy`` run on the ops (docs/integrations.md); :mod:`.slime_ops`.
 - :mod:`._framework`: what every integration shares (resolve and check every binding, replace
   all or none, restore).
 

@@ -1,0 +1,160 @@
+"""slime's ``calculate_log_probs_and_entropy``, computed by the ops: the replacement that
+:mod:`megatron_vocabstats.integrations.slime` binds in slime's modules.
+
+What slime computes (read at THUDM/slime ``624b824``, ``slime/utils/ppo_utils.py``; slime's
+caller ``slime/backends/megatron_utils/loss.py:get_log_probs_and_entropy`` passes one packed row
+of Megatron's fp32 logits ``[T, W]``, already divided by ``rollout_temperature`` and with the
+targets already shifted, one id per position):
+
+- ``log_prob`` ``[T, 1]`` fp32: ``z_t - logZ`` over the W·tp columns of the shards (padding
+  included). An id outside every shard (negative, or ``>= W·tp``) gives ``max z - logZ`` with the
+  gradient ``-p``: never an error.
+- ``entropy`` ``[T]`` fp32 ``+H`` in nats when ``with_entropy`` (else None); differentiable only
+  when ``with_entropy_grad`` too.
+- ``log_prob_keep_mask`` (bool ``[T, W]``, this shard's columns; top-p replay): the log-prob is
+  normalised over the kept columns plus the target's own column; the entropy over all of them.
+- An empty row (``T = 0``): ``[0]`` tensors in the logits' dtype.
+- ``tp_group`` None: the default group once torch.distributed is initialised, else no tensor
+  parallelism; ``chunk_size > 0`` splits the tokens (the values do not depend on it).
+
+May import: :mod:`megatron_vocabstats.ops`, :mod:`._options` and torch; never slime itself (it
+only receives slime's tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..ops import vocab_parallel_stats
+from ._options import OPTIONS, IntegrationOptions  # noqa: F401 - OPTIONS: what apply() takes
+
+NAME = "calculate_log_probs_and_entropy"
+NOTES = {
+    NAME: (
+        "runs on vocab_parallel_stats. Differences: no fp32 softmax of the shard is kept for "
+        "backward (slime keeps [T, W], and its logits too when the entropy has a gradient); its "
+        "chunk_size is not used (the op chunks by logprobs_chunk_size, auto by default; the "
+        "values do not depend on it); with log_prob_keep_mask the masked copy of the logits is "
+        "still made, as slime makes it; one host read per call of whether an id lies outside "
+        "the shards"),
+}
+STATE = IntegrationOptions("slime", NOTES, padding="slime normalises over all W*tp columns; an "
+                           "id >= vocab_size is then outside the vocabulary")
+
+
+def _group(tp_group):
+    """slime's rule: a None group is the default one once torch.distributed is initialised."""
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return tp_group
+
+
+def _check(logits, tokens, keep):
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits: expected one packed row [T, W] of this rank's shard, got "
+                         f"{type(logits).__name__}{tuple(getattr(logits, 'shape', ()))}")
+    if (not isinstance(tokens, torch.Tensor) or tokens.shape != logits.shape[:1]
+            or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool):
+        raise ValueError(f"tokens: expected integer ids [{logits.shape[0]}], got "
+                         f"{getattr(tokens, 'dtype', type(tokens).__name__)}"
+                         f"{tuple(getattr(tokens, 'shape', ()))}")
+    if keep is not None and (not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool
+                             or keep.shape != logits.shape):
+        raise ValueError(f"log_prob_keep_mask: expected a bool mask shaped like logits "
+                         f"{tuple(logits.shape)}, got {getattr(keep, 'dtype', type(keep))}"
+                         f"{tuple(getattr(keep, 'shape', ()))}")
+
+
+def _peak(z, start, limit, group):
+    """Per row: the global id of the largest of the columns ``< limit`` of the shards ``z``
+    (the lowest id among equal maxima), and whether this rank holds it."""
+    real = max(0, min(z.shape[1], limit - start))
+    values, index = z.detach()[:, :real].max(-1) if real else (
+        z.new_full(z.shape[:1], float("-inf")), z.new_zeros(z.shape[:1], dtype=torch.long))
+    ids = index + start
+    if group is not None and dist.get_world_size(group) > 1:
+        top = values.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        ids = torch.where(values == top, ids, torch.iinfo(torch.long).max)
+        dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
+    return ids, (ids >= start) & (ids < start + real)
+
+
+def _outside(z, tokens, start, limit, group):
+    """slime's rule for ids outside ``[0, limit)``: ``max z - logZ`` with gradient ``-p``. Returns
+    the targets to score (each such id replaced by the row's argmax, whose log-prob is
+    ``max z - logZ``) and a correction to add: zero, whose gradient ``-1`` at the argmax column
+    (on the rank holding it) cancels the argmax's one-hot. None when every id is inside."""
+    outside = (tokens < 0) | (tokens >= limit)
+    count = outside.sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
+    if not bool(count):  # the one host read
+        return tokens, None
+    ids, here = _peak(z, start, limit, group)
+    picked = z.gather(1, torch.where(here, ids - start, 0).unsqueeze(1)).squeeze(1).float()
+    take = outside & here
+    picked = torch.where(take, picked, 0.0)
+    return torch.where(outside, ids, tokens), picked.detach() - picked
+
+
+def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy: bool = False,
+                                    chunk_size: int = -1, log_prob_keep_mask=None,
+                                    with_entropy_grad: bool = True):
+    """slime's ``calculate_log_probs_and_entropy`` (module docstring) on
+    :func:`~megatron_vocabstats.vocab_parallel_stats`.
+
+    Args:
+        logits: this rank's shard ``[T, W]`` of one packed row (rank r holds ids
+            ``[r W, (r+1) W)``), bf16/fp16/fp32; never modified.
+        tokens: integer global ids ``[T]`` (already shifted by slime's caller).
+        tp_group: the tensor-parallel group; None: the default group if torch.distributed is
+            initialised, else none (slime's rule).
+        with_entropy: also return the entropy; ``with_entropy_grad``: make it differentiable.
+        chunk_size: accepted, not used (the op chunks by the ``logprobs_chunk_size`` option).
+        log_prob_keep_mask: None, or bool ``[T, W]``: the columns the log-prob is normalised
+            over (with the target's own column); the entropy ignores it.
+
+    Returns:
+        ``(log_prob [T, 1] fp32, entropy [T] fp32 or None)``; for ``T = 0`` ``[0]`` tensors in
+        the logits' dtype. Gradients in the logits' dtype.
+
+    Raises:
+        ValueError: naming ``logits``, ``tokens`` or ``log_prob_keep_mask`` for bad shapes or
+            dtypes, and what ``vocab_parallel_stats`` raises (a row with no finite logit).
+    """
+    del chunk_size
+    STATE.note_once(NAME)
+    _check(logits, tokens, log_prob_keep_mask)
+    if logits.shape[0] == 0:
+        return logits.new_zeros((0,)), logits.new_zeros((0,)) if with_entropy else None
+    group = _group(tp_group)
+    rank, tp = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    width = logits.shape[1]
+    start, limit = rank * width, STATE.settings.vocab_size or width * tp
+    mode = ("grad" if with_entropy_grad else "metric") if with_entropy else "off"
+    options = replace(STATE.settings.stats_options(), entropy=mode)
+    kwargs = options.op_kwargs(tp_group=group)
+    tokens = tokens.long()
+    z = logits
+    if log_prob_keep_mask is not None:
+        local = tokens - start
+        inside = (local >= 0) & (local < width)
+        column = torch.where(inside, local, 0).unsqueeze(1)
+        keep = log_prob_keep_mask.scatter(
+            1, column, log_prob_keep_mask.gather(1, column) | inside.unsqueeze(1))
+        z = logits.masked_fill(~keep, float("-inf"))
+    target, correction = _outside(z, tokens, start, limit, group)
+    if log_prob_keep_mask is None:
+        stats = vocab_parallel_stats(logits, target, **kwargs)
+        log_prob, entropy = stats.logprobs, stats.entropy
+    else:
+        log_prob = vocab_parallel_stats(z, target, **{**kwargs, "entropy": "off"}).logprobs
+        entropy = (vocab_parallel_stats(logits, None, **kwargs).entropy if with_entropy
+                   else None)
+    if correction is not None:
+        log_prob = log_prob + correction
+    return log_prob.unsqueeze(-1), entropy
