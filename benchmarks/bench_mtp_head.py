@@ -78,13 +78,16 @@ def _setup(tp: int, hidden: int, vocab: int):
 
 class _Unhooked:
     """The output layer, called through its ``forward`` (no module hooks): CPU's MemTracker
-    refuses a module called more than once in one tracked step, and every head calls it."""
+    refuses a module called more than once in one tracked step, and every head calls it.
+
+    ``self.forward``: the fused head's ``deferred_output_layer`` sets it on this wrapper (the
+    layer it is given), so a call inside it returns the deferred logits; outside, the layer's."""
 
     def __init__(self, layer):
         self._layer = layer
 
     def __call__(self, *args, **kwargs):
-        return self._layer.forward(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._layer, name)

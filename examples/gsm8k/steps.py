@@ -173,17 +173,21 @@ def region_peak_bytes(model, hidden: torch.Tensor, batch: Batch, par: Parallel,
     subtracted); CUDA: ``max_memory_allocated`` minus the memory allocated before.
 
     ``dtype`` (e.g. ``torch.bfloat16``, what users train in): the hidden states and a copy of
-    the LM-head weight in that dtype, so the logits are in it too; None = the model's own.
+    the LM-head weight in that dtype, so the logits are in it too; None = the model's own. The
+    model's own weight is registered and subtracted then too: every path calls the output layer
+    (the fused head for its hooks, ``head.deferred_call``), and ``MemTracker`` counts the
+    parameters of a module it sees called, here an fp32 ``[V/tp, H]`` the region never uses.
     """
     from megatron_vocabstats.megatron.model import fused_output_processor
 
     module, output_weight = _lm_head_weight(model)
+    held = [module]  # what exists before the region (registered, then subtracted)
     leaf = hidden.detach().clone().requires_grad_()
     if dtype is not None and dtype != hidden.dtype:
         weight = output_weight if output_weight is not None else model.output_layer.weight
         leaf = hidden.detach().to(dtype).requires_grad_()
         output_weight = weight.detach().to(dtype).requires_grad_()
-        module = output_weight  # the region's input instead of the model's weight
+        held.append(output_weight)  # the region's weight, beside the model's
 
     def region():
         out = fused_output_processor(
@@ -197,9 +201,9 @@ def region_peak_bytes(model, hidden: torch.Tensor, batch: Batch, par: Parallel,
         before = torch.cuda.memory_allocated(par.device)
         peak = peak_memory_bytes(region, device=par.device) - before
     else:
-        params = [module] if isinstance(module, torch.Tensor) else list(module.parameters())
-        inputs = sum(t.numel() * t.element_size() for t in [leaf, *params])
-        peak = peak_memory_bytes(region, module, leaf, device=par.device) - inputs
+        tensors = [leaf, *module.parameters(), *held[1:]]
+        inputs = sum(t.numel() * t.element_size() for t in tensors)
+        peak = peak_memory_bytes(region, *held, leaf, device=par.device) - inputs
     model.zero_grad(set_to_none=True)
     return peak
 

@@ -158,6 +158,37 @@ def test_nll_matches_float64_reference(group):
 
 
 @CASES.register
+def bf16_region_peak_counts_only_what_the_region_allocates(group):
+    """The demo's bf16 rows (a bf16 copy of the fp32 model's LM-head weight) measure what a bf16
+    model's own weight gives: the model's fp32 weight, which every path's output-layer call shows
+    to MemTracker, is no part of the peak (it was, by one fp32 [V/tp, H], in every leg)."""
+    from examples.gsm8k.data import PackedRows
+    from examples.gsm8k.steps import (
+        PURE_NLL,
+        comparison_legs,
+        plugin_settings,
+        region_peak_bytes,
+        shard_batch,
+    )
+
+    args, run = build(["sft", *TINY, "--train-examples", "4", "--test-examples", "2"])
+    rows = PackedRows(run.inputs["test"], seq_length=args.seq_length, alignment=run.alignment,
+                      device=run.par.device, thd=run.thd)
+    batch = shard_batch(rows[0], run.par)
+    hidden = torch.randn(batch.labels.shape[1], 1, args.hidden_size)
+    legs = comparison_legs(32)
+    copy = []
+    for leg in legs:
+        with plugin_settings(**PURE_NLL, **leg.options):
+            copy.append(region_peak_bytes(run.model, hidden, batch, run.par, dtype=torch.bfloat16))
+    run.model.output_layer.to(torch.bfloat16)  # now the model's own weight is the bf16 one
+    for leg, got in zip(legs, copy):
+        with plugin_settings(**PURE_NLL, **leg.options):
+            want = region_peak_bytes(run.model, hidden.to(torch.bfloat16), batch, run.par)
+        assert got == want, (leg.name, got, want)
+
+
+@CASES.register
 def grpo_prefers_rewarded_answers_on_a_repeated_batch(group):
     out = shared_dir()
     code = run_cli(["grpo", *TINY, "--steps", "3", "--repeat-batch", "--lr", "3e-3",

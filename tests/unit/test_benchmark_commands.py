@@ -1,0 +1,211 @@
+"""Every benchmark command that README.md or docs/ print runs, at a tiny size, and prints its table.
+
+The commands are found in the documents (inline code and code blocks naming
+``benchmarks/<script>.py``), not listed here, so a documented command that breaks (a renamed flag,
+a crash such as bench_mtp_head.py's ``_Unhooked`` wrapper past the deferred output layer) fails
+here. Each keeps its documented flags but its sizes, which :data:`TINY` replaces: fewer tokens, a
+small vocabulary and hidden size, one iteration, tp 1. ``--results``, ``--append``, ``--out`` and
+the output files of ``gpu_model.py`` are pointed at a temporary directory, never the committed
+tables.
+
+Each command runs in its own process, as ``python THIS_FILE SCRIPT ARGS``: the script's driver
+as documented, but its worker in the same process (rank 0 of a world of 1) instead of a torchrun
+launch, which would cost another interpreter start per command. ``gpu_model.py`` (a static model
+that needs no GPU) runs its torch-path scenarios only: the Triton ones compile kernels for sm_90,
+which ``test_triton_compile.py`` covers. A benchmark that needs a GPU would be skipped here with
+the reason; none of the documented ones does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = ["README.md", *sorted(os.path.join("docs", f) for f in os.listdir(
+    os.path.join(ROOT, "docs")) if f.endswith(".md"))]
+
+# Per script, the flags that make a documented command tiny (they replace the documented values).
+TINY = {
+    "bench_vocab_parallel": {"--tokens": "64", "--tp": "1", "--vocab": "1000", "--iters": "1"},
+    "bench_fused_linear": {"--tokens": "64", "--tp": "1", "--hidden": "32", "--vocab": "1000",
+                           "--iters": "1", "--warmup": "0"},
+    "bench_topk": {"--tokens": "64", "--tp": "1", "--hidden": "32", "--vocab": "1000",
+                   "--k": "8", "--iters": "1"},
+    "bench_sampling": {"--tokens": "64", "--tp": "1", "--hidden": "32", "--vocab": "1000",
+                       "--iters": "1", "--warmup": "0"},
+    "bench_mtp_head": {"--tokens": "64", "--tp": "1", "--hidden": "32", "--vocab": "2000",
+                       "--chunk": "16", "--iters": "1"},
+    "bench_verl": {"--tokens": "64", "--hidden": "32", "--vocab": "1000"},
+    "gpu_model": {"--tokens": "256", "--hidden": "64", "--vocab": "1000", "--jobs": "1",
+                  "--scenario": "ours logprob ("},
+}
+# Flags naming where results go (with their value, if any): sent to the test's directory.
+OUTPUT_FLAGS = {"--results": False, "--append": False, "--out": True, "--json": True,
+                "--speed-rows": True}
+# What each script prints once its table is there.
+TABLE = {"gpu_model": "| scenario | fwd ms |", "bench_verl": "| T | provider | path |"}
+NEEDS_GPU: dict[str, str] = {}  # script -> reason (none of the documented ones needs a GPU)
+
+
+def _snippets(text: str) -> list[str]:
+    """Code in ``text`` naming a benchmark script: fenced blocks (``\\`` continuations joined),
+    then inline code spans (which may wrap onto the next line)."""
+    out = []
+    fence = r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```"  # indented fences too (in lists)
+    for block in re.findall(fence, text, flags=re.S | re.M):
+        out += block.replace("\\\n", " ").splitlines()
+    text = re.sub(fence, "", text, flags=re.S | re.M)
+    out += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", text)]
+    return [s for s in out if re.search(r"benchmarks/\w+\.py", s)
+            and re.match(r"(\S+=\S+ )*(\S*python\S* |torchrun )", s.strip())]
+
+
+def documented_commands() -> dict[str, tuple[str, list[str]]]:
+    """``{id: (script, documented args)}`` of every benchmark command the documents print,
+    optional ``[...]`` groups of a synopsis left out."""
+    found = {}
+    for doc in DOCS:
+        with open(os.path.join(ROOT, doc)) as f:
+            for snippet in _snippets(f.read()):
+                words = shlex.split(re.sub(r"\[[^\]]*\]", "", snippet))
+                at = next(i for i, w in enumerate(words) if re.search(r"benchmarks/\w+\.py", w))
+                script = os.path.basename(words[at])[:-3]
+                args = words[at + 1:]
+                found.setdefault(f"{script} {' '.join(args)}".strip(), (script, args))
+    return found
+
+
+def _distinct(commands: dict) -> dict:
+    """One command per distinct tiny form (the documents print some twice, or differing only
+    in sizes)."""
+    seen, out = set(), {}
+    for name, (script, args) in commands.items():
+        key = (script, *tiny_args(script, args, "TMP")) if script in TINY else name
+        if key not in seen:
+            seen.add(key)
+            out[name] = (script, args)
+    return out
+
+
+DOCUMENTED = documented_commands()
+
+
+def tiny_args(script: str, args: list[str], tmp: str) -> list[str]:
+    """``args`` with :data:`TINY`'s sizes and every output flag pointed into ``tmp``."""
+    out, words = [], list(args)
+    while words:
+        flag = words.pop(0)
+        values = []
+        while words and not words[0].startswith("--"):
+            values.append(words.pop(0))
+        if flag not in TINY[script] and flag not in OUTPUT_FLAGS:
+            out += [flag, *values]
+    for flag, value in TINY[script].items():
+        out += [flag, value]
+    if script == "gpu_model":
+        return out + ["--json", os.path.join(tmp, "model.json"),
+                      "--speed-rows", os.path.join(tmp, "speed.json")]
+    return out + (["--out", os.path.join(tmp, script)] if script != "bench_verl" else [])
+
+
+COMMANDS = _distinct(DOCUMENTED)
+
+
+def test_the_documents_print_benchmark_commands_each_with_a_tiny_size():
+    scripts = {script for script, _ in DOCUMENTED.values()}
+    # The README's MTP table and the fused head's table are among them.
+    assert {"bench_mtp_head", "bench_fused_linear", "gpu_model"} <= scripts, scripts
+    assert not scripts - set(TINY), f"give these documented benchmarks a tiny size: " \
+                                    f"{sorted(scripts - set(TINY))}"
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS), ids=lambda n: n.replace("/", "_"))
+def test_documented_command_prints_its_table(name, tmp_path):
+    pytest.importorskip("megatron.core")  # the benchmarks compare with Megatron's own
+    script, args = COMMANDS[name]
+    if script in NEEDS_GPU and not _cuda():
+        pytest.skip(f"{script} needs a GPU: {NEEDS_GPU[script]}")
+    argv = tiny_args(script, args, str(tmp_path))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), script, *argv], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if script in TABLE:
+        assert TABLE[script] in proc.stdout, proc.stdout[-3000:]
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+        assert len(rows) > 2, proc.stdout[-3000:]  # header, rule and at least one row
+    else:
+        with open(tmp_path / f"{script}.md") as f:
+            table = f.read()
+        assert "|---" in table and table.count("\n| ") >= 2, table
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_in_process(script: str, argv: list[str]) -> None:
+    """Run ``benchmarks/<script>.py argv``: its driver, and each worker launch in this process
+    as rank 0 of a world of 1 (the torchrun launch replaced; ``--tp 1``)."""
+    import json
+    import runpy
+    import tempfile
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    with socket_port() as port:
+        os.environ["MASTER_PORT"] = str(port)
+    path = os.path.join(ROOT, "benchmarks", f"{script}.py")
+    if script in ("bench_verl", "gpu_model"):  # no driver: the script itself
+        os.environ["LOCAL_RANK"] = "0"
+        sys.argv = [path, *argv]
+        runpy.run_path(path, run_name="__main__")
+        return
+    import _runner
+
+    module = __import__(script)
+
+    def launch(_script, tp, args):
+        assert tp == 1, f"the in-process launch runs tp 1, not {tp}"
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            os.environ["LOCAL_RANK"] = "0"
+            sys.argv = [path, *args, "--worker-out", out]
+            try:
+                module.main()
+            finally:
+                del os.environ["LOCAL_RANK"]
+            with open(out) as f:
+                return [_runner.Measurement(**row) for row in json.load(f)]
+
+    _runner.launch = launch
+    sys.argv = [path, *argv]
+    module.main()
+
+
+class socket_port:
+    """A free local TCP port (context manager)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return self.sock.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+
+if __name__ == "__main__":
+    _run_in_process(sys.argv[1], sys.argv[2:])
