@@ -80,8 +80,10 @@ class _SlimeLogProbs(torch.autograd.Function):
 
 
 def cases(T: int, V: int, H: int, tp_group, dtype: torch.dtype) -> dict:
-    """``{"slime", "ours unfused"}``: each creates this rank's ``[T, V / tp]`` logits shard in
-    ``dtype`` (the model output, a leaf), its targets, and runs forward + backward of the
+    """``{"slime", "ours unfused"}`` at slime's default (no entropy gradient) and the same two
+    with ``--entropy-coef > 0`` (the entropy differentiated): each creates this rank's
+    ``[T, V / tp]`` logits shard in ``dtype`` (the model output, a leaf), its targets, and runs
+    forward + backward of the
     summed log-probs (the entropy as the policy loss asks for it). ``H`` is unused (no fused
     path)."""
     del H
@@ -90,21 +92,25 @@ def cases(T: int, V: int, H: int, tp_group, dtype: torch.dtype) -> dict:
 
     def inputs():  # each rank its own shard, the same targets on every rank
         shard = torch.Generator().manual_seed(1 + rank)
-        logits = torch.randn(T, width, generator=shard).to(dtype).requires_grad_()
+        logits = torch.randn(T, width, generator=shard, dtype=dtype).requires_grad_()
         ids = torch.Generator().manual_seed(0)
         return logits, torch.randint(0, width * tp, (T,), generator=ids)
 
-    def slime():
-        logits, tokens = inputs()
-        log_prob, entropy = _SlimeLogProbs.apply(logits.float(), tokens, tp_group, ENTROPY_GRAD)
-        loss = log_prob.sum() + (entropy.sum() if ENTROPY_GRAD else 0.0)
-        loss.backward()
+    def step(fn, entropy_grad):
+        def run():
+            logits, tokens = inputs()
+            log_prob, entropy = fn(logits.float(), tokens, entropy_grad)
+            loss = log_prob.sum() + (entropy.sum() if entropy_grad else 0.0)
+            loss.backward()
+        return run
 
-    def ours_unfused():
-        logits, tokens = inputs()
-        log_prob, entropy = slime_ops.calculate_log_probs_and_entropy(
-            logits.float(), tokens, tp_group, with_entropy=True, with_entropy_grad=ENTROPY_GRAD)
-        loss = log_prob.sum() + (entropy.sum() if ENTROPY_GRAD else 0.0)
-        loss.backward()
+    def slime(z, tokens, entropy_grad):
+        return _SlimeLogProbs.apply(z, tokens, tp_group, entropy_grad)
 
-    return {"slime": slime, "ours unfused": ours_unfused}
+    def ours(z, tokens, entropy_grad):
+        return slime_ops.calculate_log_probs_and_entropy(
+            z, tokens, tp_group, with_entropy=True, with_entropy_grad=entropy_grad)
+
+    coef = ", --entropy-coef > 0"
+    return {"slime": step(slime, ENTROPY_GRAD), "ours unfused": step(ours, ENTROPY_GRAD),
+            "slime" + coef: step(slime, True), "ours unfused" + coef: step(ours, True)}
