@@ -42,6 +42,7 @@ TINY = {
     "bench_mtp_head": {"--tokens": "64", "--tp": "1", "--hidden": "32", "--vocab": "2000",
                        "--chunk": "16", "--iters": "1"},
     "bench_verl": {"--tokens": "64", "--hidden": "32", "--vocab": "1000"},
+    "bench_integrations": {"--tokens": "64", "--hidden": "32", "--vocab": "1000"},
     "gpu_model": {"--tokens": "256", "--hidden": "64", "--vocab": "1000", "--jobs": "1",
                   "--scenario": "ours logprob ("},
 }
@@ -49,7 +50,10 @@ TINY = {
 OUTPUT_FLAGS = {"--results": False, "--append": False, "--out": True, "--json": True,
                 "--speed-rows": True}
 # What each script prints once its table is there.
-TABLE = {"gpu_model": "| scenario | fwd ms |", "bench_verl": "| T | provider | path |"}
+TABLE = {"gpu_model": "| scenario | fwd ms |", "bench_verl": "| T | provider | path |",
+         "bench_integrations": "| framework | path | peak |"}
+# The scripts that are their own worker (no driver, no --out: they print their table).
+SINGLE = ("bench_verl", "bench_integrations", "gpu_model")
 NEEDS_GPU: dict[str, str] = {}  # script -> reason (none of the documented ones needs a GPU)
 
 
@@ -73,7 +77,7 @@ def documented_commands() -> dict[str, tuple[str, list[str]]]:
     for doc in DOCS:
         with open(os.path.join(ROOT, doc)) as f:
             for snippet in _snippets(f.read()):
-                words = shlex.split(re.sub(r"\[[^\]]*\]", "", snippet))
+                words = shlex.split(re.sub(r"\[[^\]]*\]", "", snippet), comments=True)
                 at = next(i for i, w in enumerate(words) if re.search(r"benchmarks/\w+\.py", w))
                 script = os.path.basename(words[at])[:-3]
                 args = words[at + 1:]
@@ -111,7 +115,7 @@ def tiny_args(script: str, args: list[str], tmp: str) -> list[str]:
     if script == "gpu_model":
         return out + ["--json", os.path.join(tmp, "model.json"),
                       "--speed-rows", os.path.join(tmp, "speed.json")]
-    return out + (["--out", os.path.join(tmp, script)] if script != "bench_verl" else [])
+    return out + (["--out", os.path.join(tmp, script)] if script not in SINGLE else [])
 
 
 COMMANDS = _distinct(DOCUMENTED)
@@ -166,7 +170,7 @@ def _run_in_process(script: str, argv: list[str]) -> None:
     with socket_port() as port:
         os.environ["MASTER_PORT"] = str(port)
     path = os.path.join(ROOT, "benchmarks", f"{script}.py")
-    if script in ("bench_verl", "gpu_model"):  # no driver: the script itself
+    if script in SINGLE:  # no driver: the script itself
         os.environ["LOCAL_RANK"] = "0"
         sys.argv = [path, *argv]
         runpy.run_path(path, run_name="__main__")
