@@ -71,7 +71,9 @@ ALLOWED = {
     "_math": {"_layout", "_grad"},
     "options": {"_argtypes", "_layout"},
     "agreement": {"_argtypes", "_comm", "workspace", ".version_check"},
-    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm", "kernels", ".mcore"},
+    "_checks": {"_argtypes", "_layout", "agreement", "options", "_comm", "kernels", ".mcore",
+                "_replicated"},
+    "_replicated": {".mcore"},
     "workspace": {"_argtypes"},
 }
 
