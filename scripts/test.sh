@@ -5,7 +5,8 @@
 #
 #   leg      venv          Python  torch   Triton  megatron-core  runs
 #   primary  .venv         3.12    2.15.0  3.9.0   0.19.2         all of tests/unit, lint (ruff)
-#   oldest   .venv-py311   3.11    2.11.0  3.6.0   0.16.1         -m "versioned or megatron" (+ verl)
+#   oldest   .venv-py311   3.11    2.11.0  3.6.0   0.16.1         -m "versioned or megatron" (+ verl,
+#                                                                  SkyRL, AReaL, Megatron-Bridge)
 #   py313    .venv-py313   3.13    2.14.1  3.8.0   0.19.2         -m versioned
 #
 # "versioned" marks the test files whose outcome can change with the Python, torch, Triton or
