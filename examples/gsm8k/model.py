@@ -13,7 +13,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 from dataclasses import asdict, dataclass
 
 import torch
@@ -105,12 +104,6 @@ class Parallel:
         return self.tp_rank == 0 and self.cp_rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(tp: int, cp: int, seed: int) -> Parallel:
     """Join (or create) the process group and Megatron's model-parallel state.
 
@@ -124,9 +117,9 @@ def init_parallel(tp: int, cp: int, seed: int) -> Parallel:
 
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
+        if "RANK" not in os.environ:  # port 0: the store binds one of the system's choice
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo",

@@ -166,9 +166,12 @@ def _run_in_process(script: str, argv: list[str]) -> None:
     import tempfile
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    with socket_port() as port:
-        os.environ["MASTER_PORT"] = str(port)
+    # MASTER_PORT 0: rank 0 of a world of 1 binds a port of the system's choice and connects to
+    # nobody. (A port probed free and then named here could meanwhile be taken by a concurrent
+    # torchrun job's gloo listener, which this process would then connect to: that hung the
+    # profile cases of the other xdist worker until the gloo timeout.)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
+                      LOCAL_WORLD_SIZE="1")
     path = os.path.join(ROOT, "benchmarks", f"{script}.py")
     if script in SINGLE:  # no driver: the script itself
         os.environ["LOCAL_RANK"] = "0"
@@ -195,20 +198,6 @@ def _run_in_process(script: str, argv: list[str]) -> None:
     _runner.launch = launch
     sys.argv = [path, *argv]
     module.main()
-
-
-class socket_port:
-    """A free local TCP port (context manager)."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        return self.sock.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        self.sock.close()
 
 
 if __name__ == "__main__":
