@@ -1,10 +1,10 @@
 """The shipped per-release ``pretrain_gpt.py`` patches: which release each fits, applying one.
 
-Each ``pretrain_gpt.core_v0.NN.patch`` (next to this module, in the wheel too) records the
-Megatron-LM release tag (``main`` for a line not yet tagged) and upstream commit it was made
-from (its first lines; ``git apply`` and ``patch`` skip them) and is
-:func:`.inserter.add_import`'s change of that commit's script: one hunk, three lines of context
-on each side, so it applies exactly (no fuzz).
+Each ``pretrain_gpt.core_v0.NN.patch`` (in the repository's top-level ``patches/``, which a wheel
+installs as ``megatron_lm/patches/``; :func:`patches_dir` finds either) records the Megatron-LM
+release tag (``main`` for a line not yet tagged) and upstream commit it was made from (its first
+lines; ``git apply`` and ``patch`` skip them) and is :func:`.inserter.add_import`'s change of that
+commit's script: one hunk, three lines of context on each side, so it applies exactly (no fuzz).
 
 For users: :func:`release_of` reads a checkout's release from ``megatron/core/package_info.py``
 and :func:`apply_to_text` applies a patch to a script the way ``git apply`` does without fuzz
@@ -38,6 +38,8 @@ from .inserter import add_import
 
 SCRIPT = "pretrain_gpt.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The repository (a source checkout, an editable install): two folders above this module.
+REPO = os.path.dirname(os.path.dirname(HERE))
 # release -> (Megatron-LM tag, commit of that tag). The newest patch release of each line; a line
 # not yet tagged names the branch (``main``) and the commit the patch was made from.
 RELEASES = {
@@ -50,9 +52,29 @@ RELEASES = {
 PACKAGE_INFO = os.path.join("megatron", "core", "package_info.py")
 
 
+def patches_dir() -> str:
+    """The folder of the shipped patches: ``patches/`` next to this module in an installed wheel
+    (pyproject.toml maps the repository's ``patches/`` there), else the repository's top-level
+    ``patches/`` (a source checkout or an editable install, where the module runs from the
+    repository). The one lookup: everything else goes through :func:`patch_path`.
+
+    Raises ``FileNotFoundError`` naming both places when neither exists (a broken install).
+    """
+    installed, source = os.path.join(HERE, "patches"), os.path.join(REPO, "patches")
+    if os.path.isdir(installed):
+        return installed
+    # Only beside the repository's pyproject.toml: an installed package without its patches is
+    # not rescued by some other project's site-packages/patches.
+    if os.path.isdir(source) and os.path.isfile(os.path.join(REPO, "pyproject.toml")):
+        return source
+    raise FileNotFoundError(f"the pretrain_gpt.py patches are in neither {installed} (an "
+                            f"installed wheel) nor {source} (a source checkout): reinstall "
+                            "megatron-vocabstats")
+
+
 def patch_path(release: str) -> str:
     """Path of the shipped patch of ``release`` (``"0.19"``); it may not exist for others."""
-    return os.path.join(HERE, f"pretrain_gpt.core_v{release}.patch")
+    return os.path.join(patches_dir(), f"pretrain_gpt.core_v{release}.patch")
 
 
 def header(release: str) -> str:

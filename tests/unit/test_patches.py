@@ -1,7 +1,10 @@
 """megatron_vocabstats.megatron_lm: the import inserter, the per-release pretrain_gpt.py patches,
 their applier and the ``vocabstats-patch-megatron`` command agree.
 
-Whether each patch applies exactly to its release is checked against a Megatron-LM clone by
+The patches live in the repository's top-level ``patches/`` (a wheel installs them as
+``megatron_vocabstats/megatron_lm/patches/``: tests/unit/test_wheel.py); from this source tree
+:func:`releases.patches_dir` must find that folder itself. Whether each patch applies exactly to
+its release is checked against a Megatron-LM clone by
 ``python -m megatron_vocabstats.megatron_lm.releases /path/to/Megatron-LM`` (no network here);
 these tests check that every patch is the inserter's own change, records its upstream commit and
 has no fuzz room, and run the command on checkouts rebuilt from each patch's pre-image (the
@@ -19,6 +22,8 @@ import pytest
 from megatron_vocabstats.megatron_lm import cli, inserter, releases
 
 RELEASES = ("0.16", "0.17", "0.18", "0.19", "0.20")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATCHES = os.path.join(ROOT, "patches")
 
 
 def test_inserter_adds_the_line_once_after_import_torch():
@@ -32,9 +37,38 @@ def test_inserter_adds_the_line_once_after_import_torch():
 
 
 def test_one_patch_per_supported_release():
-    shipped = sorted(f for f in os.listdir(releases.HERE) if f.endswith(".patch"))
+    shipped = sorted(f for f in os.listdir(PATCHES) if f.endswith(".patch"))
     assert shipped == [f"pretrain_gpt.core_v{r}.patch" for r in RELEASES]
     assert tuple(sorted(releases.RELEASES)) == RELEASES
+
+
+def test_the_source_tree_reads_the_top_level_patches():
+    if not os.path.abspath(releases.__file__).startswith(ROOT + os.sep):
+        pytest.skip(f"megatron_vocabstats is imported from {releases.__file__}, not this tree")
+    assert os.path.samefile(releases.patches_dir(), PATCHES)
+    for release in RELEASES:
+        assert os.path.samefile(releases.patch_path(release),
+                                os.path.join(PATCHES, f"pretrain_gpt.core_v{release}.patch"))
+    # No second copy inside the package: the wheel's copy comes from pyproject.toml's mapping.
+    inside = [os.path.join(d, f) for d, _, files in os.walk(os.path.dirname(releases.HERE))
+              for f in files if f.endswith(".patch")]
+    assert not inside, inside
+
+
+def test_patches_dir_prefers_the_installed_copy(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "megatron_vocabstats" / "megatron_lm"
+    repo = tmp_path / "site"
+    monkeypatch.setattr(releases, "HERE", str(package))
+    monkeypatch.setattr(releases, "REPO", str(repo))
+    (repo / "patches").mkdir(parents=True)
+    # A site-packages/patches of some other project is not ours (no pyproject.toml beside it).
+    with pytest.raises(FileNotFoundError, match="reinstall"):
+        releases.patches_dir()
+    (repo / "pyproject.toml").write_text("")
+    assert releases.patches_dir() == str(repo / "patches")  # a source checkout
+    (package / "patches").mkdir(parents=True)
+    assert releases.patches_dir() == str(package / "patches")  # an installed wheel, first
+    assert releases.patch_path("0.19") == str(package / "patches" / "pretrain_gpt.core_v0.19.patch")
 
 
 def _text(release):
