@@ -42,6 +42,15 @@ def test_one_patch_per_supported_release():
     assert tuple(sorted(releases.RELEASES)) == RELEASES
 
 
+def test_patches_readme_names_each_release():
+    with open(os.path.join(PATCHES, "README.md"), encoding="utf-8") as f:
+        rows = {line.split("|")[1].strip(" `"): line for line in f if line.startswith("| `")}
+    assert sorted(rows) == [f"pretrain_gpt.core_v{r}.patch" for r in RELEASES]
+    for release, (tag, commit) in releases.RELEASES.items():
+        row = rows[f"pretrain_gpt.core_v{release}.patch"]
+        assert f"| {release} " in row and f"`{tag}` ({commit[:12]})" in row, row
+
+
 def test_the_source_tree_reads_the_top_level_patches():
     if not os.path.abspath(releases.__file__).startswith(ROOT + os.sep):
         pytest.skip(f"megatron_vocabstats is imported from {releases.__file__}, not this tree")
