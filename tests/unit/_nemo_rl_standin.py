@@ -20,6 +20,8 @@ import types
 import torch
 import torch.distributed as dist
 
+from _standin_comm import summed
+
 VERSION = "0.6.0"
 LOSS_NAMES = ("_get_tokens_on_this_cp_rank", "from_parallel_logits_to_logprobs_packed_sequences",
               "get_distillation_topk_logprobs_from_logits", "get_next_token_logprobs_from_logits")
@@ -31,25 +33,6 @@ def _size(group):
     return 1 if group is None else dist.get_world_size(group)
 
 
-class _SumIdentityGrad(torch.autograd.Function):
-    """Sum over the group; the gradient passes through unchanged (every rank computes the same
-    loss from the sum), as NeMo-RL's hand-written backwards assume."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _sum(x, group):
-    return _SumIdentityGrad.apply(x, group) if _size(group) > 1 else x
-
-
 def _normaliser(z, group):
     """``(logZ [..., 1], U/S [..., 1])`` of the shards ``z [..., W]`` (fp32) over the W·tp
     columns: the log-partition function and the expected logit, differentiable; built only from
@@ -58,8 +41,8 @@ def _normaliser(z, group):
     if _size(group) > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     e = (z - peak).exp()
-    total = _sum(e.sum(-1, keepdim=True), group)
-    mean = _sum((e * z).sum(-1, keepdim=True), group) / total
+    total = summed(e.sum(-1, keepdim=True), group)
+    mean = summed((e * z).sum(-1, keepdim=True), group) / total
     return peak + total.log(), mean
 
 
@@ -70,7 +53,7 @@ def _pick(values, ids, start, group):
     local = torch.where(inside, ids - start, 0)
     picked = values.gather(-1, local.unsqueeze(-1) if ids.dim() < values.dim() else local)
     picked = picked.squeeze(-1) if ids.dim() < values.dim() else picked
-    return _sum(picked * inside, group)
+    return summed(picked * inside, group)
 
 
 def _logprob(z, ids, start, group):

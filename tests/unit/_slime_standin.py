@@ -21,23 +21,10 @@ import types
 import torch
 import torch.distributed as dist
 
+from _standin_comm import summed
+
 VERSION = "0.3.1"
 TP_GROUP: list = [None]  # what the loss stand-in's mpu.get_tensor_model_parallel_group returns
-
-
-class _Summed(torch.autograd.Function):
-    """All-reduce sum whose gradient passes through unchanged (every rank computes the same loss
-    from the sum, as slime's hand-written backward assumes)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def _group(group):
@@ -50,16 +37,12 @@ def _place(group):
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
-def _sum(x, group):
-    return _Summed.apply(x, group) if _place(group)[1] > 1 else x
-
-
 def _normaliser(z, group):
     """``(max [T, 1] detached, S [T, 1])`` over the shards: ``logZ = max + log S``."""
     peak = z.detach().amax(-1, keepdim=True)
     if _place(group)[1] > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    return peak, _sum((z - peak).exp().sum(-1, keepdim=True), group)
+    return peak, summed((z - peak).exp().sum(-1, keepdim=True), group)
 
 
 def _one(z, tokens, group, with_entropy, keep, entropy_grad):
@@ -71,7 +54,7 @@ def _one(z, tokens, group, with_entropy, keep, entropy_grad):
     entropy = None
     if with_entropy:
         peak, total = _normaliser(z, group)
-        mean = _sum(((z - peak).exp() * z).sum(-1, keepdim=True), group) / total
+        mean = summed(((z - peak).exp() * z).sum(-1, keepdim=True), group) / total
         entropy = (peak + total.log() - mean).squeeze(-1)
         entropy = entropy if entropy_grad else entropy.detach()
     if keep is not None:
@@ -79,7 +62,7 @@ def _one(z, tokens, group, with_entropy, keep, entropy_grad):
         z = z.masked_fill(~keep, float("-inf"))
     peak, total = _normaliser(z, group)
     picked = torch.where(inside.unsqueeze(-1), z.gather(1, column) - peak, 0.0)
-    return _sum(picked, group) - total.log(), entropy
+    return summed(picked, group) - total.log(), entropy
 
 
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy: bool = False,
