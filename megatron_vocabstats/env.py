@@ -213,8 +213,12 @@ def report() -> str:
 def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+    if argv == ["--versions"]:  # the supported-versions table, as README.md shows it
+        print(versions.markdown_table())
+        return 0
     if argv:
-        usage = f"usage: vocabstats-env (no arguments)\n{__doc__.splitlines()[0]}".replace("``", "")
+        usage = (f"usage: vocabstats-env [--versions]\n{__doc__.splitlines()[0]}\n"
+                 "--versions: print the supported-versions table instead").replace("``", "")
         help_asked = argv in (["-h"], ["--help"])
         print(usage, file=sys.stdout if help_asked else sys.stderr)
         return 0 if help_asked else 2

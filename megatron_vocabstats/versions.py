@@ -117,7 +117,3 @@ def markdown_table() -> str:
         lines.append(f"| {row.name} | `{row.supported}` | {', '.join(row.tested) or '-'} | "
                      f"{pip} | {row.note} |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m megatron_vocabstats.versions: print README's table
-    print(markdown_table())

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron_vocabstats import env
+from megatron_vocabstats import env, versions
 
 
 def _report(capsys) -> str:
@@ -109,6 +109,11 @@ def test_install_md_sample_lists_every_patch_target_row(capsys):
 
 def test_help_is_usage_and_status_0_other_arguments_2(capsys):
     assert env.main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: vocabstats-env (no arguments)\n")
+    assert capsys.readouterr().out.startswith("usage: vocabstats-env [--versions]\n")
     assert env.main(["--bogus"]) == 2
     assert "usage: vocabstats-env" in capsys.readouterr().err
+
+
+def test_versions_prints_the_supported_versions_table(capsys):
+    assert env.main(["--versions"]) == 0
+    assert capsys.readouterr().out == versions.markdown_table() + "\n"

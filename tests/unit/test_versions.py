@@ -23,7 +23,7 @@ import megatron_vocabstats
 from megatron_vocabstats import versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BEGIN = "<!-- supported versions: `python -m megatron_vocabstats.versions` prints this table -->"
+BEGIN = "<!-- supported versions: `vocabstats-env --versions` prints this table -->"
 END = "<!-- end of supported versions -->"
 
 
@@ -38,7 +38,7 @@ def test_readme_table_is_the_table():
     shown = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert shown == versions.markdown_table(), (
         "README's supported-versions table differs from megatron_vocabstats/versions.py: paste "
-        "the output of `python -m megatron_vocabstats.versions`")
+        "the output of `vocabstats-env --versions`")
 
 
 def _pyproject():
