@@ -46,7 +46,7 @@ WORKSPACE_ROUNDING = 1 / 8
 TIMEOUT_CODES = (124, 137)  # GNU timeout: TERM sent at the limit; KILL after --kill-after
 # Our providers in the speed tables and the ``kernel`` each one runs with.
 OUR_KERNELS = {"ours": "torch", "ours_triton": "triton"}
-# Issue 13's targets for the fused LM head on an H200: (fwd + bwd) within this factor of the matmul
+# The targets for the fused LM head on an H200: (fwd + bwd) within this factor of the matmul
 # floor, and not slower than Liger's fused linear cross-entropy.
 FUSED_FLOOR_TARGET = 1.3
 
@@ -266,7 +266,7 @@ def fused_table(report: dict) -> tuple[list[str], list[Row]]:
     ``grads_in_forward``), ``{"skipped": why}`` or ``{"failed": why}`` (the worker died). Ratios
     are against ``megatron`` and Liger's default row (:data:`LIGER_BASE`) at the same T and H;
     per-phase TFLOP/s are left out where the gradients are computed in forward. A row of
-    ``ours`` that errored, or a failed worker, fails the suite. Closes with issue 13's targets
+    ``ours`` that errored, or a failed worker, fails the suite. Closes with the targets
     and where ``ours_triton`` stands.
     """
     if "skipped" in report:
@@ -306,8 +306,8 @@ def fused_table(report: dict) -> tuple[list[str], list[Row]]:
 
 
 def _fused_targets(rows: list[dict], times: dict) -> str:
-    """One line: issue 13's targets and the fastest measured ``ours_triton`` row against them."""
-    line = (f"Targets (issue 13, H200): fwd + bwd <= {FUSED_FLOOR_TARGET} x the floor, and not "
+    """One line: the targets and the fastest measured ``ours_triton`` row against them."""
+    line = (f"Targets (H200): fwd + bwd <= {FUSED_FLOOR_TARGET} x the floor, and not "
             "slower than Liger (/ Liger <= 1).")
     ours = [r for r in rows if r["provider"] == "ours_triton" and not r.get("skipped")]
     if not ours:

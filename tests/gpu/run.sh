@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: bash tests/gpu/run.sh [RESULTS_DIR]
 #
-# Time budget, worst case 465 s = 7 min 45 s (issue 13: under 8 minutes): the wheel install
+# Time budget, worst case 465 s = 7 min 45 s (the suite must stay under 8 minutes): the wheel install
 # (30 s + 5 s to KILL), three steps each under its own limit (GNU timeout: TERM at the limit, KILL
 # 10 s later) of 170 + 40 + 170 s + 3 x 10 s, then the table (20 s):
 #   wheels  with a .whl/ folder (bash tests/gpu/fetch_wheels.sh, for a machine without a package

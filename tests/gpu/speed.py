@@ -14,7 +14,7 @@ The driver launches one torchrun worker (``benchmarks/_runner.launch``) and writ
 ``torch.cuda.max_memory_allocated``). A provider that raises gets its error in the row.
 
 Our rows run the torch path (``ours``, ``kernel="torch"``) and the Triton kernels
-(``ours_triton``, ``kernel="triton"``, issue 13). Each of them also gets forward and backward
+(``ours_triton``, ``kernel="triton"``). Each of them also gets forward and backward
 times of their own (``_runner.split_times``: CUDA events, ``validate=False``, median over
 ``--iters``), the achieved bandwidth of the bytes a one-read kernel must move (forward: read the
 bf16 logits once, 2 B per logit; backward: read them and write the gradient, 4 B) and the ratio of

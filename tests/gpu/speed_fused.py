@@ -1,4 +1,4 @@
-"""The GPU suite's fused LM-head speed table (issue 13): one forward + backward of a loss of
+"""The GPU suite's fused LM-head speed table: one forward + backward of a loss of
 ``hidden @ weight.T`` w.r.t. hidden and weight, bf16, T = 8192, H = 4096, V = 151,936 on one GPU
 (tp = 1, an NCCL group of one rank), for
 
@@ -71,7 +71,7 @@ from megatron_vocabstats.profiling import peak_memory_bytes  # noqa: E402
 
 # H200 bf16 dense peak, the data sheet's. Observed on an H200: an 8192^3 bf16 matmul through
 # PyTorch at ~790 TFLOP/s, so a provider whose matmuls run at cuBLAS speed sits near 1.25 x this
-# floor; issue 13's 1.3 x target leaves little beyond the three GEMMs.
+# floor; the 1.3 x target leaves little beyond the three GEMMs.
 H200_BF16_TFLOPS = 989.0
 LIGER_MISSING = "liger-kernel is not installed (bash tests/gpu/fetch_wheels.sh carries it)"
 

@@ -211,7 +211,7 @@ def test_fused_op_peak_within_the_cpu_benchmark_bound():
 
 
 # ---------------------------------------------------------------------------------------------
-# Batch invariance (issue 9's batch_invariant argument, where present).
+# Batch invariance (the batch_invariant argument, where present).
 
 @pytest.mark.parametrize("op", ["core", "fused"])
 def test_rows_do_not_depend_on_the_batch(op):

@@ -1,4 +1,4 @@
-"""The Triton kernels of the unfused op on a GPU (issue 13; skipped without CUDA or triton):
+"""The Triton kernels of the unfused op on a GPU (skipped without CUDA or triton):
 float64 parity of every CPU interpreter case (``tests/unit/_triton_parity.py``, the same bounds,
 now with libdevice's exp), one row of Qwen's vocabulary (149 blocks of columns), that
 ``kernel="auto"`` picks the kernels on CUDA, and a CUDA graph of forward + backward that replays

@@ -1,4 +1,4 @@
-"""The Triton backend of the fused LM head on a GPU (issue 13; skipped without CUDA or triton):
+"""The Triton backend of the fused LM head on a GPU (skipped without CUDA or triton):
 float64 parity of ``linear_vocab_parallel_stats(..., kernel="triton")`` at small shapes, one row of
 Qwen's vocabulary (V = 151,936, H = 1024, T = 64, bf16), a CUDA graph of forward + backward
 that replays the eager bits, and the peak memory of forward (no ``[chunk, W]`` buffer) and of a

@@ -201,7 +201,7 @@ def test_no_tokens():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 def test_large_logits_keep_their_digits(fused):
-    """Issue 24: the kernel's gradient forms ``log p = (z - lse) - lse_lo`` (the logsumexp as an
+    """The kernel's gradient forms ``log p = (z - lse) - lse_lo`` (the logsumexp as an
     fp32 pair): at logits near 1e7 p = (0.644, 0.237, 0.087, 0.032), not exp(z - 1e7)."""
     from megatron_vocabstats import linear_vocab_parallel_stats
 

@@ -1,4 +1,4 @@
-"""Issue 17 (checks and math modules): the split of ``ops/_checks.py`` and ``ops/_math.py``, the
+"""The checks and math modules: the split of ``ops/_checks.py`` and ``ops/_math.py``, the
 public ``ops.agreement`` and ``ops.options`` modules, the check builder and ``LogitsSpec``."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,
                ignore_index=-100, label_smoothing=0.0, validate=True)
 
 # Every name that ops._checks and ops._math defined or imported before the split (stdlib imports
-# aside): still importable from there (but the private _ambiguous, which issue 24 replaced by
+# aside): still importable from there (but the private _ambiguous, which was replaced by
 # _first_row_sample: the replicated-logits check now samples every shard).
 OLD_CHECKS = """BATCH_INVARIANT_MODES BLOCK CHUNK_BYTES ENTROPY_MODES FP32_MAX Field InputTypeError
 LOGITS_DTYPES MIN_TEMPERATURE ShardLayout StatsConfig _AGREEMENT _BATCH_INVARIANT_NAMES _INT64

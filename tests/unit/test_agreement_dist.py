@@ -1,4 +1,4 @@
-"""Issue 17, the check builder and LogitsSpec on tp = 2 gloo ranks (dist/agreement_cases.py)."""
+"""The check builder and LogitsSpec on tp = 2 gloo ranks (dist/agreement_cases.py)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Issue 9.3: batch-invariant mode on CPU.
+"""Batch-invariant mode on CPU.
 
 A probe row's logprob, entropy and logsumexp must be bitwise equal whether it is scored alone,
 among 8 or among 37 rows, at any position, next to any other rows and with any chunk size,

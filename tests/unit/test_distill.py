@@ -363,7 +363,7 @@ def test_renormalize_row_where_the_student_has_no_topk_mass(divergence, beta):
 
 @pytest.mark.parametrize("divergence, beta", DIVERGENCES)
 def test_tail_of_a_student_within_fp32_rounding_of_one(divergence, beta):
-    # Issue 24 section 4: a confident student whose top-k log-probs sum to a log-mass within
+    # A confident student whose top-k log-probs sum to a log-mass within
     # 3e-8 of 0: exp of it rounds to 1 in fp32, and log1mexp's unchosen branch
     # log1p(-exp(x)) = -inf made the gradient NaN (0 / 0 in its derivative), though the loss
     # was finite; through distillation_loss the NaN reaches every logit of the row.
@@ -385,7 +385,7 @@ def test_tail_of_a_student_within_fp32_rounding_of_one(divergence, beta):
 
 @pytest.mark.parametrize("divergence, beta", DIVERGENCES)
 def test_tail_of_a_row_where_the_student_has_no_topk_mass(divergence, beta):
-    # Issue 24 section 4: with tail_bucket (as with renormalize, above) a row whose student
+    # With tail_bucket (as with renormalize, above) a row whose student
     # logits are -inf at every teacher id: logsumexp's gradient over -inf only is NaN, and it
     # reached every logit of the row. The student's top-k mass is 0, its tail 1: the gradient
     # is 0 (float64 reference), the loss +inf for forward KL (teacher mass the student lacks).

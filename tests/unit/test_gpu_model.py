@@ -94,7 +94,7 @@ def test_capture_specialises_as_a_launch():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_captured_forward_gradient_mode_has_three_gemms_per_chunk():
-    """What a GPU run of the forward-gradient mode with the Triton kernels launches (issue 22):
+    """What a GPU run of the forward-gradient mode with the Triton kernels launches:
     chunks of TILE_CHUNK_ROWS within TILE_CHUNK_BYTES (2,176 rows at V = 151,936 in bf16), each
     a statistics launch over (row tile, column split) programs that stores the logits, the
     unfused gradient kernel on them, and two cuBLAS GEMMs (dX, dW; the first dW written with

@@ -290,7 +290,7 @@ def test_speed_arguments():
 
 
 def test_speed_bandwidth_floor_and_its_table():
-    """The one-read floor of issue 13 (6 B per logit: 1.56 ms at T=8192, V=151,936, 4.8 TB/s)
+    """The one-read floor (6 B per logit: 1.56 ms at T=8192, V=151,936, 4.8 TB/s)
     and the suite's forward/backward table of the rows that carry it."""
     speed = _suite.load_module(os.path.join(GPU_DIR, "speed.py"), "gpu_speed")
     x = speed.bandwidth(8192, 151_936, 0.6, 1.2, 4.8)

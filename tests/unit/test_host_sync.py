@@ -1,4 +1,4 @@
-"""Issue 9.1: no host synchronisation in any hot path, proved on CPU with ``forbid_host_sync``.
+"""No host synchronisation in any hot path, proved on CPU with ``forbid_host_sync``.
 
 Each hot path runs forward and backward inside the guard, which fails on
 ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``if t:``), ``.tolist()`` and ops whose output

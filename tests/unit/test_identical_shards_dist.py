@@ -1,4 +1,4 @@
-"""Identical shards on every rank (issue 30) on 2 and 4 gloo ranks (torchrun): the cases of
+"""Identical shards on every rank on 2 and 4 gloo ranks (torchrun): the cases of
 ``dist/identical_shards_cases.py``, one launch per world size (``conftest.torchrun_results``)."""
 
 import pytest

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -143,3 +144,11 @@ def test_wrappers_name_an_undeclared_keyword(call, bad):
     with pytest.raises(TypeError, match=rf"{call}\(\) got an unexpected keyword argument '{bad}'"):
         getattr(mv, call)(*args.get(call, (logits, target)), **{bad: 1})
 
+
+
+def test_tests_readme_indexes_every_test_file():
+    """tests/README.md's index names every test file of tests/unit, and no file that is gone."""
+    named = set(re.findall(r"`(test_\w+\.py)`", (ROOT / "tests" / "README.md").read_text()))
+    files = {p.name for p in (ROOT / "tests" / "unit").glob("test_*.py")}
+    assert not files - named, f"add to tests/README.md's index: {sorted(files - named)}"
+    assert not named - files, f"gone, still in tests/README.md: {sorted(named - files)}"

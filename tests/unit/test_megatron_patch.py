@@ -613,7 +613,7 @@ def test_settings_refuse_bad_rollout_fields(changes, error, message):
         settings.PluginSettings(**changes)
 
 
-# ---- issue 24: what the config hook now catches itself ----
+# ---- what the config hook catches itself ----
 
 
 def test_config_hook_reads_a_minus_one_top_k_as_off(patch, monkeypatch):

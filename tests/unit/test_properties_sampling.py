@@ -1,4 +1,4 @@
-"""Issue 24: property-based tests (hypothesis, the ``ci`` profile of ``conftest.py``) of the
+"""Property-based tests (hypothesis, the ``ci`` profile of ``conftest.py``) of the
 sampler ops and of the rollout correction, against float64 references.
 
 Sampler (``vocab_parallel_sampling_logprobs`` and its fused head): random shapes, dtypes,

@@ -1,4 +1,4 @@
-"""Issue 24: every op traces under ``make_fx(tracing_mode="symbolic")`` (what ``torch.compile``
+"""Every op traces under ``make_fx(tracing_mode="symbolic")`` (what ``torch.compile``
 with dynamic shapes does) and under ``torch.compile(dynamic=True)`` with its default arguments
 (``validate=True``, ``chunk_size=None``), forward and backward, and the traced program gives the
 eager bits. Before: the automatic chunk size became a ``SymInt`` that the op's own check refused
@@ -75,7 +75,7 @@ def test_make_fx_symbolic_traces_with_the_defaults(op):
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_traced_graph_replays_with_grad_requiring_inputs(op):
-    """Issue 30 (torchtitan's ``test_symbolic_seq_len_traces_chunking``): the loss traced with
+    """(As torchtitan's ``test_symbolic_seq_len_traces_chunking``): the loss traced with
     ``make_fx(tracing_mode="symbolic")`` from inputs that require grad, then the traced graph
     called on fresh inputs that require grad gives the eager value. Before: ``RuntimeError: a
     leaf Variable that requires grad is being used in an in-place operation`` at ``clamp_`` of

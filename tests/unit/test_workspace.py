@@ -1,4 +1,4 @@
-"""Issue 9.2: the chunk-buffer cache (``ops/workspace.py``) on CPU.
+"""The chunk-buffer cache (``ops/workspace.py``) on CPU.
 
 Reuse across calls (same storage), no reuse while held, the capture rule (through a patched
 ``torch.cuda.is_current_stream_capturing``), reset, the bounds, and results that do not change.

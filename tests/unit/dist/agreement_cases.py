@@ -1,4 +1,4 @@
-"""Issue 17, the check builder and ``LogitsSpec`` on tp = 2 gloo ranks: a spec gives the config
+"""The check builder and ``LogitsSpec`` on tp = 2 gloo ranks: a spec gives the config
 and the errors of the stride-0 stand-in it replaces, and :class:`CrossRankCheck` raises on every
 rank. Run by tests/unit/test_agreement_dist.py.
 """

@@ -1,4 +1,4 @@
-"""Multi-process cases of issue 9 (batch-invariant mode, no host sync) on tp gloo ranks.
+"""Multi-process cases of batch-invariant mode and of no host sync on tp gloo ranks.
 
 Run by ``tests/unit/test_batch_invariant_dist.py`` for tp = 1, 2, 4. Every rank builds the same
 full logits from the same seed and keeps its own vocabulary shard; tp = 1 results are computed

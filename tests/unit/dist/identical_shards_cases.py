@@ -1,4 +1,4 @@
-"""Identical shards on every rank of the tp group (issue 30): legitimate input, computed as tp
+"""Identical shards on every rank of the tp group: legitimate input, computed as tp
 vocabulary shards with one warning per process, refused only where the logits are known to hold
 the whole vocabulary. Run by tests/unit/test_identical_shards_dist.py at tp 2 and 4.
 

@@ -285,7 +285,7 @@ def mismatched_shards_raise_on_every_rank(group):
         (torch.zeros(1, 4, dtype=torch.float64 if rank == cp - 1 else torch.float32), 1,
          "dtype differs across the ranks of cp_group"),
         (torch.zeros(1, 4), 5 if rank == 0 else 1, "rejected their inputs"),
-        # (issue 24 section 4: another dim of the same size was gathered along, silently)
+        # (before: another dim of the same size was gathered along, silently)
         (torch.zeros(1, 4, 4), 1 if rank == 0 else -1, "dim differs across the ranks of cp_group"),
     ]
     for x, dim, message in checks:

@@ -1,6 +1,6 @@
-"""Issue 14, core ops under tensor parallelism (gloo): every rank raises promptly on a bad input
+"""Core ops under tensor parallelism (gloo): every rank raises promptly on a bad input
 of any one rank, agreement errors print values, and extreme logits stay exact across shards.
-Run by tests/unit/test_hardening_core_dist.py.
+Run by tests/unit/test_hostile_inputs_dist.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24: every op at tp 2 with each per-rank option differing: every rank raises promptly.
+"""Every op at tp 2 with each per-rank option differing: every rank raises promptly.
 
 One case per op (and per loss that passes options to one). In each, every option that changes
 the results, or the collective schedule or its sizes (forward and backward), is given a
@@ -11,7 +11,7 @@ that change neither (``chunk_size`` outside the forward-gradient mode) must give
 
 Not here: ``validate`` itself differing (the exchange is what ``validate`` turns on: the rank
 without it is not in the exchange; gloo aborts on the mismatch), documented as "must be equal
-on all ranks". Run by tests/unit/test_rank_options_dist.py.
+on all ranks". Run by tests/unit/test_per_rank_options_dist.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 24: a missing ``tp_group`` is refused where it can be detected, with a message naming
+"""A missing ``tp_group`` is refused where it can be detected, with a message naming
 ``tp_group`` (one process, Megatron's parallel state faked; the real tp 2 runs are
-``dist/rank_options_cases.py::missing_or_wrong_group``). Before: forgetting the group at tp 2
+``dist/per_rank_options_cases.py::missing_or_wrong_group``). Before: forgetting the group at tp 2
 gave per-shard log-probs, up to 1.85 nats off, with no error, and when an error fired it blamed
 ``target``."""
 

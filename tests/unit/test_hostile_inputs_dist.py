@@ -1,11 +1,11 @@
-"""Issue 14, core ops on tp = 2 gloo ranks launched with torchrun (dist/hardening_core_cases.py)."""
+"""Core ops on tp = 2 gloo ranks launched with torchrun (dist/hostile_inputs_cases.py)."""
 
 import pytest
 
 from conftest import check_case
-from dist.hardening_core_cases import CASES
+from dist.hostile_inputs_cases import CASES
 
-SCRIPT = "hardening_core_cases.py"
+SCRIPT = "hostile_inputs_cases.py"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

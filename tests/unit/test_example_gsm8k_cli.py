@@ -325,7 +325,7 @@ def test_output_refused_on_another_rank_is_printed_there(cli, capsys, monkeypatc
 
 
 def test_output_that_no_file_can_be_created_in(cli, capsys, tmp_path, scoring):
-    """Issue 24: an --output where creating a file fails although permissions (root) say it
+    """An --output where creating a file fails although permissions (root) say it
     may (/proc), or whose name is too long, is refused by the output check, before the model is
     built (was: the check passed, the run died with a traceback at the end)."""
     fails(cli, capsys, ["score", "--input", scoring, "--output", "/proc/h24/scores.jsonl"],

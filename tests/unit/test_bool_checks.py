@@ -1,4 +1,4 @@
-"""Issue 24 (review): one checker of bool options (``ops.options.check_bool``), used by every op,
+"""One checker of bool options (``ops.options.check_bool``), used by every op,
 loss, settings object and packing function of the public API. It accepts a Python bool and
 numpy's ``bool_`` and refuses everything else (0 and 1 included, as the checks before it did),
 naming the option, with a huge int cut short in the message. Before, ``StatsOptions(validate=)``,

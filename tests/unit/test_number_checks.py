@@ -1,4 +1,4 @@
-"""Issue 24: one checker of number-like options (``ops.options.check_number``), used by every op,
+"""One checker of number-like options (``ops.options.check_number``), used by every op,
 loss, settings object, flag and command line. It accepts Python and numpy numbers and refuses a
 bool, NaN, +-inf, a string, a tensor and out-of-range values, huge ints included, with an error
 that names the option (a ``ValueError``; a wrong type is ``InputTypeError``, also a
@@ -288,7 +288,7 @@ def test_settings_take_vllms_minus_one_as_off():
     dict(rollout_correction_mode="icepop", rollout_correction_level="sequence"),
 ], ids=lambda f: ",".join(f"{k[19:] or k}={str(v)[:8]}" for k, v in f.items()))
 def test_settings_rollout_errors_name_the_settings_fields(fields):
-    """Review of issue 24: ``PluginSettings`` passed its rollout-correction fields to
+    """``PluginSettings`` passed its rollout-correction fields to
     ``RolloutCorrection`` and its errors named that class's fields (``threshold``, ``low``,
     ``high``), not the settings' (``rollout_correction_threshold``, ...). Every field the message
     names is now a settings field; a huge int is cut short."""

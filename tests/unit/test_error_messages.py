@@ -1,6 +1,6 @@
-"""Issue 24: errors that named nothing or the wrong thing (the number options are in
-``test_number_options.py``, the flags in ``test_megatron_patch.py``, the example's outputs in
-``test_hardening_examples.py``)."""
+"""Errors that named nothing or the wrong thing (the number options are in
+``test_number_checks.py``, the flags in ``test_megatron_patch.py``, the example's outputs in
+``test_example_gsm8k_cli.py``)."""
 
 from __future__ import annotations
 

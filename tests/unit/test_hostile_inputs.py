@@ -1,9 +1,9 @@
-"""Issue 14, core ops (tp = 1): hostile inputs give an exact result or a clear error.
+"""Core ops (tp = 1): hostile inputs give an exact result or a clear error.
 
 Out-of-range targets without ``validate`` (NaN, no host sync), double backward (refused), extreme
 finite logits (exact against float64), argument types and values (errors naming the argument),
 and odd but legal layouts (non-contiguous, expanded, empty, narrow integer targets). The
-tensor-parallel variants are in ``dist/hardening_core_cases.py``.
+tensor-parallel variants are in ``dist/hostile_inputs_cases.py``.
 """
 
 from __future__ import annotations
