@@ -19,10 +19,10 @@ from ._framework import rank0
 
 logger = logging.getLogger("megatron_vocabstats")
 
-# The options apply() takes: fields of PluginSettings, with the same meaning and checks, except
-# that lm_head_chunk_size 0 means auto here (the framework, not the plugin, decides to fuse).
-OPTIONS = ("vocab_size", "logprobs_chunk_size", "lm_head_chunk_size", "validate",
-           "batch_invariant", "kernel")
+# The options apply() takes by default: fields of PluginSettings, with the same meaning and checks,
+# except that lm_head_chunk_size 0 means auto here (the framework, not the plugin, decides to fuse).
+NAMES = ("vocab_size", "logprobs_chunk_size", "lm_head_chunk_size", "validate",
+         "batch_invariant", "kernel")
 
 
 class IntegrationOptions:
@@ -33,20 +33,22 @@ class IntegrationOptions:
         notes: ``{replaced name: what differs}``, logged by :meth:`note_once`.
         padding: appended to a note when ``vocab_size`` is set (what the padding columns get,
             in the framework's words).
+        names: the options ``apply()`` takes (default :data:`NAMES`).
     """
 
-    def __init__(self, framework: str, notes: Mapping[str, str], padding: str = ""):
-        self.framework, self.notes, self.padding = framework, notes, padding
+    def __init__(self, framework: str, notes: Mapping[str, str], padding: str = "",
+                 names: tuple[str, ...] = NAMES):
+        self.framework, self.notes, self.padding, self.names = framework, notes, padding, names
         self.settings = PluginSettings(active=False)
         self.noted: set[str] = set()
 
     def configured(self, **options) -> PluginSettings:
-        """``options`` (names in :data:`OPTIONS`) validated as ``PluginSettings`` fields; raises
+        """``options`` (names in :attr:`names`) validated as ``PluginSettings`` fields; raises
         ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
-        unknown = sorted(set(options) - set(OPTIONS))
+        unknown = sorted(set(options) - set(self.names))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} of the {self.framework} integration; "
-                             f"it takes {list(OPTIONS)}")
+                             f"it takes {list(self.names)}")
         return PluginSettings(active=True, **options)
 
     def configure(self, settings: PluginSettings) -> None:

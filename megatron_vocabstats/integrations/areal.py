@@ -61,14 +61,14 @@ class UnsupportedArealError(UnsupportedFrameworkError):
 FRAMEWORK = Framework(name="AReaL", distribution="areal",
                       install_hint="pip install 'areal==1.0.4'", tested=TESTED,
                       definitions=DEFINITIONS, consumers=CONSUMERS, optional=ENGINES,
-                      error=UnsupportedArealError, options=areal_ops.SETTINGS)
+                      error=UnsupportedArealError, options=areal_ops.OPTIONS)
 
 
 def apply(**options) -> PluginSettings:
     """Replace AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` (module docstring)
     with the ops.
 
-    ``options`` (:data:`.areal_ops.OPTIONS`, fields of ``PluginSettings`` with their meaning):
+    ``options`` (``areal_ops.OPTIONS.names``, fields of ``PluginSettings`` with their meaning):
     ``logprobs_chunk_size`` (tokens per fp32 chunk, None = auto), ``validate`` (the ops'
     host-side checks, default True), ``batch_invariant`` and ``kernel``. Idempotent: what is
     patched stays; the given options replace the current ones. Returns the options in force.
@@ -77,11 +77,7 @@ def apply(**options) -> PluginSettings:
         UnsupportedArealError: AReaL missing or its names moved (nothing is patched then).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
-    unknown = sorted(set(options) - set(areal_ops.OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} of the AReaL integration; it takes "
-                         f"{list(areal_ops.OPTIONS)}")
-    settings = areal_ops.SETTINGS.configured(**options)
+    settings = areal_ops.OPTIONS.configured(**options)
     FRAMEWORK.apply(settings)
     return settings
 

@@ -41,7 +41,6 @@ from ._options import IntegrationOptions
 # The options apply() takes (fields of PluginSettings, same meaning and checks): AReaL always
 # normalises over the W*tp columns and has no fused head, so vocab_size and lm_head_chunk_size
 # do not apply.
-OPTIONS = ("logprobs_chunk_size", "validate", "batch_invariant", "kernel")
 
 _DIFFERENCES = (
     "runs on vocab_parallel_stats, without an fp32 copy of the logits or a saved softmax. "
@@ -54,8 +53,9 @@ NOTES = {
                                               "(AReaL's gives NaN)",
 }
 
-SETTINGS = IntegrationOptions("AReaL", NOTES)
-"""The options in force (``SETTINGS.settings``; set by ``areal.apply``) and the notes logged."""
+OPTIONS = IntegrationOptions(
+    "AReaL", NOTES, names=("logprobs_chunk_size", "validate", "batch_invariant", "kernel"))
+"""The options in force (``OPTIONS.settings``; set by ``areal.apply``) and the notes logged."""
 
 
 def _check(logits, labels, chunk_size) -> None:
@@ -89,11 +89,11 @@ def _row_argmax(logits, rank, group):
 
 
 def _stats(name, logits, labels, temperature, tp_group, chunk_size, entropy):
-    SETTINGS.note_once(name)
+    OPTIONS.note_once(name)
     _check(logits, labels, chunk_size)
     group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
     rank = 0 if group is None else dist.get_rank(group)
-    settings = SETTINGS.settings
+    settings = OPTIONS.settings
     options = replace(settings.stats_options(), entropy=entropy, temperature=temperature)
     width = logits.shape[-1]
     tp = 1 if group is None else dist.get_world_size(group)

@@ -73,7 +73,7 @@ def _helpers() -> dict:
 def apply(**options) -> PluginSettings:
     """Replace SkyRL's log-prob and entropy functions (module docstring) with the ops.
 
-    ``options`` (:data:`._options.OPTIONS`, fields of ``PluginSettings`` with their meaning):
+    ``options`` (``skyrl_ops.OPTIONS.names``, fields of ``PluginSettings`` with their meaning):
     ``vocab_size`` (the real V: padding columns get zero probability and ids at or above it
     give 0; default None, SkyRL's W·tp columns), ``logprobs_chunk_size`` (tokens per fp32
     chunk of the unfused op, None = auto), ``lm_head_chunk_size`` (tokens per chunk of the

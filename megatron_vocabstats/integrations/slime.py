@@ -73,7 +73,8 @@ def slime_version() -> str | None:
 FRAMEWORK = Framework(
     name="slime", distribution=None, version_of=slime_version,
     install_hint="a checkout of THUDM/slime installed with pip install -e .", tested=TESTED,
-    definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSlimeError)
+    definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSlimeError,
+    options=slime_ops.OPTIONS)
 
 
 def apply(args=None, /, **options) -> PluginSettings:
@@ -93,18 +94,14 @@ def apply(args=None, /, **options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     del args
-    settings = slime_ops.STATE.configured(**options)
-    FRAMEWORK.targets()  # raises before the options change
-    slime_ops.STATE.configure(settings)
-    FRAMEWORK.apply()
+    settings = slime_ops.OPTIONS.configured(**options)
+    FRAMEWORK.apply(settings)
     return settings
 
 
 def remove() -> list[str]:
     """Restore slime's original bindings; returns the names restored."""
-    restored = FRAMEWORK.remove()
-    slime_ops.STATE.reset()
-    return restored
+    return FRAMEWORK.remove()
 
 
 is_applied = FRAMEWORK.is_applied

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import vocab_parallel_stats
-from ._options import OPTIONS, IntegrationOptions  # noqa: F401 - OPTIONS: what apply() takes
+from ._options import IntegrationOptions
 
 NAME = "calculate_log_probs_and_entropy"
 NOTES = {
@@ -41,7 +41,7 @@ NOTES = {
         "still made, as slime makes it; one host read per call of whether an id lies outside "
         "the shards"),
 }
-STATE = IntegrationOptions("slime", NOTES, padding="slime normalises over all W*tp columns; an "
+OPTIONS = IntegrationOptions("slime", NOTES, padding="slime normalises over all W*tp columns; an "
                            "id >= vocab_size is then outside the vocabulary")
 
 
@@ -127,16 +127,16 @@ def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy: bool
             dtypes, and what ``vocab_parallel_stats`` raises (a row with no finite logit).
     """
     del chunk_size
-    STATE.note_once(NAME)
+    OPTIONS.note_once(NAME)
     _check(logits, tokens, log_prob_keep_mask)
     if logits.shape[0] == 0:
         return logits.new_zeros((0,)), logits.new_zeros((0,)) if with_entropy else None
     group = _group(tp_group)
     rank, tp = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     width = logits.shape[1]
-    start, limit = rank * width, STATE.settings.vocab_size or width * tp
+    start, limit = rank * width, OPTIONS.settings.vocab_size or width * tp
     mode = ("grad" if with_entropy_grad else "metric") if with_entropy else "off"
-    options = replace(STATE.settings.stats_options(), entropy=mode)
+    options = replace(OPTIONS.settings.stats_options(), entropy=mode)
     kwargs = options.op_kwargs(tp_group=group)
     tokens = tokens.long()
     z = logits

@@ -70,7 +70,7 @@ class UnsupportedVerlError(UnsupportedFrameworkError):
 
 FRAMEWORK = Framework(name="verl", distribution="verl", install_hint="pip install 'verl==0.9.*'",
                       tested=TESTED, definitions=DEFINITIONS, consumers=CONSUMERS,
-                      error=UnsupportedVerlError)
+                      error=UnsupportedVerlError, options=verl_ops.OPTIONS)
 
 
 def verl_version() -> str | None:
@@ -81,7 +81,7 @@ def verl_version() -> str | None:
 def apply(**options) -> PluginSettings:
     """Replace verl's log-prob and entropy functions (module docstring) with the ops.
 
-    ``options`` (:data:`.verl_ops.OPTIONS`, fields of ``PluginSettings`` with their meaning):
+    ``options`` (``verl_ops.OPTIONS.names``, fields of ``PluginSettings`` with their meaning):
     ``vocab_size`` (the real V: padding columns get zero probability; default None, verl's
     W·tp columns), ``logprobs_chunk_size`` (tokens per fp32 chunk of the unfused op, None =
     auto), ``lm_head_chunk_size`` (tokens per chunk of the fused head, 0 = auto),
@@ -93,16 +93,15 @@ def apply(**options) -> PluginSettings:
         UnsupportedVerlError: verl missing or its names moved (nothing is patched then).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
-    settings = verl_ops.configured(**options)
-    FRAMEWORK.apply(before=lambda: verl_ops.configure(settings))
+    settings = verl_ops.OPTIONS.configured(**options)
+    FRAMEWORK.apply(settings)
     return settings
 
 
 def remove() -> list[str]:
-    """Restore every original verl binding; returns the names restored."""
-    restored = FRAMEWORK.remove()
-    verl_ops.reset()
-    return restored
+    """Restore every original verl binding; returns the names restored (the options go back
+    to their defaults)."""
+    return FRAMEWORK.remove()
 
 
 is_applied = FRAMEWORK.is_applied

@@ -34,10 +34,9 @@ from dataclasses import replace
 import torch
 
 from ..mcore import default_tp_group
-from ..megatron.settings import PluginSettings
 from ..ops import linear_vocab_parallel_stats, vocab_parallel_stats
 from ..ops.options import check_choice
-from ._options import OPTIONS, IntegrationOptions  # noqa: F401 - OPTIONS: what apply() takes
+from ._options import IntegrationOptions
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -65,36 +64,14 @@ NOTES = {
         + "; any hidden size and device (verl's kernel: CUDA, hidden size a multiple of 128)"),
 }
 
-_OPTIONS = IntegrationOptions(
-    "verl", NOTES, padding="verl normalises over all W*tp columns")
+OPTIONS = IntegrationOptions("verl", NOTES, padding="verl normalises over all W*tp columns")
+"""The options in force (``OPTIONS.settings``; set by ``verl.apply``) and the notes logged."""
 
-
-def configured(**options) -> PluginSettings:
-    """``options`` (names in :data:`OPTIONS`) validated as ``PluginSettings`` fields; raises
-    ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
-    return _OPTIONS.configured(**options)
-
-
-def configure(settings: PluginSettings) -> None:
-    """Make ``settings`` (from :func:`configured`) the options of every replacement."""
-    _OPTIONS.configure(settings)
-
-
-def current() -> PluginSettings:
-    """The options in force (``active`` False while the integration is not applied)."""
-    return _OPTIONS.settings
-
-
-def reset() -> None:
-    """Back to the defaults; the differences will be logged again at their next first call."""
-    _OPTIONS.reset()
-
-
-_note_once = _OPTIONS.note_once
+_note_once = OPTIONS.note_once
 
 
 def _unfused(entropy: str) -> dict:
-    options = replace(_OPTIONS.settings.stats_options(), entropy=entropy)
+    options = replace(OPTIONS.settings.stats_options(), entropy=entropy)
     return options.op_kwargs(tp_group=default_tp_group())
 
 
@@ -158,7 +135,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         hidden = hidden.reshape(-1, hidden.shape[-1])
     if isinstance(labels, torch.Tensor):
         labels = labels.reshape(-1)
-    settings = _OPTIONS.settings
+    settings = OPTIONS.settings
     options = replace(settings.stats_options(fused=True), entropy="grad",
                       chunk_size=settings.lm_head_chunk_size or None, temperature=temperature)
     stats = linear_vocab_parallel_stats(hidden, weight, labels, partial_hidden_grad=True,

@@ -77,11 +77,11 @@ def test_apply_twice_patches_once_and_replaces_the_options(verl):
     integration.apply()
     before = {b: getattr(modules[b[0]], b[1]) for b in _framework_stubs.bindings(integration)}
     settings = integration.apply(logprobs_chunk_size=7, validate=False)
-    assert settings is verl_ops.current() and settings.logprobs_chunk_size == 7
+    assert settings is verl_ops.OPTIONS.settings and settings.logprobs_chunk_size == 7
     assert all(getattr(modules[m], n) is obj for (m, n), obj in before.items())
     assert len(integration.patched_names()) == 9
     integration.apply()
-    assert verl_ops.current().logprobs_chunk_size is None and verl_ops.current().validate
+    assert verl_ops.OPTIONS.settings.logprobs_chunk_size is None and verl_ops.OPTIONS.settings.validate
 
 
 @pytest.mark.parametrize("options, error", [
