@@ -14,7 +14,6 @@ MemTracker, the torch profiler's trace), :mod:`.summary` writes a trial's summar
 
 May import: torch and the standard library only (matplotlib lazily, for the memory plots).
 Never Megatron, the ops, or the examples; the plugin's own modules do not import this package.
-(``megatron_vocabstats.profile`` is its deprecated alias.)
 """
 
 from __future__ import annotations
