@@ -19,7 +19,8 @@ per component outside the supported-versions table, each once per process. :func
 gives the same words for a settings object without a model (the GSM8K example prints it).
 
 May import: :mod:`.settings`, :mod:`.compat`, :mod:`megatron_vocabstats.ops.kernels`,
-:mod:`megatron_vocabstats.version_check`, the standard library and torch.
+:mod:`megatron_vocabstats.version_check`, :mod:`megatron_vocabstats.mcore`, the standard
+library and torch.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import version_check
+from ..mcore import tp_group_of
 from ..ops.kernels import resolve_kernel
 from . import compat, settings
 
@@ -87,7 +89,7 @@ def layout(module) -> str:
     cp_group = getattr(getattr(module, "pg_collection", None), "cp", None)
     cp = _group_size(cp_group) if cp_group is not None else \
         getattr(config, "context_parallel_size", 1) or 1
-    return (f"tp {_group_size(compat.tp_group_of(module))}, cp {cp}, sequence parallel "
+    return (f"tp {_group_size(tp_group_of(module))}, cp {cp}, sequence parallel "
             f"{_on_off(getattr(config, 'sequence_parallel', False))}")
 
 

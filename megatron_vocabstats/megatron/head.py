@@ -33,8 +33,8 @@ import os
 
 import torch
 
+from ..mcore import tp_group_of
 from . import settings
-from .compat import tp_group_of
 
 logger = logging.getLogger("megatron_vocabstats")
 

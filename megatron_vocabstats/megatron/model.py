@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
+from ..mcore import tp_group_of
 from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
 from . import announce, settings
-from .compat import tp_group_of
 from .head import (
     DeferredLogits,
     deferred_call,

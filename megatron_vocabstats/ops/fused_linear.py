@@ -28,37 +28,32 @@ from typing import Unpack
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite, first_order_backward, host_checks_enabled
-from ._math import (
-    STAT_ARGMAX,
-    STAT_MAX,
-    finite_lse,
-    grad_coefficients,
-    merge_first_max,
-    merge_stats,
+from ._checks import check_finite, first_order_backward
+from ._grad import finite_lse, grad_coefficients
+from ._layout import merge_first_max
+from ._math import STAT_ARGMAX, STAT_MAX, merge_stats
+from .agreement import host_checks_enabled
+from .engine.backends import backend_of
+from .engine.chunks import (
+    flatten_target,
+    function_outputs,
+    gathered_stats,
+    merge_tokens_per_pass,
+    targets_in_range,
 )
-from .engine import (
+from .engine.kernel import StatsGrad
+from .engine.linear import (
     CPU_LINEAR_CHUNK_BYTES,
     INVARIANT_ROWS,
     ChunkBuffers,
     LinearStatsConfig,
-    StatsGrad,
-    accumulate_wgrad,
     auto_linear_chunk_size,
-    backend_of,
-    flatten_target,
-    forward_with_grads,
     full_hidden,
-    function_outputs,
     fused_chunks,
-    gathered_stats,
-    merge_tokens_per_pass,
-    recompute_backward,
     reduce_hidden_grad,
-    scaled_forward_grads,
-    targets_in_range,
-    wgrad_mode,
 )
+from .engine.recompute import forward_with_grads, recompute_backward, scaled_forward_grads
+from .engine.wgrad import accumulate_wgrad, wgrad_mode
 from .linear_checks import checked_linear_config
 from .options import LinearStatsKwargs, StatsKwargs, check_keywords
 from .vocab_parallel import VocabStats

@@ -16,14 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ._checks import first_order_backward
-from .engine import (
-    ChunkBuffers,
-    LinearStatsConfig,
-    flatten_target,
-    full_hidden,
-    linear_chunks,
-    recompute_backward,
-)
+from .engine.chunks import flatten_target
+from .engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
+from .engine.recompute import recompute_backward
 from .linear_checks import checked_linear_config
 from .options import TargetKwargs, check_keywords
 from .sampling import SamplingLogprobs, sampler_config

@@ -24,14 +24,10 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._checks import first_order_backward, host_checks_enabled
-from .engine import (
-    ChunkBuffers,
-    LinearStatsConfig,
-    full_hidden,
-    linear_chunks,
-    recompute_backward,
-)
+from ._checks import first_order_backward
+from .agreement import host_checks_enabled
+from .engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
+from .engine.recompute import recompute_backward
 from .linear_checks import checked_linear_config, lead_shape
 from .options import ScaledKwargs, check_keywords
 from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows

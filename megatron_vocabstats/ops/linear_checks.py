@@ -19,15 +19,11 @@ import dataclasses
 import torch
 
 from . import _comm
-from ._checks import (
-    LOGITS_DTYPES,
-    Field,
-    LogitsSpec,
-    bool_error,
-    checked_config,
-    tensor_checksum,
-)
-from .engine import LinearStatsConfig, auto_linear_chunk_size
+from ._argtypes import bool_error
+from ._checks import LogitsSpec, checked_config
+from .agreement import Field, tensor_checksum
+from .engine.linear import LinearStatsConfig, auto_linear_chunk_size
+from .options import LOGITS_DTYPES
 
 
 def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:

@@ -48,8 +48,10 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from ._checks import bits_float, check_number, checked_config, first_order_backward, float_bits
-from .engine import flatten_target, logits_chunks, logits_grad
+from ._argtypes import check_number
+from ._checks import checked_config, first_order_backward
+from .agreement import bits_float, float_bits
+from .engine.chunks import flatten_target, logits_chunks, logits_grad
 from .options import TargetKwargs, check_keywords
 from .sampling_search import (
     SampledGrad,

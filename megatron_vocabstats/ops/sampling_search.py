@@ -25,9 +25,12 @@ from typing import NamedTuple
 import torch
 
 from . import _comm
-from ._checks import StatsConfig, check_finite, host_checks_enabled
-from ._math import Z_FLOOR, target_in_range
-from .engine import Chunk
+from ._checks import check_finite
+from ._layout import target_in_range
+from ._math import Z_FLOOR
+from .agreement import host_checks_enabled
+from .engine.kernel import Chunk
+from .options import StatsConfig
 
 _KEY_MIN = -(2**31)
 _PAD_KEY = _KEY_MIN - 1  # below every real column: padding is never counted

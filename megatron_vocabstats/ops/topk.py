@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._checks import StatsConfig, checked_config, first_order_backward
-from .engine import logits_chunks, logits_grad
-from .options import ScaledKwargs, ShardKwargs, check_keywords
+from ._checks import checked_config, first_order_backward
+from .engine.chunks import logits_chunks, logits_grad
+from .options import ScaledKwargs, ShardKwargs, StatsConfig, check_keywords
 from .topk_checks import (
     agreement,
     index_problem,

@@ -17,15 +17,9 @@ import numbers
 import torch
 
 from . import _comm
-from ._checks import (
-    Field,
-    InputTypeError,
-    check_bool,
-    check_number,
-    checked_config,
-    host_checks_enabled,
-)
-from .agreement import target_checksum
+from ._argtypes import InputTypeError, check_bool, check_number
+from ._checks import checked_config
+from .agreement import Field, host_checks_enabled, target_checksum
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 

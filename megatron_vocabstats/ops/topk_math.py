@@ -23,17 +23,13 @@ from typing import NamedTuple
 import torch
 
 from . import _comm
-from ._checks import StatsConfig, check_finite, host_checks_enabled
-from ._math import (
-    NUM_STATS,
-    Z_FLOOR,
-    ShardLayout,
-    chunk_grad,
-    finite_lse,
-    log_normaliser,
-    split_lse,
-)
-from .engine import Chunk, ShardStats
+from ._checks import check_finite
+from ._grad import chunk_grad, finite_lse, split_lse
+from ._layout import ShardLayout
+from ._math import NUM_STATS, Z_FLOOR, log_normaliser
+from .agreement import host_checks_enabled
+from .engine.kernel import Chunk, ShardStats
+from .options import StatsConfig
 
 _LOW32 = 2**32
 

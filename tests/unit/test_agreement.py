@@ -11,12 +11,9 @@ import pytest
 import torch
 
 from megatron_vocabstats.ops import _checks, _math, agreement, options
+from megatron_vocabstats.ops._argtypes import InputTypeError
 from megatron_vocabstats.ops._checks import LogitsSpec, checked_config
-from megatron_vocabstats.ops.agreement import (
-    CrossRankCheck,
-    InputTypeError,
-    checked_on_every_rank,
-)
+from megatron_vocabstats.ops.agreement import CrossRankCheck, checked_on_every_rank
 
 OPS = pathlib.Path(_checks.__file__).parent
 OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,

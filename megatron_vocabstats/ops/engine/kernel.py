@@ -30,7 +30,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .._math import ShardLayout, block_stats, chunk_grad, chunk_stats
+from .._grad import chunk_grad
+from .._layout import ShardLayout
+from .._math import block_stats, chunk_stats
 
 
 class Chunk(NamedTuple):

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import _comm
-from .._checks import StatsConfig, auto_chunk_size
-from .._math import load_chunk, local_target_index, padded_width
+from .._layout import local_target_index, padded_width
+from .._math import load_chunk
+from ..options import StatsConfig, auto_chunk_size
 from ..workspace import WORKSPACE
 from .backends import backend_of
 from .kernel import Chunk

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from .. import _comm
-from .._checks import host_checks_enabled
-from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk
+from .._grad import finite_lse, grad_coefficients
+from .._math import MergedStats, load_chunk
+from ..agreement import host_checks_enabled
 from .backends import backend_of, grad_backend
 from .chunks import gathered_stats, targets_in_range
 from .kernel import ChunkGrad, StatsGrad
