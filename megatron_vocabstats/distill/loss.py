@@ -2,7 +2,8 @@
 log-probs at the teacher's ids from logits or a fused LM head, then :func:`topk_divergence`).
 
 May import: :mod:`.divergence`, :mod:`megatron_vocabstats.losses.inputs`,
-:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops.agreement``, ``ops.options``) and torch.
+:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops.topk_math``, ``ops.agreement``,
+``ops.options``) and torch.
 """
 
 from __future__ import annotations

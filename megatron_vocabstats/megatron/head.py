@@ -19,8 +19,8 @@ the fused head cannot stand in for Megatron's output layer.
   Megatron's own path runs, and the reason is logged once on rank 0, or raised with
   ``PluginSettings.require_fused_lm_head`` [--require-fused-lm-head].
 
-May import: :mod:`.settings`, :mod:`.compat`, the standard library, torch and, lazily,
-megatron.core.
+May import: :mod:`.settings`, :mod:`megatron_vocabstats.mcore`, the standard library, torch
+and, lazily, megatron.core.
 """
 
 from __future__ import annotations
