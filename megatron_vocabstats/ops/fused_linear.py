@@ -16,7 +16,8 @@ gradient-accumulation fusion (``weight.main_grad``).
 This module holds the autograd Function and the public API; the chunk loop, the buffers, the
 weight-gradient GEMMs, the recompute backward and the forward-gradient mode are the engine's
 (:mod:`.engine`); the input checks live in :mod:`.linear_checks`. May import: :mod:`._checks`,
-:mod:`._math`, :mod:`.options`, :mod:`.engine`, :mod:`.linear_checks` and the public names of
+:mod:`._layout`, :mod:`._grad`, :mod:`._math`, :mod:`.agreement`, :mod:`.options`,
+:mod:`.workspace`, the modules of :mod:`.engine`, :mod:`.linear_checks` and the public names of
 :mod:`.vocab_parallel`.
 """
 
@@ -43,11 +44,8 @@ from .engine.chunks import (
 )
 from .engine.kernel import StatsGrad
 from .engine.linear import (
-    CPU_LINEAR_CHUNK_BYTES,
-    INVARIANT_ROWS,
     ChunkBuffers,
     LinearStatsConfig,
-    auto_linear_chunk_size,
     full_hidden,
     fused_chunks,
     reduce_hidden_grad,
@@ -60,10 +58,6 @@ from .vocab_parallel import VocabStats
 from .workspace import untracked
 
 __all__ = [
-    "CPU_LINEAR_CHUNK_BYTES",
-    "INVARIANT_ROWS",
-    "LinearStatsConfig",
-    "auto_linear_chunk_size",
     "linear_vocab_parallel_cross_entropy",
     "linear_vocab_parallel_stats",
 ]

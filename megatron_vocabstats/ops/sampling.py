@@ -37,7 +37,8 @@ coarser), and only there may tp sizes differ.
 
 This module holds the autograd Function and the public API (and the filter checks); the radix
 search, the forward pass and the gradient kernel are in :mod:`.sampling_search`, the chunk loop in
-:mod:`.engine`. May import those, :mod:`._checks` and :mod:`.options`; never
+:mod:`.engine`. May import those, :mod:`._argtypes`, :mod:`._checks`, :mod:`.agreement` and
+:mod:`.options`; never
 ``megatron_vocabstats.megatron``.
 """
 
@@ -57,28 +58,18 @@ from .sampling_search import (
     SampledGrad,
     SamplerConfig,
     grad_coefficient,
-    sampled_chunk_grad,
     sampled_pass,
     sampling_outputs,
-    sort_keys,
-    value_of,
 )
 from .workspace import untracked
 
 # A top_k at least this large keeps every column of any vocabulary (ids are below 2**31).
 _TOP_K_ALL = 2**62
 
-# Names that moved to sampling_search and stay importable from here.
 __all__ = [
-    "SamplerConfig",
     "SamplingLogprobs",
-    "grad_coefficient",
-    "sampled_chunk_grad",
-    "sampled_pass",
     "sampler_config",
     "sampler_problem",
-    "sort_keys",
-    "value_of",
     "vocab_parallel_sampling_logprobs",
 ]
 

@@ -6,7 +6,8 @@ Every problem is returned (not raised) and routed through the core checks' one c
 exchange (``_checks.checked_config(local_error=..., agree=...)``), so that one rank's problem
 raises on every rank.
 
-May import: ``torch``, :mod:`._checks` and :mod:`._comm`; never an op module nor
+May import: ``torch``, :mod:`._argtypes`, :mod:`._checks`, :mod:`._comm` and :mod:`.agreement`;
+never an op module nor
 ``megatron_vocabstats.megatron``.
 """
 

@@ -6,8 +6,9 @@ them after a single all-gather; the backward recomputes each chunk and writes it
 preallocated tensor of the logits' dtype, with no collective.
 
 This module holds the Function and the public API; the chunk loop, the buffers and the gathered
-statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import: :mod:`._checks`,
-:mod:`._math`, :mod:`.options` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
+statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import:
+:mod:`._argtypes`, :mod:`._checks`, :mod:`._grad`, :mod:`._math`, :mod:`.agreement`,
+:mod:`.options`, :mod:`.workspace` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
 default tp group of :func:`vocab_parallel_cross_entropy` comes from ``megatron_vocabstats.mcore``,
 which only reads the third-party ``megatron.core``).
 """

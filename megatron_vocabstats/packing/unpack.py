@@ -1,6 +1,6 @@
 """Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`.
 
-May import: :mod:`.checks`, ``megatron_vocabstats.ops.agreement`` (and torch).
+May import: :mod:`.checks`, ``megatron_vocabstats.ops.agreement``, ``ops.options`` (and torch).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ chunks, gathered statistics, the unfused backward loop), :mod:`.linear` (the fus
 buffers, chunk GEMMs and chunk policy), :mod:`.wgrad` (weight/input gradients of a chunk),
 :mod:`.recompute` (the fused backward and the forward-gradient mode).
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`.._checks`, :mod:`.._comm`,
-:mod:`..options`, :mod:`..workspace` and, lazily (:mod:`.backends`), :mod:`..kernels.triton_stats`;
-never an op module of ``ops/`` nor the ``megatron_vocabstats.megatron`` subpackage.
+May import: ``torch``, :mod:`.._layout`, :mod:`.._math`, :mod:`.._grad`, :mod:`..agreement`,
+:mod:`.._checks`, :mod:`.._comm`, :mod:`..options`, :mod:`..workspace` and, lazily
+(:mod:`.backends`), :mod:`..kernels.triton_stats`; never an op module of ``ops/`` nor the
+``megatron_vocabstats.megatron`` subpackage.
 """

@@ -19,8 +19,8 @@ object per ``cfg.kernel``) make the core op's objects below into what runs; the 
 ``chunk.logits``, or, in the fused LM head, computes them tile by tile from ``chunk.hidden`` and
 ``chunk.weight`` (``chunk.logits`` None).
 
-May import: ``torch`` and :mod:`.._math`; nothing else of the package (the rest of the engine
-imports it).
+May import: ``torch``, :mod:`.._layout`, :mod:`.._grad` and :mod:`.._math`; nothing else of the
+package (the rest of the engine imports it).
 """
 
 from __future__ import annotations

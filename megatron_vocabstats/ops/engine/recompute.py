@@ -10,7 +10,8 @@ forward.
   :func:`forward_with_grads` (statistics and gradients in one pass), :func:`scaled_forward_grads`
   (its backward) and :func:`upstream_scale` (the scalar ``c`` and its check).
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm` and the rest of the engine
+May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`..agreement`, :mod:`.._comm` and the
+rest of the engine
 (:mod:`.kernel`, :mod:`.chunks`, :mod:`.linear`, :mod:`.wgrad`); never an op module nor
 ``megatron_vocabstats.megatron``.
 """
