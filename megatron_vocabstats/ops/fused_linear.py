@@ -51,7 +51,6 @@ from .engine.linear import (
     reduce_hidden_grad,
 )
 from .engine.recompute import forward_with_grads, recompute_backward, scaled_forward_grads
-from .engine.wgrad import accumulate_wgrad, wgrad_mode
 from .linear_checks import checked_linear_config
 from .options import LinearStatsKwargs, StatsKwargs, check_keywords
 from .vocab_parallel import VocabStats
@@ -61,10 +60,6 @@ __all__ = [
     "linear_vocab_parallel_cross_entropy",
     "linear_vocab_parallel_stats",
 ]
-
-# The former private names of this module, still read by tests/gpu: deprecated aliases of the
-# engine's (``ops.engine``), kept so that old imports keep working.
-_ChunkBuffers, _accumulate_wgrad, _wgrad_mode = ChunkBuffers, accumulate_wgrad, wgrad_mode
 
 
 class _LinearVocabParallelStats(torch.autograd.Function):
