@@ -26,7 +26,6 @@ library and torch.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -105,12 +104,6 @@ def superseded(module) -> str:
             f"Megatron's fused cross-entropy does not run)")
 
 
-def _rank() -> int:
-    if dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.device) -> None:
     """Log the line on rank 0 the first time a patched call site runs the plugin (then never
     again until :func:`reset`). ``module``: the Megatron model whose loss is computed."""
@@ -118,7 +111,7 @@ def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.dev
     if _ANNOUNCED:
         return
     _ANNOUNCED = True
-    if _rank() != 0:
+    if not version_check.is_rank0():
         return
     from .. import __version__
 
