@@ -9,6 +9,10 @@ call; the first call of the process logs, on global rank 0 only, one ``INFO`` re
     torch, label smoothing 0.0, checks on, batch invariance off; tp 2, cp 1, sequence parallel
     off; megatron-core 0.19.2
 
+Where :data:`~megatron_vocabstats.ops.kernels.KERNEL_ENV` (``VOCABSTATS_KERNEL``) chose the
+backend of ``kernel="auto"``, the line names it: ``kernel auto -> triton
+(VOCABSTATS_KERNEL=triton)``.
+
 A model config with ``cross_entropy_loss_fusion=True`` (where no Megatron parser ran to refuse
 it with ``--vocab-parallel-stats``, e.g. Megatron-Bridge, whose default it is) adds
 ``; supersedes cross_entropy_loss_fusion=True (...)`` to the line: that fused loss does not run.
@@ -32,7 +36,7 @@ import torch.distributed as dist
 
 from .. import version_check
 from ..mcore import tp_group_of
-from ..ops.kernels import resolve_kernel
+from ..ops.kernels import KERNEL_ENV, forced_kernel, resolve_kernel
 from . import compat, settings
 
 logger = logging.getLogger("megatron_vocabstats")
@@ -68,6 +72,8 @@ def describe(cfg: settings.PluginSettings, *, fused: bool | None = None,
             kernel = f"auto -> {resolve_kernel('auto', device)}"
         except ValueError:  # a bad VOCABSTATS_KERNEL: the op itself raises it, naming it
             pass
+    if cfg.kernel == "auto" and forced_kernel():  # the environment decided the backend
+        kernel += f" ({KERNEL_ENV}={forced_kernel()})"
     parts = [head, f"entropy {cfg.entropy}"
              + (f" (coef {cfg.entropy_coef})" if cfg.entropy_coef else ""),
              f"kernel {kernel}", f"label smoothing {cfg.label_smoothing}",
