@@ -57,8 +57,8 @@ from _runner import (
 )
 from bench_vocab_parallel import megatron_ce
 from megatron_vocabstats import vocab_parallel_stats
+from megatron_vocabstats.ops.engine.linear import auto_linear_chunk_size
 from megatron_vocabstats.ops.fused_linear import (
-    auto_linear_chunk_size,
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
 )

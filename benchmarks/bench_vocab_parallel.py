@@ -46,7 +46,7 @@ from _runner import (
     write_worker_rows,
 )
 from megatron_vocabstats import vocab_parallel_stats
-from megatron_vocabstats.ops._checks import auto_chunk_size
+from megatron_vocabstats.ops.options import auto_chunk_size
 
 GiB = 1024**3
 # Fixed per-token fp32 allowance in the bound: stats [5, T], gathered [tp, 5, T], outputs, masks.

@@ -112,7 +112,7 @@ def auto_kernel(torch) -> tuple[str, str]:
         chosen = kernels.resolve_kernel("auto", device)
     except ValueError as exc:
         return "error", str(exc)
-    forced = os.environ.get(kernels.KERNEL_ENV, "")
+    forced = kernels.forced_kernel()
     if forced:
         why = f"{kernels.KERNEL_ENV}={forced} is set"
     elif device.type != "cuda":

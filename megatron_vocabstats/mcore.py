@@ -5,8 +5,7 @@ Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`),
 :func:`megatron_tp_size` and :func:`megatron_padded_vocab_size` (read by the ops' checks of
 ``tp_group``) and :func:`packed_seq_params_class` (read by :mod:`megatron_vocabstats.packing`).
 They sit below ``megatron_vocabstats.megatron`` so that the losses and packing (and the ops)
-can use them without importing that subpackage; :mod:`megatron_vocabstats.megatron.compat`
-re-exports them.
+can use them without importing that subpackage.
 
 May import: torch and, lazily, the third-party ``megatron.core``; never another module of the
 package. Importing it never imports Megatron.

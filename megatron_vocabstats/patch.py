@@ -23,11 +23,11 @@ or lacks the names the plugin needs.
 from __future__ import annotations
 
 import logging
-import os
 
 from .megatron import arguments, compat, model, mtp, settings
 from .megatron._patching import PATCHER
 from .ops.workspace import with_workspace_reset
+from .version_check import is_rank0
 
 logger = logging.getLogger("megatron_vocabstats")
 
@@ -35,7 +35,7 @@ __all__ = ["apply", "remove", "is_applied", "patched_names"]
 
 
 def _log_rank0(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank0():
         logger.info(message)
 
 

@@ -21,6 +21,10 @@ they are shown without any logging set-up, pytest lists them, and a category can
 (``-W ignore::megatron_vocabstats.version_check.UntestedVersionWarning``) or made an error in CI
 (``-W error::...``) without touching the plugin's log records.
 
+Also the package's one rank-0 test, :func:`is_rank0` (the version warning, the Megatron patch's
+log lines, the integrations' notes and the profiling command line's errors all use it): the
+lowest module that every one of them may import.
+
 May import: :mod:`megatron_vocabstats.versions`, the standard library and (already imported)
 torch; never Megatron or Triton themselves (their versions come from what is imported or from
 the installed distribution's metadata).
@@ -36,7 +40,7 @@ import warnings
 from . import versions
 
 __all__ = ["UntestedVersionWarning", "package_info_release", "found_versions", "untested",
-           "warn_untested", "at_first_op", "reset"]
+           "warn_untested", "at_first_op", "reset", "is_rank0"]
 
 COMPONENTS = ("Python", "torch", "Triton", "megatron-core")
 _checked: set[str] = set()
@@ -97,15 +101,19 @@ def untested(found: dict[str, str]) -> list[str]:
             if (problem := versions.check_version(name, version)) is not None]
 
 
-def _rank() -> int:
+def is_rank0() -> bool:
+    """Whether this process is global rank 0, the one that logs and warns: torch.distributed's
+    rank once a process group is initialised, else ``RANK`` (as torchrun and Ray workers set it;
+    unset, as in a single process, or not an integer: rank 0). Imports nothing (torch only if
+    already imported)."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+        return dist.get_rank() == 0
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get("RANK", "0")) == 0
     except ValueError:
-        return 0
+        return True
 
 
 def warn_untested(*, megatron_core: str | None = None, stacklevel: int = 2) -> list[str]:
@@ -119,7 +127,7 @@ def warn_untested(*, megatron_core: str | None = None, stacklevel: int = 2) -> l
              found_versions(megatron_core=megatron_core).items() if name not in _checked}
     # Python, torch and Triton (found or not) once; megatron-core once it is imported.
     _checked.update({"Python", "torch", "Triton"} | found.keys())
-    if _rank() != 0:
+    if not is_rank0():
         return []
     problems = untested(found)
     for problem in problems:

@@ -5,8 +5,7 @@
 under ``torchrun`` for several ranks), and ``python -m examples.gsm8k.profile summarize OUT``
 (the same as ``python -m megatron_vocabstats.profiling summarize OUT``). The instruments and the
 summaries are the plugin's :mod:`megatron_vocabstats.profiling`; this module is the part that
-runs the example (it moved here from ``megatron_vocabstats.profile.runner``/``__main__``, so
-that the plugin never imports the example).
+runs the example (it lives here so that the plugin never imports the example).
 
 Each trial kind (``memory``, ``kernels``) is a separate training run from the same seed, so
 that recording memory never disturbs the kernel timeline. In a run, the chosen ranks wrap the

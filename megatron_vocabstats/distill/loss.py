@@ -2,7 +2,8 @@
 log-probs at the teacher's ids from logits or a fused LM head, then :func:`topk_divergence`).
 
 May import: :mod:`.divergence`, :mod:`megatron_vocabstats.losses.inputs`,
-:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops.agreement``, ``ops.options``) and torch.
+:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops.topk_math``, ``ops.agreement``,
+``ops.options``) and torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..ops.agreement import (
     tensor_checksum,
 )
 from ..ops.options import FP32_MAX, LOGP_MIN, MIN_TEMPERATURE, check_bool, check_number
-from ..ops.topk import TopK, vocab_parallel_topk_logprobs
+from ..ops.topk import vocab_parallel_topk_logprobs
+from ..ops.topk_math import TopK
 from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 
 StudentFn = Callable[..., torch.Tensor]

@@ -7,8 +7,8 @@ bind those names at import, and the replacement functions (whose parameter names
 originals'). :meth:`Framework.apply` checks everything before it patches anything and logs one
 line on rank 0; :meth:`Framework.remove` restores every original.
 
-May import: ``megatron._patching``, ``versions``, the package's ``PATCHERS``, torch, packaging
-and the standard library.
+May import: ``megatron._patching``, ``versions``, ``version_check`` (``is_rank0``), the
+package's ``PATCHERS``, torch, packaging and the standard library.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from packaging.version import InvalidVersion, Version
 
 from .. import versions
 from ..megatron._patching import Patcher, describe
+from ..version_check import is_rank0
 from . import PATCHERS
 
 logger = logging.getLogger("megatron_vocabstats")
@@ -35,12 +35,6 @@ logger = logging.getLogger("megatron_vocabstats")
 class UnsupportedFrameworkError(ImportError):
     """The framework is missing, or its modules, names or signatures are not the ones the
     integration replaces; nothing was patched."""
-
-
-def rank0() -> bool:
-    """Whether this process is global rank 0 (``RANK``, as torchrun and Ray workers set it; no
-    variable: a single process): the one that logs."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def parameters(fn) -> tuple[str, ...] | None:
@@ -213,7 +207,7 @@ class Framework:
         except BaseException:
             self.patcher.remove_all()
             raise
-        if patched and rank0():
+        if patched and is_rank0():
             untested = versions.check_version("torch", torch.__version__)
             logger.log(logging.WARNING if untested else logging.INFO,
                        "megatron-vocabstats: patched %s for %s %s%s", ", ".join(patched),
@@ -226,7 +220,7 @@ class Framework:
         restored = self.patcher.remove_all()
         if self.options is not None:
             self.options.reset()
-        if restored and rank0():
+        if restored and is_rank0():
             logger.info("megatron-vocabstats: restored %s", ", ".join(restored))
         return restored
 

@@ -6,7 +6,7 @@ The options are fields of ``PluginSettings`` with the same meaning and checks (`
 the notes are the conventions in which a replacement differs from the framework's function,
 logged once per name on rank 0 (logger ``megatron_vocabstats``, WARNING) at its first call.
 
-May import: ``megatron.settings``, :mod:`._framework` (``rank0``) and the standard library.
+May import: ``megatron.settings``, ``version_check`` (``is_rank0``) and the standard library.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 
 from ..megatron.settings import PluginSettings
-from ._framework import rank0
+from ..version_check import is_rank0
 
 logger = logging.getLogger("megatron_vocabstats")
 
@@ -65,7 +65,7 @@ class IntegrationOptions:
         if name in self.noted:
             return
         self.noted.add(name)
-        if rank0():
+        if is_rank0():
             padding = ("" if self.settings.vocab_size is None else
                        f"; vocab_size={self.settings.vocab_size}: the padding columns get zero "
                        f"probability ({self.padding or 'theirs count'})")

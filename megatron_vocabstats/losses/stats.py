@@ -36,10 +36,8 @@ class StatsOptions:
     construction (``TypeError`` / ``ValueError`` naming the field, as the op's). ``validate``
     defaults to False here (unlike the op): its checks read tensor values on the host once per
     call, which a training step should not pay; turn it on while debugging a data pipeline.
-    ``batch_invariant`` (False, True or ``"tp"``) is passed to a statistics callable only when
-    set, so callables that predate it keep working; so is ``kernel`` (``"auto"``, ``"torch"``
-    or ``"triton"``, the backend of the unfused op and of the fused LM head; only when not
-    ``"auto"``).
+    ``batch_invariant`` is False, True or ``"tp"``; ``kernel`` is ``"auto"``, ``"torch"`` or
+    ``"triton"`` (the backend of the unfused op and of the fused LM head).
 
     It is the one options object of the statistics: :func:`token_stats`, :func:`sft_loss` and
     :func:`logprobs_step` use it, and the Megatron settings build it
@@ -75,17 +73,11 @@ class StatsOptions:
 
         Every field under its own name (the keywords of
         :func:`~megatron_vocabstats.vocab_parallel_stats` and
-        :func:`~megatron_vocabstats.linear_vocab_parallel_stats`), except ``batch_invariant`` and
-        ``kernel``, left out while they are False / ``"auto"`` (the ops' defaults), so that
-        statistics callables that predate them keep working:
+        :func:`~megatron_vocabstats.linear_vocab_parallel_stats`):
         ``vocab_parallel_stats(logits, target, **options.op_kwargs(tp_group=g))``.
         Raises ``TypeError`` if ``extra`` names a field.
         """
         kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
-        if kwargs["batch_invariant"] is False:
-            del kwargs["batch_invariant"]
-        if kwargs["kernel"] == "auto":
-            del kwargs["kernel"]
         clash = sorted(extra.keys() & {f.name for f in fields(self)})
         if clash:
             raise TypeError(f"op_kwargs: {clash} are fields of StatsOptions, not extra keywords")
@@ -127,8 +119,8 @@ def token_stats(
             * a :class:`~megatron_vocabstats.VocabStats` already computed (a fused LM head):
               returned as is, after a shape check;
             * a callable ``fn(target, *, tp_group, vocab_size, chunk_size, entropy, temperature,
-              ignore_index, label_smoothing, validate[, batch_invariant]) -> VocabStats``, i.e.
-              ``vocab_parallel_stats``'s keywords (for example a partial of
+              ignore_index, label_smoothing, validate, batch_invariant, kernel) -> VocabStats``,
+              i.e. ``vocab_parallel_stats``'s keywords (for example a partial of
               :func:`~megatron_vocabstats.ops.fused_linear.linear_vocab_parallel_stats` over its
               hidden states and weight). It receives ``target`` shaped like ``labels`` and must
               return statistics shaped like ``labels``: over Megatron's ``[s, b, H]`` hidden

@@ -1,7 +1,7 @@
 """Everything that knows Megatron's names: feature detection (:mod:`.compat`), the flag family
 and its config hook (:mod:`.arguments`, :mod:`.flag_types`, :mod:`.run_args`), the run-time
-settings (:mod:`.settings`), the replaced call sites (:mod:`.model`), the reversible patcher
-(:mod:`._patching`) and the CPU shims of the tests (:mod:`.cpu`).
+settings (:mod:`.settings`), the replaced call sites (:mod:`.model`) and the reversible patcher
+(:mod:`._patching`).
 
 May import: :mod:`megatron_vocabstats.ops`, ``.losses``, ``.packing``, ``.rollout``, ``.mcore``
 and, lazily, the third-party Megatron. Nothing below it (ops, losses, distill, packing, rollout)

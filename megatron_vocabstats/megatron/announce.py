@@ -9,6 +9,10 @@ call; the first call of the process logs, on global rank 0 only, one ``INFO`` re
     torch, label smoothing 0.0, checks on, batch invariance off; tp 2, cp 1, sequence parallel
     off; megatron-core 0.19.2
 
+Where :data:`~megatron_vocabstats.ops.kernels.KERNEL_ENV` (``VOCABSTATS_KERNEL``) chose the
+backend of ``kernel="auto"``, the line names it: ``kernel auto -> triton
+(VOCABSTATS_KERNEL=triton)``.
+
 A model config with ``cross_entropy_loss_fusion=True`` (where no Megatron parser ran to refuse
 it with ``--vocab-parallel-stats``, e.g. Megatron-Bridge, whose default it is) adds
 ``; supersedes cross_entropy_loss_fusion=True (...)`` to the line: that fused loss does not run.
@@ -19,19 +23,20 @@ per component outside the supported-versions table, each once per process. :func
 gives the same words for a settings object without a model (the GSM8K example prints it).
 
 May import: :mod:`.settings`, :mod:`.compat`, :mod:`megatron_vocabstats.ops.kernels`,
-:mod:`megatron_vocabstats.version_check`, the standard library and torch.
+:mod:`megatron_vocabstats.version_check`, :mod:`megatron_vocabstats.mcore`, the standard
+library and torch.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from .. import version_check
-from ..ops.kernels import resolve_kernel
+from ..mcore import tp_group_of
+from ..ops.kernels import KERNEL_ENV, forced_kernel, resolve_kernel
 from . import compat, settings
 
 logger = logging.getLogger("megatron_vocabstats")
@@ -67,6 +72,8 @@ def describe(cfg: settings.PluginSettings, *, fused: bool | None = None,
             kernel = f"auto -> {resolve_kernel('auto', device)}"
         except ValueError:  # a bad VOCABSTATS_KERNEL: the op itself raises it, naming it
             pass
+    if cfg.kernel == "auto" and forced_kernel():  # the environment decided the backend
+        kernel += f" ({KERNEL_ENV}={forced_kernel()})"
     parts = [head, f"entropy {cfg.entropy}"
              + (f" (coef {cfg.entropy_coef})" if cfg.entropy_coef else ""),
              f"kernel {kernel}", f"label smoothing {cfg.label_smoothing}",
@@ -87,7 +94,7 @@ def layout(module) -> str:
     cp_group = getattr(getattr(module, "pg_collection", None), "cp", None)
     cp = _group_size(cp_group) if cp_group is not None else \
         getattr(config, "context_parallel_size", 1) or 1
-    return (f"tp {_group_size(compat.tp_group_of(module))}, cp {cp}, sequence parallel "
+    return (f"tp {_group_size(tp_group_of(module))}, cp {cp}, sequence parallel "
             f"{_on_off(getattr(config, 'sequence_parallel', False))}")
 
 
@@ -103,12 +110,6 @@ def superseded(module) -> str:
             f"Megatron's fused cross-entropy does not run)")
 
 
-def _rank() -> int:
-    if dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.device) -> None:
     """Log the line on rank 0 the first time a patched call site runs the plugin (then never
     again until :func:`reset`). ``module``: the Megatron model whose loss is computed."""
@@ -116,7 +117,7 @@ def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.dev
     if _ANNOUNCED:
         return
     _ANNOUNCED = True
-    if _rank() != 0:
+    if not version_check.is_rank0():
         return
     from .. import __version__
 

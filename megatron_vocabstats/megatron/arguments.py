@@ -20,7 +20,7 @@ import logging
 import warnings
 
 from ..ops.kernels import KERNEL_CHOICES, resolve_kernel
-from ..ops.options import BATCH_INVARIANT_NAMES
+from ..ops.options import BATCH_INVARIANT_NAMES, ENTROPY_MODES
 from ..rollout import ROLLOUT_LEVELS, RolloutCorrection
 from . import compat, settings
 from .flag_types import FLAG_TYPES, OPTIONAL_FLAGS, ROLLOUT_FLAGS
@@ -37,7 +37,7 @@ def check_flag_values(args) -> None:
     """Raise ``ValueError`` naming the flag for a value of the family its parser would refuse:
     a number outside :data:`FLAG_TYPES` or a choice not offered, set without the parser (a YAML
     config, a script). Flags absent from ``args`` are not checked."""
-    choices = {"vocab_stats_entropy": settings.ENTROPY_MODES,
+    choices = {"vocab_stats_entropy": ENTROPY_MODES,
                "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG),
                "vocab_stats_kernel": KERNEL_CHOICES,
                "rollout_correction": settings.ROLLOUT_CORRECTION_MODES,
@@ -76,7 +76,7 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "head cannot reproduce a model's output layer (a bias, "
                        "disable_grad_reduce, deferred embedding wgrad), instead of logging why "
                        "once and running Megatron's output layer there."),
-    group.add_argument("--vocab-stats-entropy", choices=settings.ENTROPY_MODES, default="off",
+    group.add_argument("--vocab-stats-entropy", choices=ENTROPY_MODES, default="off",
                        help="Entropy: off, metric (reported, no grad) or grad (differentiable).")
     group.add_argument("--entropy-coef", type=FLAG_TYPES["entropy_coef"], default=0.0,
                        help="Entropy bonus: per-token loss -logprob - coef * entropy "

@@ -3,8 +3,7 @@
 Every lookup is lazy: importing this module never imports Megatron, transformer-engine or apex.
 Names are detected with ``hasattr`` / ``inspect.signature``; the version string only appears in
 messages. ``tp_group_of``, ``default_tp_group`` and ``packed_seq_params_class`` live in
-:mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops) and are
-re-exported here.
+:mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops).
 
 May import: :mod:`megatron_vocabstats.mcore`, :mod:`megatron_vocabstats.versions`,
 :mod:`megatron_vocabstats.version_check`, the standard library, torch and, lazily, the
@@ -17,8 +16,6 @@ import importlib
 import inspect
 import os
 
-# Re-exported: the lookups the lower layer needs live in megatron_vocabstats.mcore.
-from ..mcore import default_tp_group, packed_seq_params_class, tp_group_of  # noqa: F401
 from ..version_check import package_info_release
 from ..versions import supported_range
 

@@ -19,7 +19,8 @@ the fused head cannot stand in for Megatron's output layer.
   Megatron's own path runs, and the reason is logged once on rank 0, or raised with
   ``PluginSettings.require_fused_lm_head`` [--require-fused-lm-head].
 
-May import: :mod:`.settings`, :mod:`.compat`, the standard library, torch and, lazily,
+May import: :mod:`.settings`, :mod:`megatron_vocabstats.mcore`,
+:mod:`megatron_vocabstats.version_check` (``is_rank0``), the standard library, torch and, lazily,
 megatron.core.
 """
 
@@ -29,12 +30,12 @@ import contextlib
 import logging
 import math
 import numbers
-import os
 
 import torch
 
+from ..mcore import tp_group_of
+from ..version_check import is_rank0
 from . import settings
-from .compat import tp_group_of
 
 logger = logging.getLogger("megatron_vocabstats")
 
@@ -287,6 +288,6 @@ def fused_or_report(where: str, reasons, cfg: settings.PluginSettings) -> bool:
                          f"or change the model)")
     if (where, reasons) not in _REPORTED:
         _REPORTED.add((where, reasons))
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank0():
             logger.warning(message)
     return False

@@ -9,8 +9,8 @@ with the output layer deferred (:func:`.head.deferred_output_layer`) so that
 ``compute_language_model_loss`` receives the hidden states instead of logits. The MTP depths'
 loss is :mod:`.mtp`'s.
 
-May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`, :mod:`.compat`,
-:mod:`.head`, :mod:`.announce` and torch.
+May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`,
+:mod:`megatron_vocabstats.mcore`, :mod:`.head`, :mod:`.announce` and torch.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
+from ..mcore import tp_group_of
 from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
 from . import announce, settings
-from .compat import tp_group_of
 from .head import (
     DeferredLogits,
     deferred_call,

@@ -21,7 +21,8 @@ per-depth statistics are kept as ``model.last_mtp_vocab_stats`` (a tuple of
 :class:`~megatron_vocabstats.VocabStats` ``[b, s]``, depth 1 first, each for its rolled labels).
 
 May import: :mod:`megatron_vocabstats.ops` (public modules), :mod:`.settings`, :mod:`.head`,
-:mod:`.model`, the standard library, torch and, lazily, megatron.core.
+:mod:`.model`, :mod:`megatron_vocabstats.version_check` (``is_rank0``), the standard library,
+torch and, lazily, megatron.core.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 
 import torch
 
 from ..ops.kernels import resolve_kernel
+from ..version_check import is_rank0
 from . import settings
 from .head import deferred_call, fused_or_report, not_fused_reasons
 from .model import LAST_MTP_STATS_ATTR, collect_mtp_stats, detached_bs, fused_stats, per_token_loss
@@ -76,7 +77,7 @@ def _acceptance_kernel(cfg: settings.PluginSettings, device) -> str | None:
     settings' unless it resolves to one without the argmax row (then "torch", noted once)."""
     if resolve_kernel(cfg.kernel, device) == "torch":
         return None
-    if cfg.kernel not in _NOTED and int(os.environ.get("RANK", "0")) == 0:
+    if cfg.kernel not in _NOTED and is_rank0():
         logger.info("megatron-vocabstats: the MTP depths' statistics run on the torch kernels "
                     "while Megatron logs acceptance counts (the argmax row is theirs only)")
     _NOTED.add(cfg.kernel)

@@ -15,13 +15,13 @@ from .fused_sampling import linear_vocab_parallel_sampling_logprobs
 from .fused_topk import linear_vocab_parallel_topk, linear_vocab_parallel_topk_logprobs
 from .sampling import SamplingLogprobs, vocab_parallel_sampling_logprobs
 from .topk import (
-    TopK,
     TopKLogits,
     vocab_parallel_gather_logits,
     vocab_parallel_topk,
     vocab_parallel_topk_logits,
     vocab_parallel_topk_logprobs,
 )
+from .topk_math import TopK
 from .vocab_parallel import (
     VocabStats,
     vocab_parallel_cross_entropy,

@@ -18,10 +18,9 @@ compared columns of its exchange, :func:`check_finite` and the double-backward g
 pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._layout` (the
 shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
 (the ``kernel`` choice, :func:`~.kernels.resolve_kernel`), :mod:`._replicated` (identical
-shards on every rank) and :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`);
-every name that used to be defined here is re-exported. May import those modules, :mod:`._comm` and
-``megatron_vocabstats.mcore`` (whether Megatron's parallel state is tensor parallel: a missing
-``tp_group``), not the op modules.
+shards on every rank) and :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`).
+May import those modules, :mod:`._comm` and ``megatron_vocabstats.mcore`` (whether Megatron's
+parallel state is tensor parallel: a missing ``tp_group``), not the op modules.
 """
 
 from __future__ import annotations
@@ -38,84 +37,41 @@ from . import _comm
 from ._argtypes import INT64_RANGE as _INT64
 from ._argtypes import (
     InputTypeError,
-    bool_error,
     check_bool,
     check_choice,
     check_int64,
-    check_integer,
     check_number,
-    check_real,
 )
-from ._layout import BLOCK, ShardLayout, check_contiguous, shard_layout
-from ._layout import MAX_ID as _MAX_ID  # noqa: F401 - re-exported
+from ._layout import check_contiguous, shard_layout
 from ._replicated import identical_shards
 from .agreement import (
     CrossRankCheck,
     Field,
-    agree_across_ranks,
     bits_float,
-    checked_on_every_rank,
     float_bits,
     host_checks_enabled,
     tensor_checksum,
 )
 from .agreement import agree_field as _agree_field
-from .agreement import as_field as _as_field  # noqa: F401 - re-exported
 from .agreement import target_checksum as _target_checksum
 from .kernels import KERNELS, resolve_kernel
 from .options import (
     BATCH_INVARIANT_MODES,
-    BATCH_INVARIANT_NAMES,
-    CHUNK_BYTES,
     ENTROPY_MODES,
-    FP32_MAX,
     IGNORE_INDEX,
     LOGITS_DTYPES,
     MIN_TEMPERATURE,
     StatsConfig,
     auto_chunk_size,
-    check_batch_invariant,
 )
 from .options import batch_invariant_mode as _batch_invariant_mode
 
-# Re-exported: these names used to be defined here (importable from ``ops._checks`` as before).
-_BATCH_INVARIANT_NAMES = BATCH_INVARIANT_NAMES
-_int64 = check_int64
 __all__ = [
-    "BATCH_INVARIANT_MODES",
-    "BATCH_INVARIANT_NAMES",
-    "BLOCK",
-    "CHUNK_BYTES",
-    "ENTROPY_MODES",
-    "FP32_MAX",
-    "IGNORE_INDEX",
-    "LOGITS_DTYPES",
-    "MIN_TEMPERATURE",
-    "CrossRankCheck",
-    "Field",
-    "InputTypeError",
     "LogitsSpec",
-    "ShardLayout",
-    "StatsConfig",
-    "agree_across_ranks",
-    "auto_chunk_size",
-    "bits_float",
-    "bool_error",
-    "check_batch_invariant",
-    "check_bool",
-    "check_contiguous",
     "check_finite",
-    "check_integer",
-    "check_number",
-    "check_real",
     "checked_config",
-    "checked_on_every_rank",
     "first_order_backward",
-    "float_bits",
-    "host_checks_enabled",
     "refuse_double_backward",
-    "shard_layout",
-    "tensor_checksum",
 ]
 
 
@@ -296,7 +252,7 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
         float_bits(cfg.label_smoothing),
         BATCH_INVARIANT_MODES.index(cfg.batch_invariant),
         KERNELS.index(cfg.kernel),
-        *(_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
+        *(check_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
     ]
     return [*row, _first_row_sample(logits, layout.width), layout.vocab_start, layout.width]
 

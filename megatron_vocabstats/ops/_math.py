@@ -7,7 +7,7 @@ the upcast of a chunk (:func:`load_chunk`), its statistics (:func:`chunk_stats`,
 :func:`reduce_blocks`, :func:`log_normaliser`). The shard layout (:class:`ShardLayout`,
 :data:`BLOCK`, :func:`padded_width`, the target-index helpers) lives in :mod:`._layout`, the
 gradient (:func:`chunk_grad`, :func:`grad_coefficients`, :func:`finite_lse`, :data:`LOGP_MIN`)
-in :mod:`._grad`; both are re-exported here. The formulas are those of ``docs/numerics.md``:
+in :mod:`._grad`. The formulas are those of ``docs/numerics.md``:
 
 * per shard r and token: ``m_r = max_j z_j``, ``s_r = sum_j exp(z_j - m_r)``,
   ``u_r = sum_j exp(z_j - m_r) * (z_j - m_r)``, ``t_r = z_y`` if the target is local else 0, and
@@ -42,21 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._grad import (  # noqa: F401 - re-exported
-    LOGP_MIN,
-    chunk_grad,
-    finite_lse,
-    grad_coefficients,
+from ._grad import (
     split_lse,
 )
-from ._layout import (  # noqa: F401 - re-exported: the layout used to live here
+from ._layout import (
     BLOCK,
     ShardLayout,
-    local_target_index,
-    merge_first_max,
-    padded_width,
     put_first_max_ids,
-    target_in_range,
 )
 
 # Logits are clamped to Z_FLOOR as they are upcast, so every shifted logit stays finite:

@@ -10,9 +10,7 @@ Lives here: :class:`CrossRankCheck` (the check builder: collects this rank's fir
 its agreement row, then does the single exchange), :func:`checked_on_every_rank` (a caller's own
 checks through it), :func:`agree_across_ranks` (the exchange itself) and its :class:`Field`
 columns, the checksums and float encodings compared there (:func:`target_checksum`,
-:func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`), :func:`host_checks_enabled`,
-and :class:`InputTypeError` (re-exported from :mod:`._argtypes`), and the two collectives the
-packages above use (:func:`group_rank_size`, :func:`all_gather_flat`, from :mod:`._comm`).
+:func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`) and :func:`host_checks_enabled`.
 May import :mod:`._argtypes`, :mod:`._comm` and :mod:`.workspace` (:func:`tracing`) only (and
 torch, and :mod:`megatron_vocabstats.version_check`: a builder's first construction in the
 process issues the version warning), so that every module of ``ops/`` and above may import it.
@@ -29,16 +27,12 @@ import torch.distributed as dist
 
 from .. import version_check
 from . import _comm
-from ._argtypes import InputTypeError, check_int64
-from ._comm import all_gather_flat, group_rank_size  # the collectives the packages above use
+from ._argtypes import check_int64
 from .workspace import tracing
 
 __all__ = [
     "CrossRankCheck",
-    "all_gather_flat",
-    "group_rank_size",
     "Field",
-    "InputTypeError",
     "agree_across_ranks",
     "agree_field",
     "as_field",
@@ -47,7 +41,6 @@ __all__ = [
     "float_bits",
     "host_checks_enabled",
     "target_checksum",
-    "tracing",
     "tensor_checksum",
 ]
 

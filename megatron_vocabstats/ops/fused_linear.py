@@ -16,7 +16,8 @@ gradient-accumulation fusion (``weight.main_grad``).
 This module holds the autograd Function and the public API; the chunk loop, the buffers, the
 weight-gradient GEMMs, the recompute backward and the forward-gradient mode are the engine's
 (:mod:`.engine`); the input checks live in :mod:`.linear_checks`. May import: :mod:`._checks`,
-:mod:`._math`, :mod:`.options`, :mod:`.engine`, :mod:`.linear_checks` and the public names of
+:mod:`._layout`, :mod:`._grad`, :mod:`._math`, :mod:`.agreement`, :mod:`.options`,
+:mod:`.workspace`, the modules of :mod:`.engine`, :mod:`.linear_checks` and the public names of
 :mod:`.vocab_parallel`.
 """
 
@@ -28,54 +29,37 @@ from typing import Unpack
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite, first_order_backward, host_checks_enabled
-from ._math import (
-    STAT_ARGMAX,
-    STAT_MAX,
-    finite_lse,
-    grad_coefficients,
-    merge_first_max,
-    merge_stats,
-)
-from .engine import (
-    CPU_LINEAR_CHUNK_BYTES,
-    INVARIANT_ROWS,
-    ChunkBuffers,
-    LinearStatsConfig,
-    StatsGrad,
-    accumulate_wgrad,
-    auto_linear_chunk_size,
-    backend_of,
+from ._checks import check_finite, first_order_backward
+from ._grad import finite_lse, grad_coefficients
+from ._layout import merge_first_max
+from ._math import STAT_ARGMAX, STAT_MAX, merge_stats
+from .agreement import host_checks_enabled
+from .engine.backends import backend_of
+from .engine.chunks import (
     flatten_target,
-    forward_with_grads,
-    full_hidden,
     function_outputs,
-    fused_chunks,
     gathered_stats,
     merge_tokens_per_pass,
-    recompute_backward,
-    reduce_hidden_grad,
-    scaled_forward_grads,
     targets_in_range,
-    wgrad_mode,
 )
+from .engine.kernel import StatsGrad
+from .engine.linear import (
+    ChunkBuffers,
+    LinearStatsConfig,
+    full_hidden,
+    fused_chunks,
+    reduce_hidden_grad,
+)
+from .engine.recompute import forward_with_grads, recompute_backward, scaled_forward_grads
 from .linear_checks import checked_linear_config
 from .options import LinearStatsKwargs, StatsKwargs, check_keywords
 from .vocab_parallel import VocabStats
 from .workspace import untracked
 
 __all__ = [
-    "CPU_LINEAR_CHUNK_BYTES",
-    "INVARIANT_ROWS",
-    "LinearStatsConfig",
-    "auto_linear_chunk_size",
     "linear_vocab_parallel_cross_entropy",
     "linear_vocab_parallel_stats",
 ]
-
-# The former private names of this module, still read by tests/gpu: deprecated aliases of the
-# engine's (``ops.engine``), kept so that old imports keep working.
-_ChunkBuffers, _accumulate_wgrad, _wgrad_mode = ChunkBuffers, accumulate_wgrad, wgrad_mode
 
 
 class _LinearVocabParallelStats(torch.autograd.Function):

@@ -3,7 +3,7 @@ path: every pass of the threshold search recomputes each chunk's logits ``hidden
 ``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
 per pass (14 in forward with top-k and top-p, one in backward).
 
-May import: :mod:`._checks`, :mod:`.engine`, :mod:`.linear_checks`, :mod:`.options`,
+May import: :mod:`._checks`, the modules of :mod:`.engine`, :mod:`.linear_checks`, :mod:`.options`,
 :mod:`.sampling_search` and the public names of :mod:`.sampling`; never
 ``megatron_vocabstats.megatron``.
 """
@@ -16,14 +16,9 @@ import torch
 import torch.distributed as dist
 
 from ._checks import first_order_backward
-from .engine import (
-    ChunkBuffers,
-    LinearStatsConfig,
-    flatten_target,
-    full_hidden,
-    linear_chunks,
-    recompute_backward,
-)
+from .engine.chunks import flatten_target
+from .engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
+from .engine.recompute import recompute_backward
 from .linear_checks import checked_linear_config
 from .options import TargetKwargs, check_keywords
 from .sampling import SamplingLogprobs, sampler_config

@@ -10,7 +10,8 @@ Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) app
 log-probs. Sequence parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
 ``ColumnParallelLinear``'s contract through the fused head's own helpers.
 
-May import: :mod:`._checks`, :mod:`._comm`, :mod:`.engine`, :mod:`.linear_checks`,
+May import: :mod:`._checks`, :mod:`._comm`, :mod:`.agreement`, the modules of :mod:`.engine`,
+:mod:`.linear_checks`,
 :mod:`.topk_math`, :mod:`.topk_checks` and :mod:`.options`; never
 ``megatron_vocabstats.megatron``.
 """
@@ -24,14 +25,10 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._checks import first_order_backward, host_checks_enabled
-from .engine import (
-    ChunkBuffers,
-    LinearStatsConfig,
-    full_hidden,
-    linear_chunks,
-    recompute_backward,
-)
+from ._checks import first_order_backward
+from .agreement import host_checks_enabled
+from .engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
+from .engine.recompute import recompute_backward
 from .linear_checks import checked_linear_config, lead_shape
 from .options import ScaledKwargs, check_keywords
 from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows

@@ -8,8 +8,9 @@
   and the cross-rank agreement through the core checks' one exchange
   (``_checks.checked_config``), giving a :class:`~.engine.LinearStatsConfig`.
 
-May import: ``torch``, :mod:`._checks`, :mod:`._comm` and :mod:`.engine` (the config and the
-chunk policy); never an op module nor ``megatron_vocabstats.megatron``.
+May import: ``torch``, :mod:`._argtypes`, :mod:`._checks`, :mod:`._comm`, :mod:`.agreement`,
+:mod:`.options` and :mod:`.engine.linear` (the config and the chunk policy); never an op module
+nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,11 @@ import dataclasses
 import torch
 
 from . import _comm
-from ._checks import (
-    LOGITS_DTYPES,
-    Field,
-    LogitsSpec,
-    bool_error,
-    checked_config,
-    tensor_checksum,
-)
-from .engine import LinearStatsConfig, auto_linear_chunk_size
+from ._argtypes import bool_error
+from ._checks import LogitsSpec, checked_config
+from .agreement import Field, tensor_checksum
+from .engine.linear import LinearStatsConfig, auto_linear_chunk_size
+from .options import LOGITS_DTYPES
 
 
 def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:

@@ -37,7 +37,8 @@ coarser), and only there may tp sizes differ.
 
 This module holds the autograd Function and the public API (and the filter checks); the radix
 search, the forward pass and the gradient kernel are in :mod:`.sampling_search`, the chunk loop in
-:mod:`.engine`. May import those, :mod:`._checks` and :mod:`.options`; never
+:mod:`.engine`. May import those, :mod:`._argtypes`, :mod:`._checks`, :mod:`.agreement` and
+:mod:`.options`; never
 ``megatron_vocabstats.megatron``.
 """
 
@@ -48,35 +49,27 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from ._checks import bits_float, check_number, checked_config, first_order_backward, float_bits
-from .engine import flatten_target, logits_chunks, logits_grad
+from ._argtypes import check_number
+from ._checks import checked_config, first_order_backward
+from .agreement import bits_float, float_bits
+from .engine.chunks import flatten_target, logits_chunks, logits_grad
 from .options import TargetKwargs, check_keywords
 from .sampling_search import (
     SampledGrad,
     SamplerConfig,
     grad_coefficient,
-    sampled_chunk_grad,
     sampled_pass,
     sampling_outputs,
-    sort_keys,
-    value_of,
 )
 from .workspace import untracked
 
 # A top_k at least this large keeps every column of any vocabulary (ids are below 2**31).
 _TOP_K_ALL = 2**62
 
-# Names that moved to sampling_search and stay importable from here.
 __all__ = [
-    "SamplerConfig",
     "SamplingLogprobs",
-    "grad_coefficient",
-    "sampled_chunk_grad",
-    "sampled_pass",
     "sampler_config",
     "sampler_problem",
-    "sort_keys",
-    "value_of",
     "vocab_parallel_sampling_logprobs",
 ]
 

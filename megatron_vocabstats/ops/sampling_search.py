@@ -6,14 +6,15 @@ and ``fused_sampling.py``.
 * the search: ``_largest_key`` (radix search over the keys, one all-gather per step),
   ``_thresholds`` (top-k, then top-p over what min-p and top-k keep), the kept mass and the
   top-p tie split (:class:`TopPBoundary`);
-* :func:`sampled_pass`: the whole forward over the engine's chunks (:class:`~.engine.Chunk`);
+* :func:`sampled_pass`: the whole forward over the engine's chunks (:class:`~.engine.kernel.Chunk`);
 * the backward: :func:`grad_coefficient`, :func:`sampled_chunk_grad` and the engine's
-  :class:`~.engine.ChunkGrad` for it (:class:`SampledGrad`);
-* the validated options :class:`SamplerConfig` (re-exported by ``sampling.py``).
+  :class:`~.engine.kernel.ChunkGrad` for it (:class:`SampledGrad`);
+* the validated options :class:`SamplerConfig`.
 
 Method and communication: see ``sampling.py``'s module docstring.
 
-May import: ``torch``, :mod:`._math`, :mod:`._checks`, :mod:`._comm` and :mod:`.engine`; never
+May import: ``torch``, :mod:`._layout`, :mod:`._math`, :mod:`._checks`, :mod:`._comm`,
+:mod:`.agreement`, :mod:`.options` and :mod:`.engine`; never
 an op module nor ``megatron_vocabstats.megatron``.
 """
 
@@ -25,9 +26,12 @@ from typing import NamedTuple
 import torch
 
 from . import _comm
-from ._checks import StatsConfig, check_finite, host_checks_enabled
-from ._math import Z_FLOOR, target_in_range
-from .engine import Chunk
+from ._checks import check_finite
+from ._layout import target_in_range
+from ._math import Z_FLOOR
+from .agreement import host_checks_enabled
+from .engine.kernel import Chunk
+from .options import StatsConfig
 
 _KEY_MIN = -(2**31)
 _PAD_KEY = _KEY_MIN - 1  # below every real column: padding is never counted
@@ -220,8 +224,8 @@ def _split_tie(chunks, m, thresholds, boundary: TopPBoundary, cfg: SamplerConfig
 
 def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device, tp_group):
     """Forward of the sampler log-probs over ``chunks``, a callable returning a fresh iterator of
-    :class:`~.engine.Chunk` (z: the fp32 chunk of ``load_chunk``, whose -0.0 the search's keys
-    turn into +0.0; index/owned: the rows' targets in this shard), called once per pass.
+    :class:`~.engine.kernel.Chunk` (z: the fp32 chunk of ``load_chunk``, whose -0.0 the search's
+    keys turn into +0.0; index/owned: the rows' targets in this shard), called once per pass.
 
     Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, lse_lo, thresholds,
     scored, drop)`` for :func:`sampled_chunk_grad`: the kept set's logsumexp as an fp32 pair
@@ -316,9 +320,9 @@ def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerC
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SampledGrad:
-    """The sampler log-probs' :class:`~.engine.ChunkGrad`: :func:`sampled_chunk_grad` of a chunk
-    (``coef`` the ``[T]`` fp32 of :func:`grad_coefficient`, ``saved`` what :func:`sampled_pass`
-    returned for backward)."""
+    """The sampler log-probs' :class:`~.engine.kernel.ChunkGrad`: :func:`sampled_chunk_grad` of a
+    chunk (``coef`` the ``[T]`` fp32 of :func:`grad_coefficient`, ``saved`` what
+    :func:`sampled_pass` returned for backward)."""
 
     coef: torch.Tensor
     saved: tuple

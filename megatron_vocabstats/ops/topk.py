@@ -37,16 +37,14 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
-from ._checks import StatsConfig, checked_config, first_order_backward
-from .engine import logits_chunks, logits_grad
-from .options import ScaledKwargs, ShardKwargs, check_keywords
+from ._checks import checked_config, first_order_backward
+from .engine.chunks import logits_chunks, logits_grad
+from .options import ScaledKwargs, ShardKwargs, StatsConfig, check_keywords
 from .topk_checks import (
     agreement,
-    index_problem,
     k_problem,
     picked_config,
     real_vocab,
-    valid_rows,
 )
 from .topk_math import (
     TopK,
@@ -55,23 +53,12 @@ from .topk_math import (
     backward_terms,
     locate,
     picked_pass,
-    rank_keys,
     topk_pass,
 )
 from .workspace import untracked
 
-# Names that moved to topk_math / topk_checks and stay importable from here.
 __all__ = [
-    "TopK",
-    "TopKConfig",
     "TopKLogits",
-    "agreement",
-    "index_problem",
-    "k_problem",
-    "picked_config",
-    "rank_keys",
-    "real_vocab",
-    "valid_rows",
     "vocab_parallel_gather_logits",
     "vocab_parallel_topk",
     "vocab_parallel_topk_logits",

@@ -6,7 +6,8 @@ Every problem is returned (not raised) and routed through the core checks' one c
 exchange (``_checks.checked_config(local_error=..., agree=...)``), so that one rank's problem
 raises on every rank.
 
-May import: ``torch``, :mod:`._checks` and :mod:`._comm`; never an op module nor
+May import: ``torch``, :mod:`._argtypes`, :mod:`._checks`, :mod:`._comm` and :mod:`.agreement`;
+never an op module nor
 ``megatron_vocabstats.megatron``.
 """
 
@@ -17,15 +18,9 @@ import numbers
 import torch
 
 from . import _comm
-from ._checks import (
-    Field,
-    InputTypeError,
-    check_bool,
-    check_number,
-    checked_config,
-    host_checks_enabled,
-)
-from .agreement import target_checksum
+from ._argtypes import InputTypeError, check_bool, check_number
+from ._checks import checked_config
+from .agreement import Field, host_checks_enabled, target_checksum
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 

@@ -4,14 +4,14 @@
   ascending), :func:`chunk_candidates`, :func:`merge_candidates`, :func:`logprobs_of`;
 * log-probs at given ids: :func:`locate`, :func:`picked_logits`;
 * the gradient of ``sum_k g_k log p(i_k)``: :func:`chunk_topk_grad`, its per-token terms
-  (:func:`backward_terms`) and the engine's :class:`~.engine.ChunkGrad` for it
+  (:func:`backward_terms`) and the engine's :class:`~.engine.kernel.ChunkGrad` for it
   (:class:`TopKGrad`);
-* the passes over the engine's chunks (:class:`~.engine.Chunk`): :func:`topk_pass` and
+* the passes over the engine's chunks (:class:`~.engine.kernel.Chunk`): :func:`topk_pass` and
   :func:`picked_pass`, one all-gather each;
-* the result and options types :class:`TopK` and :class:`TopKConfig` (re-exported by
-  ``topk.py``).
+* the result and options types :class:`TopK` and :class:`TopKConfig`.
 
-May import: ``torch``, :mod:`._math`, :mod:`._checks`, :mod:`._comm` and :mod:`.engine`; never
+May import: ``torch``, :mod:`._layout`, :mod:`._grad`, :mod:`._math`, :mod:`._checks`,
+:mod:`._comm`, :mod:`.agreement`, :mod:`.options` and :mod:`.engine`; never
 an op module nor ``megatron_vocabstats.megatron``.
 """
 
@@ -23,17 +23,13 @@ from typing import NamedTuple
 import torch
 
 from . import _comm
-from ._checks import StatsConfig, check_finite, host_checks_enabled
-from ._math import (
-    NUM_STATS,
-    Z_FLOOR,
-    ShardLayout,
-    chunk_grad,
-    finite_lse,
-    log_normaliser,
-    split_lse,
-)
-from .engine import Chunk, ShardStats
+from ._checks import check_finite
+from ._grad import chunk_grad, finite_lse, split_lse
+from ._layout import ShardLayout
+from ._math import NUM_STATS, Z_FLOOR, log_normaliser
+from .agreement import host_checks_enabled
+from .engine.kernel import Chunk, ShardStats
+from .options import StatsConfig
 
 _LOW32 = 2**32
 
@@ -163,8 +159,8 @@ def backward_terms(grad, indices, valid, lse, lse_lo, cfg: StatsConfig):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TopKGrad:
-    """The top-k log-probs' :class:`~.engine.ChunkGrad`: :func:`chunk_topk_grad` of a chunk from
-    the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``,
+    """The top-k log-probs' :class:`~.engine.kernel.ChunkGrad`: :func:`chunk_topk_grad` of a chunk
+    from the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``,
     ``coef``/``lse``/``lse_lo`` ``[T]``, fp32 but ``local`` int64) and the rows' ``valid``
     ``[T]`` bool."""
 
@@ -188,7 +184,7 @@ class TopKGrad:
 
 
 def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> TopK:
-    """Top-k over ``chunks``, an iterable of :class:`~.engine.Chunk` (without targets): z the
+    """Top-k over ``chunks``, an iterable of :class:`~.engine.kernel.Chunk` (without targets): z the
     fp32 chunk of ``load_chunk`` (overwritten), scratch an fp32 buffer of at least its size.
 
     Packs per shard ``[NUM_STATS + 2 k_local, T]`` int32: the statistics and candidate values as
@@ -224,9 +220,9 @@ def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> Top
 
 
 def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
-    """Log-probs at ``indices2d`` ``[T, k]`` over ``chunks`` (iterable of :class:`~.engine.Chunk`
-    without targets, read in their storage dtype ``chunk.logits`` and as ``chunk.z``, as in
-    :func:`topk_pass`); one all-gather of ``[NUM_STATS + k, T]`` fp32.
+    """Log-probs at ``indices2d`` ``[T, k]`` over ``chunks`` (iterable of
+    :class:`~.engine.kernel.Chunk` without targets, read in their storage dtype ``chunk.logits``
+    and as ``chunk.z``, as in :func:`topk_pass`); one all-gather of ``[NUM_STATS + k, T]`` fp32.
 
     Returns ``(logprobs [T, k], lse [T], lse_lo [T])``: 0 at rows not ``valid``, NaN at ids
     outside ``[0, V)`` (a loud result when ``validate`` is off and cannot reject them); the

@@ -6,8 +6,9 @@ them after a single all-gather; the backward recomputes each chunk and writes it
 preallocated tensor of the logits' dtype, with no collective.
 
 This module holds the Function and the public API; the chunk loop, the buffers and the gathered
-statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import: :mod:`._checks`,
-:mod:`._math`, :mod:`.options` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
+statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import:
+:mod:`._argtypes`, :mod:`._checks`, :mod:`._grad`, :mod:`._math`, :mod:`.agreement`,
+:mod:`.options`, :mod:`.workspace` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
 default tp group of :func:`vocab_parallel_cross_entropy` comes from ``megatron_vocabstats.mcore``,
 which only reads the third-party ``megatron.core``).
 """
@@ -20,30 +21,27 @@ import torch
 import torch.distributed as dist
 
 from ..mcore import default_tp_group, megatron_tp_size
-from . import engine
-from ._checks import (
-    StatsConfig,
-    check_finite,
-    checked_config,
-    first_order_backward,
-    host_checks_enabled,
+from ._argtypes import check_bool
+from ._checks import check_finite, checked_config, first_order_backward
+from ._grad import finite_lse, grad_coefficients
+from ._math import merge_stats
+from .agreement import host_checks_enabled
+from .engine.backends import backend_of
+from .engine.chunks import (
+    flatten_target,
+    function_outputs,
+    gathered_stats,
+    logits_chunks,
+    logits_grad,
+    merge_tokens_per_pass,
+    targets_in_range,
 )
-from ._math import finite_lse, grad_coefficients, merge_stats
-from .options import VocabStatsKwargs, check_bool, check_keywords
+from .engine.kernel import StatsGrad
+from .options import StatsConfig, VocabStatsKwargs, check_keywords
 from .workspace import untracked
-
-# Moved to the engine (ops.engine); still importable from here.
-flatten_target = engine.flatten_target
-function_outputs = engine.function_outputs
-gathered_stats = engine.gathered_stats
-merge_tokens_per_pass = engine.merge_tokens_per_pass
 
 __all__ = [
     "VocabStats",
-    "flatten_target",
-    "function_outputs",
-    "gathered_stats",
-    "merge_tokens_per_pass",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
@@ -66,7 +64,7 @@ class VocabStats(NamedTuple):
 
 
 def _flatten(logits, target, cfg: StatsConfig):
-    return logits.reshape(-1, cfg.layout.width), *engine.flatten_target(target, cfg.ignore_index)
+    return logits.reshape(-1, cfg.layout.width), *flatten_target(target, cfg.ignore_index)
 
 
 class _VocabParallelStats(torch.autograd.Function):
@@ -75,21 +73,20 @@ class _VocabParallelStats(torch.autograd.Function):
         logits = untracked(logits)
         logits2d, target1d, valid = _flatten(logits, target, cfg)
         has_target = target is not None
-        chunks = engine.logits_chunks(logits2d, target1d, valid, cfg, padded=True,
-                                      upcast=not engine.backend_of(cfg).tiles)
-        parts = engine.gathered_stats(chunks, logits2d.shape[0], cfg, tp_group,
-                                      has_target=has_target, device=logits.device)
+        chunks = logits_chunks(logits2d, target1d, valid, cfg, padded=True,
+                               upcast=not backend_of(cfg).tiles)
+        parts = gathered_stats(chunks, logits2d.shape[0], cfg, tp_group,
+                               has_target=has_target, device=logits.device)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
                              label_smoothing=cfg.label_smoothing if has_target else 0.0,
                              entropy=cfg.entropy != "off", has_target=has_target,
                              batch_invariant=bool(cfg.batch_invariant),
-                             tokens_per_pass=engine.merge_tokens_per_pass(cfg, parts.shape[0]),
-                             in_range=engine.targets_in_range(target1d, cfg))
+                             tokens_per_pass=merge_tokens_per_pass(cfg, parts.shape[0]),
+                             in_range=targets_in_range(target1d, cfg))
         if host_checks_enabled(cfg.validate, logits.device):
             check_finite(merged.logsumexp, valid, logits2d=logits2d, temperature=cfg.temperature)
 
-        logprobs, entropy, lse = engine.function_outputs(ctx, merged, logits.shape[:-1],
-                                                         cfg.entropy)
+        logprobs, entropy, lse = function_outputs(ctx, merged, logits.shape[:-1], cfg.entropy)
         ctx.cfg = cfg
         ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None,
                               merged.lse_lo)
@@ -104,12 +101,12 @@ class _VocabParallelStats(torch.autograd.Function):
         # Coefficients carry the temperature and are 0 at ignored rows, whose gradient is then
         # exactly 0 (their lse is made finite so that p stays finite).
         coef_lp, coef_h = grad_coefficients(grad_logprobs, grad_entropy, valid, cfg.temperature,
-                                            in_range=engine.targets_in_range(target1d, cfg))
+                                            in_range=targets_in_range(target1d, cfg))
         lse = finite_lse(lse.reshape(-1), valid)
         ent = ent.reshape(-1) if ent is not None else None
-        grad = engine.StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h,
-                                valid, cfg.layout, cfg.label_smoothing, lse_lo=lse_lo)
-        grad_logits = engine.logits_grad(logits2d, target1d, valid, cfg, grad)
+        grad = StatsGrad(lse, ent if coef_h is not None else None, coef_lp, coef_h,
+                         valid, cfg.layout, cfg.label_smoothing, lse_lo=lse_lo)
+        grad_logits = logits_grad(logits2d, target1d, valid, cfg, grad)
         return grad_logits.view(logits.shape), None, None, None
 
 

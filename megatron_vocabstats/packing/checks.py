@@ -12,12 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.agreement import host_checks_enabled
-from ..ops.options import (  # noqa: F401 - the siblings' too
-    bool_error,
-    check_bool,
-    check_number,
-    number_problem,
-)
+from ..ops.options import bool_error, check_number
 
 INT64_MAX = 2**63 - 1
 

@@ -2,7 +2,8 @@
 a rank (:func:`context_parallel_indices`), sharding (:func:`shard_for_context_parallel`) and its
 differentiable inverse (:func:`gather_from_context_parallel`, one all-gather).
 
-May import: :mod:`.checks`, :mod:`.layout`, ``megatron_vocabstats.ops.agreement`` (and torch).
+May import: :mod:`.checks`, :mod:`.layout`, ``megatron_vocabstats.ops.agreement``,
+``ops.options`` and ``ops._comm`` (the collectives; and torch).
 """
 
 from __future__ import annotations
@@ -13,22 +14,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..ops.agreement import (
-    Field,
-    agree_across_ranks,
-    all_gather_flat,
-    group_rank_size,
-    host_checks_enabled,
-)
-from .checks import (
-    _check_cumulative,
-    _count,
-    _cumulative,
-    _positive_int,
-    _seq_dim,
-    check_bool,
-    check_number,
-)
+from ..ops._comm import all_gather_flat, group_rank_size
+from ..ops.agreement import Field, agree_across_ranks, host_checks_enabled
+from ..ops.options import check_bool, check_number
+from .checks import _check_cumulative, _count, _cumulative, _positive_int, _seq_dim
 from .layout import PackedBatch
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..ops.options import IGNORE_INDEX
-from .checks import _cu_pair, _fill_value, _is_int_tensor, _positive_int, check_bool
+from ..ops.options import IGNORE_INDEX, check_bool
+from .checks import _cu_pair, _fill_value, _is_int_tensor, _positive_int
 
 # ----------------------------------------------------------------------------- alignment
 

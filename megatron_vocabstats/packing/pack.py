@@ -17,16 +17,8 @@ import torch
 
 from ..mcore import packed_seq_params_class
 from ..ops.agreement import host_checks_enabled
-from ..ops.options import IGNORE_INDEX
-from .checks import (
-    _count,
-    _fill_value,
-    _is_int_tensor,
-    _positive_int,
-    _round_up,
-    check_bool,
-    number_problem,
-)
+from ..ops.options import IGNORE_INDEX, check_bool, number_problem
+from .checks import _count, _fill_value, _is_int_tensor, _positive_int, _round_up
 from .layout import PackedBatch, _segments, _shift
 
 

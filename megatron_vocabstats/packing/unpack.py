@@ -1,6 +1,6 @@
 """Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`.
 
-May import: :mod:`.checks`, ``megatron_vocabstats.ops.agreement`` (and torch).
+May import: :mod:`.checks`, ``megatron_vocabstats.ops.agreement``, ``ops.options`` (and torch).
 """
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..ops.agreement import host_checks_enabled
-from .checks import _count, _cu_pair, _fill_value, _seq_dim, check_bool
+from ..ops.options import check_bool
+from .checks import _count, _cu_pair, _fill_value, _seq_dim
 
 
 def unpack_sequences(

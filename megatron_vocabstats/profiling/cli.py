@@ -7,7 +7,8 @@ records one, and its own command line reuses :func:`add_summarize_command` and
 :func:`summarize_command`. Exit status 0 on success, 2 for bad input (``error: ...`` on stderr,
 printed by rank 0).
 
-May import: the standard library and the sibling modules of :mod:`megatron_vocabstats.profiling`.
+May import: the standard library, the sibling modules of :mod:`megatron_vocabstats.profiling`
+and :mod:`megatron_vocabstats.version_check` (``is_rank0``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import os
 import sys
 
+from ..version_check import is_rank0
 from . import postprocess
 
 PROG = "python -m megatron_vocabstats.profiling"
@@ -53,16 +55,15 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 def main(argv=None, prog: str = PROG) -> int:
     """Run the command of ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    rank = int(os.environ.get("RANK", "0"))
     if argv[:1] == ["run"]:
-        if rank == 0:
+        if is_rank0():
             print(f"error: {RUN_MOVED}", file=sys.stderr, flush=True)
         return 2
     opts = build_parser(prog).parse_args(argv)
     try:
         return summarize_command(opts.out)
     except ValueError as exc:
-        if rank == 0:
+        if is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
 

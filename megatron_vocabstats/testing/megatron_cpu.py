@@ -9,7 +9,6 @@ schedules also create a counter on ``cuda``: run them inside :func:`cuda_factori
 or transformer-engine) run under sequence parallelism, for tests of that layout. None of this is
 part of the plugin's training path, nor applied by ``import megatron_vocabstats.patch``.
 
-Moved here from ``megatron_vocabstats.megatron.cpu`` (now a deprecated re-export).
 May import: torch and the standard library; Megatron-Core only inside :func:`install_cpu_shims`.
 """
 

@@ -55,7 +55,7 @@ from _runner import (  # noqa: E402
     write_worker_rows,
 )
 from bench_vocab_parallel import logits_ce, megatron, megatron_fused_ce, ours  # noqa: E402
-from megatron_vocabstats.ops._checks import auto_chunk_size  # noqa: E402
+from megatron_vocabstats.ops.options import auto_chunk_size
 
 megatron_fused = logits_ce(megatron_fused_ce)
 ENTROPY_OF = {"logprob": "off", "logprob+entropy": "grad"}

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit"))
 from dist.fused_linear_cases import assert_close, make_problem, reference_linear  # noqa: E402
 from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
-from megatron_vocabstats.ops import fused_linear  # noqa: E402
+from megatron_vocabstats.ops.engine.linear import ChunkBuffers  # noqa: E402
+from megatron_vocabstats.ops.engine.wgrad import accumulate_wgrad, wgrad_mode  # noqa: E402
 from megatron_vocabstats.ops.fused_linear import linear_vocab_parallel_stats  # noqa: E402
 from megatron_vocabstats.profiling import peak_memory_bytes  # noqa: E402
 
@@ -26,14 +27,14 @@ CUDA = torch.device("cuda")
 
 
 def test_weight_gradient_gemm_accumulates_in_fp32():
-    mode = fused_linear._wgrad_mode("cuda")
+    mode = wgrad_mode("cuda")
     assert mode in ("addmm", "mm"), f"bf16 weight gradients would run as fp32 GEMMs ({mode})"
     torch.manual_seed(0)
     g = torch.randn(300, 96, device=CUDA).bfloat16()
     h = torch.randn(300, 40, device=CUDA).bfloat16()
     acc = torch.full((96, 40), 0.5, device=CUDA)
-    bufs = fused_linear._ChunkBuffers(h, 96, 300)
-    fused_linear._accumulate_wgrad(acc, g, h, bufs)
+    bufs = ChunkBuffers(h, 96, 300)
+    accumulate_wgrad(acc, g, h, bufs)
     exact = g.double().T @ h.double() + 0.5
     assert_close(acc.cpu(), exact.cpu(), rtol=1e-5, atol=1e-5,
                  scale=(g.double().abs().T @ h.double().abs()).cpu(), what="dW sums")

@@ -22,8 +22,9 @@ from _suite import (
 
 from dist.vocab_parallel_cases import assert_close, reference_grads
 from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stats
-from megatron_vocabstats.ops import fused_linear
-from megatron_vocabstats.ops._checks import auto_chunk_size
+from megatron_vocabstats.ops.engine.linear import auto_linear_chunk_size
+from megatron_vocabstats.ops.engine.wgrad import wgrad_mode
+from megatron_vocabstats.ops.options import auto_chunk_size
 from megatron_vocabstats.profiling import peak_memory_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -204,9 +205,9 @@ def test_fused_op_peak_within_the_cpu_benchmark_bound():
         h.grad = w.grad = None
 
     used = _peak_with_inputs(step, (h, w, target, mask))
-    chunk = fused_linear.auto_linear_chunk_size(QWEN_VOCAB, CUDA)
+    chunk = auto_linear_chunk_size(QWEN_VOCAB, CUDA)
     bound = fused_peak_bound(tokens, QWEN_VOCAB, hidden_size, chunk,
-                             fused_linear._wgrad_mode("cuda"), rounding=WORKSPACE_ROUNDING)
+                             wgrad_mode("cuda"), rounding=WORKSPACE_ROUNDING)
     assert used <= bound + GPU_ALLOWANCE_BYTES, (used, bound)
 
 

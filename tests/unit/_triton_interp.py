@@ -24,16 +24,17 @@ from _reference import (
     gamma,
 )
 from megatron_vocabstats import vocab_parallel_stats
-from megatron_vocabstats.ops import _math
+from megatron_vocabstats.ops import _layout, _math
 from megatron_vocabstats.ops.kernels import interpreting
 
 if not interpreting():
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_kernels.py)",
                 allow_module_level=True)
 
-import _triton_parity
 import triton
 import triton.language as tl
+
+import _triton_parity
 from megatron_vocabstats.ops.kernels import triton_stats
 from megatron_vocabstats.ops.kernels.triton_tiles import round_bf16
 
@@ -90,11 +91,11 @@ def test_shard_stats_columns(dtype, block):
     x = (torch.randn(n, width, generator=gen) * 4).to(dtype)
     x[1, 5] = float("-inf")
     x[3, :] = float("-inf")  # a dead row: max -inf, sums 0
-    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=real, vocab_size=real)
+    layout = _layout.ShardLayout(vocab_start=0, width=width, real_width=real, vocab_size=real)
     target = torch.randint(0, real, (n,), generator=gen)
     valid = torch.ones(n, dtype=torch.bool)
     valid[4] = False
-    index, owned = _math.local_target_index(target, valid, layout)
+    index, owned = _layout.local_target_index(target, valid, layout)
     ours = torch.zeros(_math.NUM_STATS, n)
     theirs = torch.zeros(_math.NUM_STATS, n)
     triton_stats.shard_stats(x, index, owned, ours, layout=layout, temperature=1.0,
@@ -263,17 +264,17 @@ def test_nan_statistics_are_the_torch_paths(per_block):
     x[1, :] = float("nan")
     x[2, :] = float("-inf")
     x[3, 299] = float("nan")
-    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
-    index, owned = _math.local_target_index(torch.tensor([7, 1, 2, 3, 4]),
+    layout = _layout.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
+    index, owned = _layout.local_target_index(torch.tensor([7, 1, 2, 3, 4]),
                                             torch.ones(n, dtype=torch.bool), layout)
-    nb = -(-width // _math.BLOCK)
+    nb = -(-width // _layout.BLOCK)
     shape = (_math.NUM_STATS, n, nb) if per_block else (_math.NUM_STATS, n)
     ours, theirs = torch.zeros(shape), torch.zeros(shape)
     triton_stats.shard_stats(x, index, owned, ours, layout=layout, temperature=1.0,
                              entropy=True, zsum=True, per_block=per_block)
-    z = _math.load_chunk(x, torch.empty(n, nb * _math.BLOCK), layout, 1.0)
+    z = _math.load_chunk(x, torch.empty(n, nb * _layout.BLOCK), layout, 1.0)
     stats = _math.block_stats if per_block else _math.chunk_stats
-    stats(z, torch.empty(n, nb * _math.BLOCK), index, owned, theirs, layout=layout,
+    stats(z, torch.empty(n, nb * _layout.BLOCK), index, owned, theirs, layout=layout,
           entropy=True, zsum=True)
     for row in range(_math.NUM_STATS):
         assert torch.equal(ours[row].isnan(), theirs[row].isnan()), f"NaN of stat row {row}"
@@ -293,7 +294,7 @@ def test_strided_row_vectors_equal_contiguous():
     gen = torch.Generator().manual_seed(13)
     n, width = 6, 40
     x = (torch.randn(n, width, generator=gen) * 3).bfloat16()
-    layout = _math.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
+    layout = _layout.ShardLayout(vocab_start=0, width=width, real_width=width, vocab_size=width)
 
     def strided(v):  # the same values at stride 2
         wide = torch.zeros(2 * n, dtype=v.dtype)
@@ -302,7 +303,7 @@ def test_strided_row_vectors_equal_contiguous():
 
     target = torch.randint(0, width, (n,), generator=gen)
     valid = torch.tensor([True, True, False, True, True, True])
-    index, owned = _math.local_target_index(target, valid, layout)
+    index, owned = _layout.local_target_index(target, valid, layout)
     vec = dict(lse=torch.randn(n, generator=gen) + 5, lse_lo=torch.zeros(n),
                ent=torch.rand(n, generator=gen), coef_lp=torch.randn(n, generator=gen),
                coef_h=torch.randn(n, generator=gen), index=index, owned=owned, valid=valid)

@@ -73,7 +73,7 @@ def install() -> bool:
     arguments.get_device_arch_version = lambda: 0
     # It creates the tp/pp/dp groups only if torch.cuda.device_count() > 0 (and calls set_device):
     # one device is reported during the call only, so _set_random_seed, after it, still sees none
-    # and seeds the CPU generator alone; then cpu.py's GPTModel shims are installed.
+    # and seeds the CPU generator alone; then megatron_cpu.py's GPTModel shims are installed.
     initialize._initialize_distributed = _building_model_parallel_groups(
         initialize._initialize_distributed)
     # _compile_dependencies runs `make` on the dataset helpers: the wheel ships them prebuilt

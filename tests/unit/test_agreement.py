@@ -4,56 +4,24 @@ public ``ops.agreement`` and ``ops.options`` modules, the check builder and ``Lo
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
 
 import pytest
 import torch
 
-from megatron_vocabstats.ops import _checks, _math, agreement, options
+from megatron_vocabstats.ops import _checks, options
+from megatron_vocabstats.ops._argtypes import InputTypeError
 from megatron_vocabstats.ops._checks import LogitsSpec, checked_config
-from megatron_vocabstats.ops.agreement import (
-    CrossRankCheck,
-    InputTypeError,
-    checked_on_every_rank,
-)
+from megatron_vocabstats.ops.agreement import CrossRankCheck, checked_on_every_rank
 
 OPS = pathlib.Path(_checks.__file__).parent
 OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,
                ignore_index=-100, label_smoothing=0.0, validate=True)
 
-# Every name that ops._checks and ops._math defined or imported before the split (stdlib imports
-# aside): still importable from there (but the private _ambiguous, which was replaced by
-# _first_row_sample: the replicated-logits check now samples every shard).
-OLD_CHECKS = """BATCH_INVARIANT_MODES BLOCK CHUNK_BYTES ENTROPY_MODES FP32_MAX Field InputTypeError
-LOGITS_DTYPES MIN_TEMPERATURE ShardLayout StatsConfig _AGREEMENT _BATCH_INVARIANT_NAMES _INT64
-_MAX_ID _agree_field _agreement_row _as_field _batch_invariant_mode _check_local
-_int64 _target_checksum _truthy agree_across_ranks auto_chunk_size bits_float
-check_batch_invariant check_contiguous check_finite check_integer check_real checked_config
-checked_on_every_rank first_order_backward float_bits host_checks_enabled refuse_double_backward
-shard_layout tensor_checksum""".split()
-OLD_MATH = """BLOCK LOGP_MIN MergedStats NUM_STATS STAT_ENT STAT_MAX STAT_SUMEXP STAT_TARGET STAT_ZSUM
-ShardLayout Z_FLOOR _Combined _combine _floor_flag _real_zsum _sum0 block_stats chunk_grad
-chunk_stats finite_lse grad_coefficients load_chunk local_target_index log_normaliser
-merge_stats padded_width real_columns rebase_zsum_ reduce_blocks target_in_range tree_sum_
-zsum_scale""".split()
 
-
-@pytest.mark.parametrize(("module", "names"), [(_checks, OLD_CHECKS), (_math, OLD_MATH)])
-def test_old_names_stay_importable(module, names):
-    assert [n for n in names if not hasattr(module, n)] == []
-
-
-def test_public_modules_export_the_shared_machinery():
-    for name in ("Field", "agree_across_ranks", "checked_on_every_rank", "tensor_checksum",
-                 "float_bits", "bits_float", "host_checks_enabled", "InputTypeError",
-                 "CrossRankCheck"):
-        assert getattr(agreement, name) is getattr(_checks, name)
-    assert agreement.InputTypeError is importlib.import_module(
-        "megatron_vocabstats.ops._comm").InputTypeError
+def test_public_modules_hold_the_shared_options():
     assert options.IGNORE_INDEX == -100
     assert options.BATCH_INVARIANT_NAMES == {"off": False, "batch": True, "tp": "tp"}
-    assert _checks._BATCH_INVARIANT_NAMES is options.BATCH_INVARIANT_NAMES
     from megatron_vocabstats import losses, packing
     from megatron_vocabstats.megatron import arguments
 

@@ -78,6 +78,23 @@ def test_first_loss_logs_one_line_on_rank0(patch, caplog, monkeypatch):
     assert not _lines(caplog), "a rank other than 0 logged"
 
 
+def test_line_names_the_kernel_variable_that_decided(patch, caplog, monkeypatch):
+    """VOCABSTATS_KERNEL under kernel auto: the line says the environment chose the backend; an
+    explicit kernel ignores the variable, and the line does not name it."""
+    from megatron_vocabstats.ops import kernels
+
+    monkeypatch.setenv("VOCABSTATS_KERNEL", "triton")
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    module = _module(sequence_parallel=False, context_parallel_size=1)
+    with caplog.at_level(logging.INFO, logger="megatron_vocabstats"):
+        announce.once(module, settings.current(), fused=False, device=torch.device("cuda"))
+    (record,) = _lines(caplog)
+    assert ", kernel auto -> triton (VOCABSTATS_KERNEL=triton), " in record.getMessage()
+    assert announce.describe(settings.current()).count("(VOCABSTATS_KERNEL=triton)") == 1
+    patch.apply(kernel="torch")
+    assert "VOCABSTATS" not in announce.describe(settings.current(), device=torch.device("cuda"))
+
+
 def test_line_says_how(patch, caplog, monkeypatch):
     patch.apply(lm_head_chunk_size=64, entropy="grad", entropy_coef=0.01, kernel="torch",
                 logprobs_chunk_size=32, batch_invariant="tp", validate=False)

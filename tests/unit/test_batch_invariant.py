@@ -17,7 +17,8 @@ import torch
 
 from _reference import reference_stats
 from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stats
-from megatron_vocabstats.ops._math import BLOCK, tree_sum_
+from megatron_vocabstats.ops._layout import BLOCK
+from megatron_vocabstats.ops._math import tree_sum_
 from megatron_vocabstats.testing import forbid_host_sync
 
 CHUNKS = [1, 3, 16, None]

@@ -241,7 +241,7 @@ def _md_rows(name: str, provider: str) -> list[dict]:
 
 
 def test_vocab_parallel_bound_is_the_cpu_benchmark_bound():
-    from megatron_vocabstats.ops._checks import auto_chunk_size
+    from megatron_vocabstats.ops.options import auto_chunk_size
 
     rows = _md_rows("vocab_parallel", "ours")
     assert rows
@@ -256,7 +256,7 @@ def test_vocab_parallel_bound_is_the_cpu_benchmark_bound():
 
 
 def test_fused_bound_holds_the_cpu_peaks_and_excludes_the_unfused_pair():
-    from megatron_vocabstats.ops.fused_linear import auto_linear_chunk_size
+    from megatron_vocabstats.ops.engine.linear import auto_linear_chunk_size
 
     fused = _md_rows("fused_linear", "fused")
     unfused = {(r["H"], r["T"]): float(r["peak/rank GiB"])

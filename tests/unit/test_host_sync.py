@@ -128,7 +128,7 @@ def test_fused_op_wgrad_probe_is_skipped_during_capture(monkeypatch):
     monkeypatch.setattr(wgrad, "_WGRAD_MODES", {})
     monkeypatch.setattr(wgrad, "capturing", lambda: True)
     monkeypatch.setattr(wgrad, "_probe_wgrad_mode", lambda device_type: 1 / 0)
-    assert wgrad._wgrad_mode("cuda") == "upcast"
+    assert wgrad.wgrad_mode("cuda") == "upcast"
     assert wgrad._WGRAD_MODES == {}
 
 

@@ -22,9 +22,10 @@ from megatron_vocabstats import (
     vocab_parallel_topk,
     vocab_parallel_topk_logprobs,
 )
-from megatron_vocabstats.ops import _checks
-from megatron_vocabstats.ops._checks import InputTypeError, refuse_double_backward
+from megatron_vocabstats.ops._checks import refuse_double_backward
 from megatron_vocabstats.ops._math import Z_FLOOR
+from megatron_vocabstats.ops.agreement import Field, bits_float, float_bits
+from megatron_vocabstats.ops.options import ENTROPY_MODES
 from megatron_vocabstats.testing import forbid_host_sync
 
 MODES = [False, True, "tp"]
@@ -273,12 +274,12 @@ def test_overflowing_temperature_is_reported_as_temperature():
 
 
 def test_agreement_fields_print_human_values():
-    temp = _checks.Field("temperature", show=_checks.bits_float)
-    assert "[1.0, 2.0]" in temp.difference([_checks.float_bits(1.0), _checks.float_bits(2.0)],
+    temp = Field("temperature", show=bits_float)
+    assert "[1.0, 2.0]" in temp.difference([float_bits(1.0), float_bits(2.0)],
                                            "tp_group")
-    mode = _checks.Field("entropy mode", show=_checks.ENTROPY_MODES.__getitem__)
+    mode = Field("entropy mode", show=ENTROPY_MODES.__getitem__)
     assert "['grad', 'off']" in mode.difference([2, 0], "g")
-    crc = _checks.Field("target (token ids)", checksum=True).difference([123456, 123456, 7], "g")
+    crc = Field("target (token ids)", checksum=True).difference([123456, 123456, 7], "g")
     assert "ranks [2] differ from rank 0" in crc and "123456" not in crc
 
 

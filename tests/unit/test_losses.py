@@ -387,6 +387,8 @@ def test_sft_loss_accepts_precomputed_stats_and_callable():
     _close(from_callable.loss_sum, direct.loss_sum.item(), what="callable path")
     assert seen["chunk_size"] == 3 and seen["vocab_size"] == 37 and seen["entropy"] == "metric"
     assert seen["ignore_index"] == -100 and seen["tp_group"] is None
+    # Every option reaches the callable, the ops' defaults too (StatsOptions.op_kwargs).
+    assert seen["batch_invariant"] is False and seen["kernel"] == "auto"
     assert (seen["target"][~keep] == -100).all() and (seen["target"][keep] == labels[keep]).all()
 
 

@@ -402,32 +402,16 @@ def test_matplotlib_is_required_up_front(monkeypatch):
 
 
 def test_import_needs_no_megatron_or_example():
-    code = ("import sys, megatron_vocabstats.profiling, megatron_vocabstats.profile; "
+    code = ("import sys, megatron_vocabstats.profiling; "
             "bad = [m for m in sys.modules if m.startswith(('megatron.core', 'examples', "
             "'matplotlib'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_deprecated_profile_alias(capsys):
-    """``megatron_vocabstats.profile`` warns and is the same modules; its ``run`` says where the
-    command moved (the plugin never imports the example)."""
-    import importlib
-
-    import megatron_vocabstats.profiling as profiling
-
-    sys.modules.pop("megatron_vocabstats.profile", None)
-    with pytest.warns(DeprecationWarning, match="megatron_vocabstats.profiling"):
-        old = importlib.import_module("megatron_vocabstats.profile")
-    from megatron_vocabstats.profile import memory as old_memory
-
-    assert old_memory is profiling.memory and old.split_trace is profiling.split_trace
-    with pytest.raises(ImportError, match="examples.gsm8k.profile"):
-        importlib.import_module("megatron_vocabstats.profile.runner")
+def test_plugin_run_says_where_it_moved(capsys):
+    """The plugin's command line has no ``run`` (the plugin never imports the example): it says
+    where the command is."""
     from megatron_vocabstats.profiling.cli import main as plugin_main
 
     assert plugin_main(["run", "--out", "x", "--", "sft"]) == 2
     assert "python -m examples.gsm8k.profile run" in capsys.readouterr().err
-    done = subprocess.run([sys.executable, "-m", "megatron_vocabstats.profile", "run", "--out",
-                           "x"], capture_output=True, text=True)
-    assert done.returncode == 2 and "deprecated" in done.stderr, done.stderr
-    assert "python -m examples.gsm8k.profile run" in done.stderr, done.stderr

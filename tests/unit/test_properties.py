@@ -45,7 +45,7 @@ from megatron_vocabstats import (
     vocab_parallel_topk,
     vocab_parallel_topk_logprobs,
 )
-from megatron_vocabstats.ops._math import BLOCK
+from megatron_vocabstats.ops._layout import BLOCK
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENTROPY_MODES = ("off", "metric", "grad")

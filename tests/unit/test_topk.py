@@ -14,7 +14,7 @@ from megatron_vocabstats import (
     vocab_parallel_topk,
     vocab_parallel_topk_logprobs,
 )
-from megatron_vocabstats.ops.topk import rank_keys
+from megatron_vocabstats.ops.topk_math import rank_keys
 from megatron_vocabstats.testing import forbid_host_sync
 from test_vocab_parallel import TOLERANCES as TOL  # numerics.md's
 from test_vocab_parallel import _assert_close as _close

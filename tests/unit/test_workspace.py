@@ -148,7 +148,7 @@ def test_ops_reuse_buffers_across_calls_with_unchanged_results(monkeypatch, fuse
 
 def test_an_abandoned_chunk_loop_gives_its_buffers_back():
     from megatron_vocabstats.ops._checks import checked_config
-    from megatron_vocabstats.ops.engine import logits_chunks as _chunks
+    from megatron_vocabstats.ops.engine.chunks import logits_chunks as _chunks
 
     workspace.reset_workspace()
     logits = torch.randn(9, 20)

@@ -15,8 +15,8 @@ The statistics and the core gradient come from ``cfg.kernel``'s backend (:mod:`.
 one that reads the logits itself (Triton) :func:`logits_chunks` with ``upcast=False`` hands it
 the logits as they are.
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._checks` (``StatsConfig``), :mod:`.._comm`,
-:mod:`..workspace`, :mod:`.kernel` and :mod:`.backends`; never an op module nor
+May import: ``torch``, :mod:`.._layout`, :mod:`.._math`, :mod:`..options` (``StatsConfig``),
+:mod:`.._comm`, :mod:`..workspace`, :mod:`.kernel` and :mod:`.backends`; never an op module nor
 ``megatron_vocabstats.megatron``.
 """
 
@@ -25,18 +25,9 @@ from __future__ import annotations
 import torch
 
 from .. import _comm
-from .._checks import StatsConfig
-from .._math import (
-    BLOCK,
-    NUM_STATS,
-    MergedStats,
-    load_chunk,
-    local_target_index,
-    padded_width,
-    real_columns,
-    rebase_zsum_,
-    target_in_range,
-)
+from .._layout import BLOCK, local_target_index, padded_width, target_in_range
+from .._math import NUM_STATS, MergedStats, load_chunk, real_columns, rebase_zsum_
+from ..options import StatsConfig
 from ..workspace import WORKSPACE
 from .backends import backend_of, grad_backend
 from .kernel import Chunk, ChunkGrad

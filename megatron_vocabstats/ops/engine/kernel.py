@@ -19,8 +19,8 @@ object per ``cfg.kernel``) make the core op's objects below into what runs; the 
 ``chunk.logits``, or, in the fused LM head, computes them tile by tile from ``chunk.hidden`` and
 ``chunk.weight`` (``chunk.logits`` None).
 
-May import: ``torch`` and :mod:`.._math`; nothing else of the package (the rest of the engine
-imports it).
+May import: ``torch``, :mod:`.._layout`, :mod:`.._grad` and :mod:`.._math`; nothing else of the
+package (the rest of the engine imports it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .._math import ShardLayout, block_stats, chunk_grad, chunk_stats
+from .._grad import chunk_grad
+from .._layout import ShardLayout
+from .._math import block_stats, chunk_stats
 
 
 class Chunk(NamedTuple):

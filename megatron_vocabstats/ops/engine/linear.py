@@ -13,8 +13,9 @@ ever holding ``[T, W]``.
 * :func:`full_hidden` / :func:`reduce_hidden_grad`: ``ColumnParallelLinear``'s collectives for
   the input and its gradient (sequence-parallel gather / reduce-scatter, or all-reduce).
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm`, :mod:`..workspace`,
-:mod:`.kernel` and :mod:`.backends`; never an op module nor ``megatron_vocabstats.megatron``.
+May import: ``torch``, :mod:`.._layout`, :mod:`.._math`, :mod:`..options`, :mod:`.._comm`,
+:mod:`..workspace`, :mod:`.kernel` and :mod:`.backends`; never an op module nor
+``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import _comm
-from .._checks import StatsConfig, auto_chunk_size
-from .._math import load_chunk, local_target_index, padded_width
+from .._layout import local_target_index, padded_width
+from .._math import load_chunk
+from ..options import StatsConfig, auto_chunk_size
 from ..workspace import WORKSPACE
 from .backends import backend_of
 from .kernel import Chunk

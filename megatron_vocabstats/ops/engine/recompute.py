@@ -10,7 +10,8 @@ forward.
   :func:`forward_with_grads` (statistics and gradients in one pass), :func:`scaled_forward_grads`
   (its backward) and :func:`upstream_scale` (the scalar ``c`` and its check).
 
-May import: ``torch``, :mod:`.._math`, :mod:`.._checks`, :mod:`.._comm` and the rest of the engine
+May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`..agreement`, :mod:`.._comm` and the
+rest of the engine
 (:mod:`.kernel`, :mod:`.chunks`, :mod:`.linear`, :mod:`.wgrad`); never an op module nor
 ``megatron_vocabstats.megatron``.
 """
@@ -20,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from .. import _comm
-from .._checks import host_checks_enabled
-from .._math import MergedStats, finite_lse, grad_coefficients, load_chunk
+from .._grad import finite_lse, grad_coefficients
+from .._math import MergedStats, load_chunk
+from ..agreement import host_checks_enabled
 from .backends import backend_of, grad_backend
 from .chunks import gathered_stats, targets_in_range
 from .kernel import ChunkGrad, StatsGrad

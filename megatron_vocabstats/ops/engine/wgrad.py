@@ -42,9 +42,6 @@ def wgrad_mode(device_type: str) -> str:
     return _WGRAD_MODES[device_type]
 
 
-_wgrad_mode = wgrad_mode  # its former name (tests patch this module's probe state)
-
-
 def _probe_wgrad_mode(device_type: str) -> str:
     a = torch.ones(2, 2, device=device_type, dtype=torch.bfloat16)
     acc = torch.ones(2, 2, device=device_type)

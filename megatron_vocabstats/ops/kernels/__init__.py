@@ -1,13 +1,14 @@
 """Kernel backends behind the engine's per-chunk seam (:mod:`..engine.kernel`), and their choice.
 
 Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
-argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``),
-:func:`resolve_kernel`, and the Triton kernels' block width (:func:`block_columns`) and fused
-tiles (:data:`LINEAR_BLOCKS`, :func:`linear_blocks`). The Triton kernels themselves live in
-:mod:`.triton_kernels` (host side :mod:`.triton_stats`, building blocks :mod:`.triton_tiles`),
-which import ``triton``: nothing here does (``importlib.util.find_spec`` only), so importing the
-package never needs triton or a GPU. May import :mod:`.._argtypes`, the standard library and
-torch only (the Triton modules are imported only once chosen).
+argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``,
+read by :func:`forced_kernel`), :func:`resolve_kernel`, and the Triton kernels' block width
+(:func:`block_columns`) and fused tiles (:data:`LINEAR_BLOCKS`, :func:`linear_blocks`). The
+Triton kernels themselves live in :mod:`.triton_kernels` (host side :mod:`.triton_stats`,
+building blocks :mod:`.triton_tiles`), which import ``triton``: nothing here does
+(``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU.
+May import :mod:`.._argtypes`, the standard library and torch only (the Triton modules are
+imported only once chosen).
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def forced_kernel() -> str:
+    """The value of :data:`KERNEL_ENV` (``""`` when unset): the backend it forces on
+    ``kernel="auto"``, checked by :func:`resolve_kernel`."""
+    return os.environ.get(KERNEL_ENV, "")
+
+
 def resolve_kernel(kernel, device: torch.device) -> str:
     """The backend (one of :data:`KERNELS`) of one call of the unfused op or the fused LM head.
 
@@ -95,7 +102,7 @@ def resolve_kernel(kernel, device: torch.device) -> str:
     check_choice("kernel", kernel, KERNEL_CHOICES)
     source = f"kernel={kernel!r}"
     if kernel == "auto":
-        forced = os.environ.get(KERNEL_ENV, "")
+        forced = forced_kernel()
         if forced:
             if forced not in KERNELS:
                 raise ValueError(f"{KERNEL_ENV} must be one of {KERNELS} (or unset), got "

@@ -12,14 +12,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import Cases, Skip, main  # noqa: E402
-
 from _reference import reference_stats  # noqa: E402
 from megatron_vocabstats import (  # noqa: E402
     vocab_parallel_stats,
     vocab_parallel_topk,
     vocab_parallel_topk_logprobs,
 )
-from megatron_vocabstats.ops._checks import _target_checksum, checked_config  # noqa: E402
+from megatron_vocabstats.ops._checks import checked_config  # noqa: E402
+from megatron_vocabstats.ops.agreement import target_checksum as _target_checksum  # noqa: E402
 from megatron_vocabstats.testing import forbid_host_sync  # noqa: E402
 from vocab_parallel_cases import rank_size  # noqa: E402
 
