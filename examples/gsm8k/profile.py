@@ -255,9 +255,12 @@ def execute(p: Plan, args) -> list[dict]:
         try:
             run = cli.setup(args)
             if i == 0:
-                # Only now, with every rank past its checks (setup joins the process group):
-                # an earlier settings.json would make a slower rank refuse --out as holding a
-                # profile. The barrier keeps every trial write after the removal.
+                # Only now, with every rank past its checks: an earlier settings.json would make
+                # a slower rank refuse --out as holding a profile, and leave the ranks in
+                # different collectives. setup's joining of the process group is no such point
+                # when the group (and Megatron's parallel state) already exist, so a barrier
+                # first; the second keeps every trial write after the removal.
+                dist.barrier()
                 if p.rank == 0:
                     if p.overwrite:
                         remove_previous_profile(p.out)

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import torch.distributed as dist
 
@@ -152,7 +153,8 @@ def rerun_into_the_same_out_is_refused_or_replaced(group):
     (and index both): it is refused before training, or replaced with --overwrite."""
     out = shared_dir()
     first = ["run", "--out", out, "--trials", "kernels", "--ranks", "1"]
-    assert profile([*first, "--", *EXAMPLE])[0] == 0
+    with slow_checks_on_rank1():  # rank 0 must not write into --out before rank 1 checked it
+        assert profile([*first, "--", *EXAMPLE])[0] == 0
     dist.barrier()
     unrelated = os.path.join(out, "notes.txt")
     if dist.get_rank() == 0:
@@ -178,6 +180,26 @@ def rerun_into_the_same_out_is_refused_or_replaced(group):
         assert load(os.path.join(out, "settings.json"))["plan"]["ranks"] == [0]
         assert open(os.path.join(out, "settings.log")).read().count("trial: done") == 1
         shutil.rmtree(out)
+
+
+@contextlib.contextmanager
+def slow_checks_on_rank1(delay_s: float = 5.0):
+    """Rank 1 starts its checks of the request ``delay_s`` late (the process group and Megatron's
+    parallel state already exist, as after the first case, so nothing else holds rank 0 back)."""
+    from examples.gsm8k import profile as profile_module
+
+    saved = profile_module.plan
+
+    def plan(*args, **kwargs):
+        if dist.get_rank() == 1:
+            time.sleep(delay_s)
+        return saved(*args, **kwargs)
+
+    profile_module.plan = plan
+    try:
+        yield
+    finally:
+        profile_module.plan = saved
 
 
 @contextlib.contextmanager
