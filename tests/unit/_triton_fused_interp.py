@@ -24,6 +24,9 @@ if not interpreting():
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_fused_kernels.py)",
                 allow_module_level=True)
 
+import _interp_fast
+
+_interp_fast.install()
 from dist.fused_linear_cases import run_and_check
 from megatron_vocabstats.ops import kernels
 from megatron_vocabstats.ops.kernels import triton_stats

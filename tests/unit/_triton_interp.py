@@ -31,6 +31,9 @@ if not interpreting():
     pytest.skip("needs TRITON_INTERPRET=1 (run through test_triton_kernels.py)",
                 allow_module_level=True)
 
+import _interp_fast
+
+_interp_fast.install()
 import triton
 import triton.language as tl
 

@@ -135,4 +135,7 @@ def tp_invariant_mode_gives_the_bits_of_tp1(group):
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+    import _interp_fast
+
+    _interp_fast.install()  # the interpreter's shortcuts (same results, _interp_fast.py)
     main(CASES)
