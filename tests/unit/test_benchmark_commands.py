@@ -8,21 +8,38 @@ small vocabulary and hidden size, one iteration, tp 1. ``--results``, ``--append
 the output files of ``gpu_model.py`` are pointed at a temporary directory, never the committed
 tables.
 
-Each command runs in its own process, as ``python THIS_FILE SCRIPT ARGS``: the script's driver
-as documented, but its worker in the same process (rank 0 of a world of 1) instead of a torchrun
-launch, which would cost another interpreter start per command. ``gpu_model.py`` (a static model
-that needs no GPU) runs its torch-path scenarios only: the Triton ones compile kernels for sm_90,
-which ``test_triton_compile.py`` covers. A benchmark that needs a GPU would be skipped here with
-the reason; none of the documented ones does.
+Each command runs in its own process: the script's driver as documented, but its worker in the
+same process (rank 0 of a world of 1) instead of a torchrun launch, which would cost another
+interpreter start per command. That process is a fork of one server process (``python THIS_FILE
+--serve``, started once per pytest process) that has imported torch, megatron-core and the
+package, what every command imports first (several seconds each on a loaded machine); the child
+then runs as ``python THIS_FILE SCRIPT ARGS`` would, its output to files, under a timeout (on
+expiry its process group is killed and only its test fails). The server does no tensor work and
+starts no thread before it forks (one intra-op thread, ``OMP_NUM_THREADS=1``, as before).
+
+``gpu_model.py`` (a static model that needs no GPU) runs its torch-path scenarios only: the
+Triton ones compile kernels for sm_90, which ``test_triton_compile.py`` covers. A benchmark that
+needs a GPU would be skipped here with the reason; none of the documented ones does.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import importlib
+import importlib.util
+import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import IO
 
 import pytest
 
@@ -131,25 +148,134 @@ def test_the_documents_print_benchmark_commands_each_with_a_tiny_size():
 
 @pytest.mark.parametrize("name", sorted(COMMANDS), ids=lambda n: n.replace("/", "_"))
 def test_documented_command_prints_its_table(name, tmp_path):
-    pytest.importorskip("megatron.core")  # the benchmarks compare with Megatron's own
+    if importlib.util.find_spec("megatron.core") is None:  # the benchmarks compare with it
+        pytest.skip("could not import 'megatron.core'")
     script, args = COMMANDS[name]
     if script in NEEDS_GPU and not _cuda():
         pytest.skip(f"{script} needs a GPU: {NEEDS_GPU[script]}")
     argv = tiny_args(script, args, str(tmp_path))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
-               TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), script, *argv], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    code, stdout, stderr = _run(script, argv, str(tmp_path))
+    assert code == 0, f"exit {code}: {shlex.join(argv)}\n{stdout[-3000:]}\n{stderr[-3000:]}"
     if script in TABLE:
-        assert TABLE[script] in proc.stdout, proc.stdout[-3000:]
-        rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-        assert len(rows) > 2, proc.stdout[-3000:]  # header, rule and at least one row
+        assert TABLE[script] in stdout, stdout[-3000:]
+        rows = [line for line in stdout.splitlines() if line.startswith("| ")]
+        assert len(rows) > 2, stdout[-3000:]  # header, rule and at least one row
     else:
         with open(tmp_path / f"{script}.md") as f:
             table = f.read()
         assert "|---" in table and table.count("\n| ") >= 2, table
+
+
+# ---------------------------------------------------------------------------------------------
+# The server: imports once, forks a child per command
+
+TIMEOUT_S = 300  # per command
+# What every command imports first (the scripts import megatron-core's modules when they run).
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+           "megatron.core.tensor_parallel", "megatron_vocabstats",
+           "megatron_vocabstats.profiling")
+
+
+def _run(script: str, argv: list[str], tmp: str) -> tuple[int | str, str, str]:
+    """``python THIS_FILE script argv`` in a child of the server: (exit code, or why there is
+    none, stdout, stderr)."""
+    server, errors = _server()
+    request = {"script": script, "argv": argv, "tmp": tmp, "timeout": TIMEOUT_S}
+    try:
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+    except OSError:
+        reply = ""
+    if not reply:
+        errors.seek(0)
+        pytest.fail(f"the command server exited {server.poll()}:\n{errors.read()[-6000:]}")
+    out = {}
+    for stream in ("stdout", "stderr"):
+        with open(os.path.join(tmp, f"command.{stream}"), errors="replace") as f:
+            out[stream] = f.read()
+    return json.loads(reply), out["stdout"], out["stderr"]
+
+
+@functools.cache
+def _server() -> tuple[subprocess.Popen, IO[str]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env.pop("LOCAL_RANK", None)
+    errors = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], cwd=ROOT,
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=errors, text=True)
+    atexit.register(_stop, server)
+    return server, errors
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.stdin.close()  # the server's loop ends
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _serve() -> None:
+    """Read requests (JSON lines) from stdin; per request fork a child that runs the command and
+    answer its exit code, or ``"timed out after N s"``."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever else this process prints goes to its stderr
+    for module in PRELOAD:
+        importlib.import_module(module)
+    assert threading.active_count() == 1, threading.enumerate()  # forking is safe
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        replies.write(json.dumps(_fork(replies.fileno(), **request)) + "\n")
+        replies.flush()
+
+
+def _fork(replies: int, script: str, argv: list[str], tmp: str, timeout: float) -> int | str:
+    """Run the command in a child (``replies``: the server's answer pipe, closed there); its exit
+    code, or ``"timed out after N s"`` when it ran past ``timeout`` seconds (then its process
+    group is killed)."""
+    pid = os.fork()
+    if pid == 0:  # the child: what `python THIS_FILE script argv` would do
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            os.close(replies)
+            for fd, stream in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(os.path.join(tmp, f"command.{stream}"),
+                                os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            sys.stdin = open(os.devnull)
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+            _run_in_process(script, argv)
+            code = 0
+        except SystemExit as exc:  # as the interpreter treats it
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+            if code is not exc.code and exc.code is not None:
+                print(exc.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported as the interpreter would
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    try:
+        os.setpgid(pid, pid)  # (also done by the child: whichever runs first)
+    except OSError:
+        pass
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"timed out after {timeout} s"
+        time.sleep(0.05)
 
 
 def _cuda() -> bool:
@@ -201,4 +327,7 @@ def _run_in_process(script: str, argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _run_in_process(sys.argv[1], sys.argv[2:])
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:
+        _run_in_process(sys.argv[1], sys.argv[2:])
