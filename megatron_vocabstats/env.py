@@ -9,10 +9,6 @@ compute capability; which backend ``kernel="auto"`` picks on this machine and wh
 Megatron binding the patch replaces or wraps, whether this Megatron has it. It never applies the
 patch. Every lookup that fails is reported as such, never raised: the report itself must run
 wherever the question is asked. Exit status 0.
-
-May import: :mod:`megatron_vocabstats.versions`, :mod:`megatron_vocabstats.ops.kernels`,
-:mod:`megatron_vocabstats.megatron.compat`, the standard library, torch and, to read their
-versions, the third-party Megatron, Triton, transformer-engine and apex.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`),
 They sit below ``megatron_vocabstats.megatron`` so that the losses and packing (and the ops)
 can use them without importing that subpackage.
 
-May import: torch and, lazily, the third-party ``megatron.core``; never another module of the
-package. Importing it never imports Megatron.
+Importing it never imports Megatron.
 """
 
 from __future__ import annotations

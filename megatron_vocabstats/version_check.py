@@ -24,10 +24,6 @@ they are shown without any logging set-up, pytest lists them, and a category can
 Also the package's one rank-0 test, :func:`is_rank0` (the version warning, the Megatron patch's
 log lines, the integrations' notes and the profiling command line's errors all use it): the
 lowest module that every one of them may import.
-
-May import: :mod:`megatron_vocabstats.versions`, the standard library and (already imported)
-torch; never Megatron or Triton themselves (their versions come from what is imported or from
-the installed distribution's metadata).
 """
 
 from __future__ import annotations

@@ -11,9 +11,6 @@ pyproject declares each requirement; :func:`supported_range` words the error mes
 the environment report (``python -m megatron_vocabstats.env``).
 
 Update the table when CI covers another version; nothing else needs editing by hand.
-
-May import: the standard library and ``packaging`` (a declared dependency); nothing of the
-package, so that every layer can read it.
 """
 
 from __future__ import annotations

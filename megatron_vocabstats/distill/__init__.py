@@ -31,8 +31,7 @@ No host synchronisation (no ``.item()``, no value-dependent shapes); collectives
 
 Layout: :mod:`.divergence` (``topk_divergence``, ``DistillConfig``, ``log1mexp``,
 ``bregman_kl``; imports ``..losses.inputs``) and :mod:`.loss` (``distillation_loss``; also
-``..ops``). This package may import ``megatron_vocabstats.losses`` and
-``megatron_vocabstats.ops``, never ``megatron_vocabstats.megatron``.
+``..ops``).
 """
 
 from .divergence import (

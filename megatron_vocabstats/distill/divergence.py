@@ -1,7 +1,5 @@
 """The pure per-token divergences over the teacher's top-k: :func:`topk_divergence`, its options
 (:class:`DistillConfig`) and the per-bucket math (:func:`log1mexp`, :func:`bregman_kl`).
-
-May import: :mod:`megatron_vocabstats.losses.inputs` (the input checks) and torch.
 """
 
 from __future__ import annotations

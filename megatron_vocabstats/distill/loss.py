@@ -1,9 +1,5 @@
 """The Megatron loss function of top-k distillation: :func:`distillation_loss` (the student's
 log-probs at the teacher's ids from logits or a fused LM head, then :func:`topk_divergence`).
-
-May import: :mod:`.divergence`, :mod:`megatron_vocabstats.losses.inputs`,
-:mod:`megatron_vocabstats.ops` (``ops.topk``, ``ops.topk_math``, ``ops.agreement``,
-``ops.options``) and torch.
 """
 
 from __future__ import annotations

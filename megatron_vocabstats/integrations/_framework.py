@@ -6,9 +6,6 @@ A framework integration (``integrations/verl.py`` and its siblings) declares a
 bind those names at import, and the replacement functions (whose parameter names must equal the
 originals'). :meth:`Framework.apply` checks everything before it patches anything and logs one
 line on rank 0; :meth:`Framework.remove` restores every original.
-
-May import: ``megatron._patching``, ``versions``, ``version_check`` (``is_rank0``), the
-package's ``PATCHERS``, torch, packaging and the standard library.
 """
 
 from __future__ import annotations

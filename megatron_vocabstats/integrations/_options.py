@@ -5,8 +5,6 @@ The options are fields of ``PluginSettings`` with the same meaning and checks (`
 ``logprobs_chunk_size``, ``lm_head_chunk_size``, ``validate``, ``batch_invariant``, ``kernel``);
 the notes are the conventions in which a replacement differs from the framework's function,
 logged once per name on rank 0 (logger ``megatron_vocabstats``, WARNING) at its first call.
-
-May import: ``megatron.settings``, ``version_check`` (``is_rank0``) and the standard library.
 """
 
 from __future__ import annotations

@@ -16,9 +16,6 @@ example at the top of the training script, before the engine is built).
 
 Raises :class:`UnsupportedArealError` (an ``ImportError``) when AReaL is missing, or a module,
 a name or a signature above moved or changed (read from AReaL 1.0.4); then nothing is patched.
-
-May import: :mod:`.areal_ops`, :mod:`._framework`, ``megatron.settings`` and, inside
-:func:`apply`, AReaL.
 """
 
 from __future__ import annotations

@@ -21,10 +21,6 @@ and not used; the values do not depend on it), an id outside the vocabulary give
 ``max - logsumexp`` at tp = 1 too, and a ``-inf``-masked column contributes 0 to the entropy
 (AReaL's gives NaN: ``0 * -inf``). The first call of each logs that once (rank 0, logger
 ``megatron_vocabstats``, WARNING).
-
-May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.megatron.settings`,
-:mod:`._options` (the options, the notes) and torch; never AReaL itself (it only receives
-AReaL's tensors).
 """
 
 from __future__ import annotations

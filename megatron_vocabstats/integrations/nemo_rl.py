@@ -26,9 +26,6 @@ job every worker process that builds the Megatron policy must import it.
 
 Raises :class:`UnsupportedNemoRLError` (an ``ImportError``) when NeMo-RL is missing, or a module,
 a name or a signature above moved or changed; then nothing is patched.
-
-May import: :mod:`.nemo_rl_ops`, :mod:`._framework`, ``megatron.settings``, the standard library
-and, inside :func:`apply` and :func:`nemo_rl_version`, NeMo-RL.
 """
 
 from __future__ import annotations

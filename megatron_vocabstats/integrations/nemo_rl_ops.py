@@ -13,10 +13,6 @@ divides the logits in place before these functions), so it is left as is. The ca
 replacement does not take over (top-k/top-p sampling, DTensor and single-device logits) go to
 NeMo-RL's own function, unchanged. The first call of each logs once (rank 0, logger
 ``megatron_vocabstats``, WARNING) how it differs.
-
-May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.packing`,
-:mod:`._options` and torch; never NeMo-RL itself (its own functions, for the cases left to it,
-are handed in by :func:`set_fallbacks`).
 """
 
 from __future__ import annotations

@@ -18,9 +18,6 @@ worker process must import it (e.g. in a ``sitecustomize`` on the workers' path)
 Raises :class:`UnsupportedSkyRLError` (an ``ImportError``) when SkyRL is missing, or a module, a
 name or a signature above moved or changed (a release other than the one this was written for,
 SkyRL 0.3; tested with 0.3.0); then nothing is patched.
-
-May import: :mod:`.skyrl_ops`, :mod:`._framework`, ``megatron.settings`` and, inside
-:func:`apply`, SkyRL.
 """
 
 from __future__ import annotations

@@ -30,9 +30,6 @@ Kept as SkyRL's own code: the CP split and gather and the packed index helpers (
 functions of ``model_utils`` listed in :data:`HELPERS`, resolved by ``skyrl.apply``), and the two
 packed entropy functions whole (their per-token entropy is the replaced name they look up in
 ``model_utils``). The differences are logged once per function (:data:`NOTES`).
-
-May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.mcore`, :mod:`._options`,
-torch; never SkyRL itself (its helpers are handed over by :func:`set_helpers`).
 """
 
 from __future__ import annotations

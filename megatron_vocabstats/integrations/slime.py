@@ -17,9 +17,6 @@ initialisation (``slime/backends/megatron_utils/initialize.py``), so :func:`appl
 
 Raises :class:`UnsupportedSlimeError` (an ``ImportError``) when slime is missing, or a module,
 the name or its signature moved; then nothing is patched.
-
-May import: :mod:`.slime_ops`, :mod:`._framework`, ``megatron.settings``, the standard library
-and, inside :func:`apply` and :func:`slime_version`, slime.
 """
 
 from __future__ import annotations

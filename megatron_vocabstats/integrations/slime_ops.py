@@ -16,9 +16,6 @@ targets already shifted, one id per position):
 - An empty row (``T = 0``): ``[0]`` tensors in the logits' dtype.
 - ``tp_group`` None: the default group once torch.distributed is initialised, else no tensor
   parallelism; ``chunk_size > 0`` splits the tokens (the values do not depend on it).
-
-May import: :mod:`megatron_vocabstats.ops`, :mod:`._options` and torch; never slime itself (it
-only receives slime's tensors).
 """
 
 from __future__ import annotations

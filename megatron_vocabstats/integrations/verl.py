@@ -23,9 +23,6 @@ makes each process that imports verl do so (docs/verl.md).
 Raises :class:`UnsupportedVerlError` (an ``ImportError``) when verl is missing, or a module, a
 name or a signature above moved or changed (a release other than the one this was written
 for, verl 0.9; tested with 0.9.1); then nothing is patched.
-
-May import: :mod:`.verl_ops`, :mod:`._framework`, ``megatron.settings`` and, inside
-:func:`apply`, verl.
 """
 
 from __future__ import annotations

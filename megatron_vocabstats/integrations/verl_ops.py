@@ -20,11 +20,6 @@ returns (sign, dtype, shape). The first call of each logs once (rank 0, logger
   ``(logprobs, entropy)`` over the flattened tokens (``logprobs`` summed or averaged with
   ``reduction="sum" | "mean"``); its backward returns this rank's share of ``d_hidden``, which
   the caller sums over tp (the backward of its sequence-parallel gather).
-
-May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.mcore`,
-:mod:`megatron_vocabstats.megatron.settings`, :mod:`._options` (the options and their
-validation, the notes) and torch;
-never verl itself (it only receives verl's tensors).
 """
 
 from __future__ import annotations

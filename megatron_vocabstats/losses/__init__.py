@@ -24,13 +24,12 @@ Nothing here synchronises with the host: no ``.item()``, no branch on tensor val
 data-dependent shape; token counts stay on the device. (The op's own ``validate`` checks do read
 the host; they are off by default here, see :class:`StatsOptions`.) Communication: only the op's
 
-Layout (each module says what it may import; none imports ``megatron_vocabstats.megatron``):
+Layout:
 :mod:`.inputs` (``LossOutput``, input checks, masked sums; torch only), :mod:`.token`
 (``nll_loss``, ``score_tokens``), :mod:`.policy` (``policy_loss``; also ``..rollout``),
 :mod:`.stats` (``StatsOptions``, ``token_stats``, ``token_loss``, ``sft_loss``,
 ``logprobs_step``; also ``..ops``) and :mod:`.forward_step` (``make_forward_step``,
-``StepBatch``, ``model_tp_group``; also ``..mcore``). This package may import
-``megatron_vocabstats.ops`` (public modules), ``.rollout`` and ``.mcore``.
+``StepBatch``, ``model_tp_group``; also ``..mcore``).
 """
 
 from ..ops.options import IGNORE_INDEX

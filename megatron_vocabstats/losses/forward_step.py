@@ -1,8 +1,5 @@
 """A ``forward_step_func`` for Megatron's schedules: :func:`make_forward_step`, the microbatch
 type :class:`StepBatch` and :func:`model_tp_group` (the tensor-parallel group of a wrapped model).
-
-May import: :mod:`.stats`, :mod:`megatron_vocabstats.mcore` (the Megatron-core lookups of the
-lower layer; never the ``megatron_vocabstats.megatron`` subpackage), and torch.
 """
 
 from __future__ import annotations

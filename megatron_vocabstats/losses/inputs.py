@@ -4,8 +4,6 @@ Lives here: :class:`LossOutput` (Megatron's ``(loss_sum, num_tokens, report)``),
 per-token inputs (shapes, dtypes, devices and options only: never tensor values) and the masked
 sums / ``[sum, count]`` report entries every loss builds on. Shared by
 :mod:`megatron_vocabstats.losses` and :mod:`megatron_vocabstats.distill`.
-
-May import: torch only (no other module of the package).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 :mod:`megatron_vocabstats.rollout`.
 
 A pure function of per-token tensors: no process groups, no host sync.
-
-May import: :mod:`.inputs`, :mod:`megatron_vocabstats.rollout` (and torch).
 """
 
 from __future__ import annotations

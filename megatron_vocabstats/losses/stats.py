@@ -5,9 +5,6 @@ Lives here: :class:`StatsOptions` (the one user-facing options object of the sta
 :func:`token_stats` (logits, ``VocabStats`` or a statistics callable -> ``VocabStats``),
 :func:`token_loss` (a per-token loss applied to them, with the cross-rank checks of
 ``validate``), and its two instances :func:`sft_loss` and :func:`logprobs_step`.
-
-May import: :mod:`megatron_vocabstats.ops` (public names, ``ops.agreement`` and ``ops.options``),
-:mod:`.inputs`, :mod:`.token` (and torch).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Per-token losses of one tensor of log-probs: :func:`nll_loss` (SFT) and :func:`score_tokens`
 (forward-only scoring). Pure functions of per-token tensors: no process groups, no host sync.
-
-May import: :mod:`.inputs`, ``megatron_vocabstats.ops.options`` (``check_bool``) and torch.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ and its config hook (:mod:`.arguments`, :mod:`.flag_types`, :mod:`.run_args`), t
 settings (:mod:`.settings`), the replaced call sites (:mod:`.model`) and the reversible patcher
 (:mod:`._patching`).
 
-May import: :mod:`megatron_vocabstats.ops`, ``.losses``, ``.packing``, ``.rollout``, ``.mcore``
-and, lazily, the third-party Megatron. Nothing below it (ops, losses, distill, packing, rollout)
+Nothing below it (ops, losses, distill, packing, rollout)
 imports this subpackage: the Megatron-core lookups they need live in
 :mod:`megatron_vocabstats.mcore`.
 """

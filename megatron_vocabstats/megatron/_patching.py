@@ -3,8 +3,6 @@
 Every replacement carries ``__wrapped__`` (the original) and the :data:`MARKER` attribute, so a
 second application sees that the binding is already ours. :data:`PATCHER` lives here, not in
 ``megatron_vocabstats.patch``, so that reloading that module cannot forget what was replaced.
-
-May import: the standard library only.
 """
 
 from __future__ import annotations

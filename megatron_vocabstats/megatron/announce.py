@@ -21,10 +21,6 @@ it. The same first call issues the version warnings
 (:func:`megatron_vocabstats.version_check.warn_untested`, with the imported megatron-core): one
 per component outside the supported-versions table, each once per process. :func:`describe`
 gives the same words for a settings object without a model (the GSM8K example prints it).
-
-May import: :mod:`.settings`, :mod:`.compat`, :mod:`megatron_vocabstats.ops.kernels`,
-:mod:`megatron_vocabstats.version_check`, :mod:`megatron_vocabstats.mcore`, the standard
-library and torch.
 """
 
 from __future__ import annotations

@@ -4,10 +4,6 @@ Every lookup is lazy: importing this module never imports Megatron, transformer-
 Names are detected with ``hasattr`` / ``inspect.signature``; the version string only appears in
 messages. ``tp_group_of``, ``default_tp_group`` and ``packed_seq_params_class`` live in
 :mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops).
-
-May import: :mod:`megatron_vocabstats.mcore`, :mod:`megatron_vocabstats.versions`,
-:mod:`megatron_vocabstats.version_check`, the standard library, torch and, lazily, the
-third-party Megatron, transformer-engine and apex.
 """
 
 from __future__ import annotations

@@ -5,9 +5,6 @@ also check values set without the parser) and the tables of the family: :data:`F
 Every value goes through the package's one checker of number-like options
 (``ops._argtypes.number_problem``, the rule of ``check_number``: Python and numpy numbers,
 never a bool, NaN, +-inf or an out-of-range value, huge ints included).
-
-May import: the standard library and :mod:`megatron_vocabstats.ops._argtypes` (itself standard
-library only).
 """
 
 from __future__ import annotations

@@ -18,10 +18,6 @@ the fused head cannot stand in for Megatron's output layer.
   ModelOpt distillation's capture of the output layer's logits),
   Megatron's own path runs, and the reason is logged once on rank 0, or raised with
   ``PluginSettings.require_fused_lm_head`` [--require-fused-lm-head].
-
-May import: :mod:`.settings`, :mod:`megatron_vocabstats.mcore`,
-:mod:`megatron_vocabstats.version_check` (``is_rank0``), the standard library, torch and, lazily,
-megatron.core.
 """
 
 from __future__ import annotations

@@ -8,9 +8,6 @@ LM head (``lm_head_chunk_size > 0``) takes the loss from the hidden states: thro
 with the output layer deferred (:func:`.head.deferred_output_layer`) so that
 ``compute_language_model_loss`` receives the hidden states instead of logits. The MTP depths'
 loss is :mod:`.mtp`'s.
-
-May import: :mod:`megatron_vocabstats.ops` (the ops it calls), :mod:`.settings`,
-:mod:`megatron_vocabstats.mcore`, :mod:`.head`, :mod:`.announce` and torch.
 """
 
 from __future__ import annotations

@@ -19,10 +19,6 @@ and packed sequences included), masking, scaling, ``mtp_detach_heads``, MuP's lo
 logging are Megatron's, detected per release. Unfused, Megatron's own runs. Either way the
 per-depth statistics are kept as ``model.last_mtp_vocab_stats`` (a tuple of
 :class:`~megatron_vocabstats.VocabStats` ``[b, s]``, depth 1 first, each for its rolled labels).
-
-May import: :mod:`megatron_vocabstats.ops` (public modules), :mod:`.settings`, :mod:`.head`,
-:mod:`.model`, :mod:`megatron_vocabstats.version_check` (``is_rank0``), the standard library,
-torch and, lazily, megatron.core.
 """
 
 from __future__ import annotations

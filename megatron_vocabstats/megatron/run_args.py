@@ -6,9 +6,6 @@ Each number read goes through :func:`megatron_int`, the package's one checker of
 options (``ops._argtypes.check_number``), so a value set without Megatron's parser (a scripted
 parser's ``"2"``, a ``None`` from a config) is refused naming the flag, never a ``TypeError`` deep
 in the arithmetic.
-
-May import: the standard library, :mod:`megatron_vocabstats.ops._argtypes`, :mod:`.compat` and,
-lazily, :mod:`megatron_vocabstats.packing`.
 """
 
 from __future__ import annotations

@@ -6,9 +6,6 @@ config hook (from the ``--vocab-parallel-stats`` flag family), read by the repla
 :meth:`PluginSettings.stats_options`, a :class:`~megatron_vocabstats.StatsOptions`). While
 ``active`` is False the patched call sites run Megatron's original code, so the plugin is either
 fully on or fully off.
-
-May import: :mod:`megatron_vocabstats.ops`, :mod:`megatron_vocabstats.losses` (``StatsOptions``),
-:mod:`megatron_vocabstats.rollout`.
 """
 
 from __future__ import annotations

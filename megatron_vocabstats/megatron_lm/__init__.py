@@ -4,6 +4,4 @@
 :mod:`.inserter` (the line and where it goes), :mod:`.releases` (the patches, which release each
 fits, applying one; the maintainers' check against a clone), :mod:`.cli` (the command). Nothing
 here imports torch or Megatron.
-
-May import: its own modules and the standard library.
 """

@@ -1,5 +1,4 @@
-"""``python -m megatron_vocabstats.megatron_lm``: the same as ``vocabstats-patch-megatron``.
-May import: :mod:`.cli`."""
+"""``python -m megatron_vocabstats.megatron_lm``: the same as ``vocabstats-patch-megatron``."""
 
 import sys
 

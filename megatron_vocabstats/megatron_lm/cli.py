@@ -14,8 +14,6 @@ torch`` (:func:`.inserter.add_import`). A script that already imports the plugin
 Exit status: 0 when the script imports the plugin afterwards (or, with ``--check``, would), 1 when
 the patch does not apply (nothing written), 2 for bad input (a path that is not a checkout, a
 release without a shipped patch); messages go to stdout, errors to stderr as ``error: ...``.
-
-May import: :mod:`.inserter`, :mod:`.releases` and the standard library.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@
 every Megatron-LM release's ``pretrain_gpt.py`` has one, and it precedes argument parsing and
 model building. The shipped per-release patches (:mod:`.releases`) are this change made on each
 release's script, so the patches and the inserter cannot disagree.
-
-May import: the standard library only.
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ For maintainers, against a Megatron-LM clone holding the release tags::
 The check extracts each recorded commit's script into a temporary directory and runs ``git apply
 --check`` there; ``--write`` makes each patch from that commit's script with the inserter. Exit
 status 1 when a patch does not apply.
-
-May import: :mod:`.inserter` and the standard library.
 """
 
 from __future__ import annotations

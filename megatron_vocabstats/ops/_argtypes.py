@@ -5,10 +5,7 @@ checker of number-like options (:func:`check_number`, and :func:`number_problem`
 without raising, which the Megatron flag types use), its shorthands :func:`check_integer` and
 :func:`check_real`, :func:`check_choice`, :func:`check_int64` (an int that must fit the int64
 columns of the cross-rank check exchange) and the one checker of bool options
-(:func:`check_bool`, :func:`bool_error`). The bottom of ``ops/``: imports nothing of the
-package (only the standard library), so every other module, :mod:`._comm` included, and every
-package above ``ops/`` (losses, rollout, distillation, packing, settings, flags, command lines)
-may import it.
+(:func:`check_bool`, :func:`bool_error`). The bottom of ``ops/`` (docs/layout.md).
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._
 shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
 (the ``kernel`` choice, :func:`~.kernels.resolve_kernel`), :mod:`._replicated` (identical
 shards on every rank) and :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`).
-May import those modules, :mod:`._comm` and ``megatron_vocabstats.mcore`` (whether Megatron's
-parallel state is tensor parallel: a missing ``tp_group``), not the op modules.
 """
 
 from __future__ import annotations

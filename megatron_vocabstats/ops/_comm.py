@@ -2,9 +2,6 @@
 
 ``group=None`` always means "no tensor parallelism" (a single shard holding the whole
 vocabulary), never "the global default group".
-
-May import torch and :mod:`._argtypes` only (no other module of the package), so that every
-module of ``ops/`` and the packages above it can use it.
 """
 
 from __future__ import annotations

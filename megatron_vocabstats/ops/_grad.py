@@ -8,7 +8,7 @@ gradient w.r.t. z is ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the
 one-hot target, and ``log p_j = (z_j - lse) - lse_lo`` with the logsumexp as an fp32 pair.
 
 Pure tensor math like :mod:`._math`: no collectives, never writes to the caller's tensors (only
-to the scratch buffers handed in). May import :mod:`._layout` and :mod:`.options` only.
+to the scratch buffers handed in).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ from one call's arguments), :func:`check_contiguous` (the shards given per rank 
 vocabulary), :data:`BLOCK` and :func:`padded_width` (the batch-invariant blocks of columns),
 :func:`target_in_range` and :func:`local_target_index` (global target ids on this shard),
 :func:`put_first_max_ids` / :func:`merge_first_max` (the global id of a row's largest logit, from
-per-shard parts). Pure host logic and elementwise tensor ops, no collectives. May import
-:mod:`._argtypes` only.
+per-shard parts). Pure host logic and elementwise tensor ops, no collectives.
 """
 
 from __future__ import annotations

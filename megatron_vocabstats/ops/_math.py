@@ -1,13 +1,7 @@
 """Per-chunk vocabulary statistics and their merge across shards (the gradient: :mod:`._grad`).
 
 Pure tensor math: no collectives, no process groups, never writes to the caller's tensors (only
-to the scratch buffers handed in). May import :mod:`._layout` and :mod:`._grad` only. Lives here:
-the upcast of a chunk (:func:`load_chunk`), its statistics (:func:`chunk_stats`,
-:func:`block_stats`), the fixed-order sum (:func:`tree_sum_`) and the merge (:func:`merge_stats`,
-:func:`reduce_blocks`, :func:`log_normaliser`). The shard layout (:class:`ShardLayout`,
-:data:`BLOCK`, :func:`padded_width`, the target-index helpers) lives in :mod:`._layout`, the
-gradient (:func:`chunk_grad`, :func:`grad_coefficients`, :func:`finite_lse`, :data:`LOGP_MIN`)
-in :mod:`._grad`. The formulas are those of ``docs/numerics.md``:
+to the scratch buffers handed in). The formulas are those of ``docs/numerics.md``:
 
 * per shard r and token: ``m_r = max_j z_j``, ``s_r = sum_j exp(z_j - m_r)``,
   ``u_r = sum_j exp(z_j - m_r) * (z_j - m_r)``, ``t_r = z_y`` if the target is local else 0, and
@@ -23,6 +17,23 @@ in :mod:`._grad`. The formulas are those of ``docs/numerics.md``:
   ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
 
 ``u_r`` is kept relative to the shard maximum, so large logits (fp16 65504) do not cancel.
+
+Where each is computed (Triton: ``ops/kernels/triton_tiles.py``, launched by ``triton_stats.py``;
+float64: ``tests/unit/_reference.py``, whose autograd gives the reference gradient):
+
+====================  ===========================  =====================  =======================
+statistic             torch                        Triton twin            float64, tests
+====================  ===========================  =====================  =======================
+m_r, s_r, u_r, t_r    :func:`chunk_stats`,         ``online_update``,     ``reference_stats``;
+                      :func:`block_stats`          ``tile_update``        test_vocab_parallel
+a_r (smoothing)       ``_real_zsum``,              ``online_update``      test_extreme_logits
+                      :func:`rebase_zsum_`         (``ZSUM``)
+lanes of one row      (one reduction)              ``merge_lanes``        test_triton_kernels
+merge over shards,    :func:`merge_stats`,         (the torch merge)      test_batch_invariant,
+logZ, logprob, H      :func:`log_normaliser`                              test_vocab_parallel_dist
+gradient w.r.t. z     ``_grad.chunk_grad``         ``grad_values``        test_fused_linear,
+                                                                          test_triton_fused_kernels
+====================  ===========================  =====================  =======================
 
 Batch-invariant mode (``batch_invariant=True`` of the ops): every sum over vocabulary columns is
 taken in blocks of :data:`BLOCK` columns, each block with its own maximum, and the blocks (then
@@ -42,14 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._grad import (
-    split_lse,
-)
-from ._layout import (
-    BLOCK,
-    ShardLayout,
-    put_first_max_ids,
-)
+from ._grad import split_lse
+from ._layout import BLOCK, ShardLayout, put_first_max_ids
 
 # Logits are clamped to Z_FLOOR as they are upcast, so every shifted logit stays finite:
 # exp(Z_FLOOR - m) is exactly 0 for any real row maximum m, and products such as

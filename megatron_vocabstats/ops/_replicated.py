@@ -6,7 +6,7 @@ shards are legitimate input (tests seed every rank alike; a zero-initialised out
 them at step 0), so they are refused only where the logits are known to hold the whole vocabulary:
 a shard width of at least the vocabulary size (``vocab_size`` given, else Megatron-LM's
 ``args.padded_vocab_size``). Otherwise the call goes on as ``tp`` shards, with one warning per
-process. May import :mod:`megatron_vocabstats.mcore` (never Megatron itself) only.
+process.
 """
 
 from __future__ import annotations

@@ -11,9 +11,6 @@ its agreement row, then does the single exchange), :func:`checked_on_every_rank`
 checks through it), :func:`agree_across_ranks` (the exchange itself) and its :class:`Field`
 columns, the checksums and float encodings compared there (:func:`target_checksum`,
 :func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`) and :func:`host_checks_enabled`.
-May import :mod:`._argtypes`, :mod:`._comm` and :mod:`.workspace` (:func:`tracing`) only (and
-torch, and :mod:`megatron_vocabstats.version_check`: a builder's first construction in the
-process issues the version warning), so that every module of ``ops/`` and above may import it.
 """
 
 from __future__ import annotations

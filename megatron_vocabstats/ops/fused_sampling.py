@@ -2,10 +2,6 @@
 path: every pass of the threshold search recomputes each chunk's logits ``hidden @ W.T``, so no
 ``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
 per pass (14 in forward with top-k and top-p, one in backward).
-
-May import: :mod:`._checks`, the modules of :mod:`.engine`, :mod:`.linear_checks`, :mod:`.options`,
-:mod:`.sampling_search` and the public names of :mod:`.sampling`; never
-``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

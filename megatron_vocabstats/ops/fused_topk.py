@@ -9,11 +9,6 @@ with the sequence length.
 Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to top-k
 log-probs. Sequence parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
 ``ColumnParallelLinear``'s contract through the fused head's own helpers.
-
-May import: :mod:`._checks`, :mod:`._comm`, :mod:`.agreement`, the modules of :mod:`.engine`,
-:mod:`.linear_checks`,
-:mod:`.topk_math`, :mod:`.topk_checks` and :mod:`.options`; never
-``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

@@ -7,10 +7,6 @@
 * :func:`checked_linear_config`: the whole validation of one fused call, routing its problems
   and the cross-rank agreement through the core checks' one exchange
   (``_checks.checked_config``), giving a :class:`~.engine.LinearStatsConfig`.
-
-May import: ``torch``, :mod:`._argtypes`, :mod:`._checks`, :mod:`._comm`, :mod:`.agreement`,
-:mod:`.options` and :mod:`.engine.linear` (the config and the chunk policy); never an op module
-nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

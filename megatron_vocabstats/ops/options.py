@@ -11,7 +11,6 @@ frozen options of one call (built by ``_checks.checked_config``), and, public he
 packages above, the checkers of options (:func:`check_choice`, :func:`check_number`: the one
 checker of number-like options, and its message :func:`number_problem`; :func:`check_bool`, the
 one checker of bool options, and its error :func:`bool_error`; from :mod:`._argtypes`).
-May import :mod:`._argtypes` and :mod:`._layout` only (and torch).
 """
 
 from __future__ import annotations

@@ -37,9 +37,7 @@ coarser), and only there may tp sizes differ.
 
 This module holds the autograd Function and the public API (and the filter checks); the radix
 search, the forward pass and the gradient kernel are in :mod:`.sampling_search`, the chunk loop in
-:mod:`.engine`. May import those, :mod:`._argtypes`, :mod:`._checks`, :mod:`.agreement` and
-:mod:`.options`; never
-``megatron_vocabstats.megatron``.
+:mod:`.engine`.
 """
 
 from __future__ import annotations

@@ -12,10 +12,6 @@ and ``fused_sampling.py``.
 * the validated options :class:`SamplerConfig`.
 
 Method and communication: see ``sampling.py``'s module docstring.
-
-May import: ``torch``, :mod:`._layout`, :mod:`._math`, :mod:`._checks`, :mod:`._comm`,
-:mod:`.agreement`, :mod:`.options` and :mod:`.engine`; never
-an op module nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

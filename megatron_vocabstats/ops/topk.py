@@ -25,8 +25,7 @@ differing ids or masks silently wrong sums.
 
 This module holds the autograd Functions and the public API; the candidate/merge math, the passes
 and the gradient kernel are in :mod:`.topk_math`, the input checks in :mod:`.topk_checks`, the
-chunk loop in :mod:`.engine`. May import those, :mod:`._checks`, :mod:`._comm` and :mod:`.options`;
-never ``megatron_vocabstats.megatron``.
+chunk loop in :mod:`.engine`.
 """
 
 from __future__ import annotations

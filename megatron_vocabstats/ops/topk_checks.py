@@ -5,10 +5,6 @@ at given ids (:func:`picked_config`).
 Every problem is returned (not raised) and routed through the core checks' one cross-rank
 exchange (``_checks.checked_config(local_error=..., agree=...)``), so that one rank's problem
 raises on every rank.
-
-May import: ``torch``, :mod:`._argtypes`, :mod:`._checks`, :mod:`._comm` and :mod:`.agreement`;
-never an op module nor
-``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

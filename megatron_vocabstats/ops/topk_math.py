@@ -9,10 +9,6 @@
 * the passes over the engine's chunks (:class:`~.engine.kernel.Chunk`): :func:`topk_pass` and
   :func:`picked_pass`, one all-gather each;
 * the result and options types :class:`TopK` and :class:`TopKConfig`.
-
-May import: ``torch``, :mod:`._layout`, :mod:`._grad`, :mod:`._math`, :mod:`._checks`,
-:mod:`._comm`, :mod:`.agreement`, :mod:`.options` and :mod:`.engine`; never
-an op module nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

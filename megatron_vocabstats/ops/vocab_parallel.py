@@ -6,11 +6,7 @@ them after a single all-gather; the backward recomputes each chunk and writes it
 preallocated tensor of the logits' dtype, with no collective.
 
 This module holds the Function and the public API; the chunk loop, the buffers and the gathered
-statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s. May import:
-:mod:`._argtypes`, :mod:`._checks`, :mod:`._grad`, :mod:`._math`, :mod:`.agreement`,
-:mod:`.options`, :mod:`.workspace` and :mod:`.engine`; never ``megatron_vocabstats.megatron`` (the
-default tp group of :func:`vocab_parallel_cross_entropy` comes from ``megatron_vocabstats.mcore``,
-which only reads the third-party ``megatron.core``).
+statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s.
 """
 
 from __future__ import annotations
@@ -138,79 +134,27 @@ def vocab_parallel_stats(
 
     computed without gathering the vocabulary, without an fp32 copy of the shard and without a
     one-hot. Method: per-shard sufficient statistics (max, sum of exp, exp-weighted logits, target
-    logit) merged across ranks, ``H = logZ - E_p[z]``; formulas in ``docs/numerics.md``.
+    logit) merged across ranks, ``H = logZ - E_p[z]``: ``docs/numerics.md``.
 
     Args:
         logits: this rank's vocabulary shard ``[..., W]`` (W = padded V / tp), bf16, fp16 or fp32,
-            any leading shape (Megatron ``[s, b, W]``, THD ``[T, 1, W]``, ``[B, S, W]``). Never
-            modified. Rank r holds global columns ``[r*W, (r+1)*W)`` (Megatron's split), or
-            ``[vocab_start, vocab_start + W)`` with ``vocab_start``.
+            any leading shape (Megatron ``[s, b, W]``, THD ``[T, 1, W]``, ``[B, S, W]``). Rank r
+            holds global columns ``[r*W, (r+1)*W)``, or from ``vocab_start``. Never modified.
         target: int64 global token ids shaped like ``logits.shape[:-1]``, or None to compute only
             entropy and logsumexp.
-        tp_group: the tensor-parallel group the vocabulary is split over; None means no tensor
-            parallelism (``logits`` holds the whole vocabulary; refused without ``vocab_size``
-            where Megatron's parallel state is initialised with tensor parallelism: the logits
-            are then one rank's shard and the group was forgotten).
-        vocab_size: the real (unpadded) global vocabulary size V; columns at global id >= V are
-            padding and get zero probability (they may fill whole shards, as Megatron's
-            padding of a small vocabulary does). Default ``W * tp``.
-        vocab_start: the global id of this rank's first column, for shards of unequal widths
-            (torchtitan's ``ceil(V / tp)`` split with a shorter last shard: ``rank *
-            ceil(V / tp)``). Needs ``vocab_size``; the shards must tile ``[0, V)`` (and may run
-            past it into padding) in rank order, checked with ``validate`` (one more pair of
-            int64 in the check all-gather). Not with ``batch_invariant="tp"``. Default None:
-            equal shards, rank r at ``r * W``.
-        chunk_size: tokens upcast to fp32 at a time; the workspace is two fp32 ``[chunk, W]``
-            buffers. None picks it from the width and device (``ops._checks.auto_chunk_size``:
-            about 4 MiB per buffer on CPU, 256 MiB on GPU). Results do not depend on it.
-        entropy: ``"off"`` (not computed, returned as None), ``"metric"`` (computed, not
-            differentiable, nothing extra saved) or ``"grad"`` (differentiable:
-            ``dH/dz_j = -p_j (log p_j + H)``).
-        temperature: a real number >= 1 / fp32 max (about 2.94e-39); logits are divided by it
-            (in the fp32 chunk, never copied); gradients too.
-        ignore_index: an int; positions whose target equals it get logprob 0 and entropy 0 and
-            exactly zero gradient; their logsumexp is still reported.
-        label_smoothing: eps in [0, 1). ``logprobs`` becomes ``sum_j q_j log p_j`` with
-            ``q = (1 - eps) onehot(target) + eps / V`` over the V real columns (the global real
-            size, never the shard width), so ``-logprobs`` is the smoothed cross-entropy.
-        validate: run the checks that read tensor values on the host (target range, one tiny
-            all-gather comparing shard width, token count, vocab_size, dtype, targets and options
-            across ranks, and finite results). Skipped while a CUDA graph is being captured
-            and while a tracer runs the call (``torch.compile``, ``make_fx``: no values).
-            Without it, ranks that disagree are not detected (a wrong result or a failed
-            collective). This rank's shape, dtype and argument checks always run. Must be equal
-            on all ranks (a bool). Logits at or below -1e30 count as -inf. Without it a target
-            id outside ``[0, V)`` (and not ``ignore_index``) gives a NaN logprob and passes no
-            logprob gradient (its entropy and logsumexp are still exact); found on the device,
-            without a host synchronisation.
-        batch_invariant: ``False`` (default, torch's reductions), ``True`` or ``"tp"``. With
-            ``True`` a row's logprobs, entropy and logsumexp (and its gradient row) are bitwise
-            the same whatever the number of tokens, the row's position, the other rows and
-            ``chunk_size``, on a given device, dtype and tp size: every sum over columns runs
-            in blocks of 128 columns with a fixed halving tree of elementwise adds
-            (``ops._math.tree_sum_``), the shards combined in the same fixed order. Same
-            communication; the reductions cost about twice the reads of torch's sums.
-            Across tp sizes results still differ by rounding (each shard's sums are rescaled to
-            the global maximum). ``"tp"`` also makes tp = 1 and tp = k agree bitwise (with the
-            same global column blocks: the shard width must be a multiple of 128 for tp > 1, as
-            Megatron's vocabulary padding gives): the per-block statistics of every shard
-            are gathered and combined over the whole vocabulary in one fixed tree. Its cost:
-            the all-gather carries ``[W/128, 5, T]`` fp32 per rank instead of ``[5, T]`` (about
-            ``20 * V/128`` bytes per token gathered, 24 KB at V = 151,936); forward holds this
-            rank's share and the gathered whole (``1 + 1/tp`` times that), merged in passes of
-            tokens with temporaries near one fp32 chunk buffer. Values stay within the
-            tolerances of ``docs/numerics.md``.
-            Must be equal on all ranks.
-        kernel: the backend of the per-chunk statistics and gradient: ``"auto"`` (default:
-            the ``VOCABSTATS_KERNEL`` environment variable, ``torch`` or ``triton``, if set;
-            else ``"torch"``: Triton for CUDA logits once the kernels have passed the GPU
-            check, ``ops.kernels.AUTO_TRITON_ON_CUDA``),
-            ``"torch"`` (the reference path) or ``"triton"`` (``ops.kernels.triton_stats``:
-            one read of the logits per pass; CUDA logits, or CPU under Triton's interpreter
-            ``TRITON_INTERPRET=1``). Every batch-invariant mode runs on both (the kernels keep a
-            row's reduction order fixed; "tp" takes their per-block statistics). Both are
-            within the tolerances of ``docs/numerics.md``; their bits differ. The resolved
-            backend must be equal on all ranks (checked with ``validate``).
+        tp_group: the tensor-parallel group; None: no tensor parallelism.
+        vocab_size: the real (unpadded) V; global ids >= V are padding. Default ``W * tp``.
+        vocab_start: this shard's first global id, for unequal shards (needs ``vocab_size``).
+        chunk_size: tokens upcast to fp32 at a time (None: auto); results do not depend on it.
+        entropy: ``"off"`` (returned as None), ``"metric"`` (no gradient) or ``"grad"``.
+        temperature: logits (and gradients) are divided by it; at least 2.94e-39.
+        ignore_index: targets equal to it get logprob 0, entropy 0 and exactly zero gradient.
+        label_smoothing: eps in [0, 1): ``logprobs`` becomes ``sum_j q_j log p_j``, q smoothed.
+        validate: the checks that read values on the host, and the cross-rank agreement.
+        batch_invariant: ``False``, ``True`` (bitwise per row) or ``"tp"`` (also across tp).
+        kernel: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+        Each option is stated once, with its checks and costs, in ``docs/options.md``.
 
     Returns:
         :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
@@ -218,36 +162,19 @@ def vocab_parallel_stats(
 
     Communication: one all-gather of ``[5, T]`` fp32 in forward (plus one of 5 int64 when
     ``validate``), none in backward. Memory beyond the inputs: two fp32 ``[chunk, W]`` buffers
-    (reused across calls through ``ops.workspace``; see there for their lifetime under streams and
-    CUDA graphs) and ``O(tp * T)`` fp32 vectors; backward allocates the logits gradient once, in
-    the logits dtype. No host synchronisation with ``validate=False`` (graph-capturable).
+    (reused across calls through ``ops.workspace``) and ``O(tp * T)`` fp32 vectors; backward
+    allocates the logits gradient once, in the logits dtype. No host synchronisation with
+    ``validate=False`` (graph-capturable).
 
     Raises:
-        TypeError: naming the argument and value, for an argument of the wrong Python type
-            (``logits`` or ``target`` not a tensor, ``temperature``/``label_smoothing`` not a
-            real number, ``ignore_index``/``chunk_size``/``vocab_size`` not an int, ``validate``
-            not a bool, ``tp_group`` not a process group). It is ``ops._checks.InputTypeError``,
-            a ``ValueError`` as well.
-        ValueError: naming the argument, for a non-integer ``target``, leading shapes that differ,
-            a dtype other than bf16/fp16/fp32, an empty vocabulary shard (width 0),
-            ``chunk_size <= 0``, an unknown ``entropy`` mode, a ``temperature`` that is not
-            finite or below 2.94e-39, ``label_smoothing`` outside [0, 1), a ``vocab_size`` that
-            does not fit the shards, a missing ``tp_group`` (see there), and (with
-            ``validate``) the full logits replicated on every rank (a first row that is not
-            constant and equal on every rank, at least ``vocab_size`` wide; narrower, or without
-            ``vocab_size``, equal shards are computed as shards with one warning per process;
-            the message names ``tp_group``), target ids outside ``[0, V)`` other than
-            ``ignore_index``, shards, targets or options that differ across ranks (the message
-            names the field and prints each rank's value), and
-            scored rows whose logits are NaN, +inf or all -inf, or whose ``logits / temperature``
-            overflows fp32 (reported as a too small ``temperature``). Without ``validate`` such
-            rows give NaN. Under tensor parallelism with ``validate`` any error of one rank's
-            checks raises on every rank (the others name the rank).
+        TypeError: an argument of the wrong Python type, naming it (``InputTypeError``, also a
+            ``ValueError``).
+        ValueError: naming the argument: a bad shape, dtype or option value, a missing
+            ``tp_group``, and with ``validate`` target ids outside ``[0, V)``, full logits
+            replicated on every rank, inputs or options that differ across ranks (each rank's
+            value printed; raised on every rank), and rows whose logits are NaN, +inf or all
+            -inf, or overflow fp32 after the temperature. ``docs/checks.md`` lists every check.
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
-
-    Extreme finite logits (up to the fp32 maximum, with label smoothing too) give exact results;
-    the smoothing sum is taken relative to the row maximum and scaled so that it cannot
-    overflow.
     """
     cfg = checked_config(
         logits,

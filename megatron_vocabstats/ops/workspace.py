@@ -36,9 +36,6 @@ Buffers are flat and grouped by size class (the element count rounded up by at m
 calls whose token count varies a little still reuse them; :meth:`Workspace.take` returns a view
 of the requested shape. Their content is undefined (like ``torch.empty``). On CPU the same API
 applies, without streams or capture.
-
-May import torch, the standard library and :mod:`._argtypes` (the one checker of number-like
-options, itself standard library only).
 """
 
 from __future__ import annotations

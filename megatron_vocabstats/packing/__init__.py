@@ -22,13 +22,12 @@ value checks read a few numbers on the host. Pass ``validate=False`` in hot or g
 ``validate`` (and any other bool option) that is not a bool, naming it (``ops.options.check_bool``:
 a ``TypeError`` that is also a ``ValueError``).
 
-Layout (each module says what it may import; none imports ``megatron_vocabstats.megatron``):
+Layout:
 :mod:`.checks` (argument and cumulative-length checks), :mod:`.layout` (``PackedBatch``,
 ``sequence_alignment``, ``shift_packed_labels``), :mod:`.pack` (``pack_sequences``,
 ``make_packed_seq_params``), :mod:`.context_parallel` (``context_parallel_indices``,
 ``shard_for_context_parallel``, ``gather_from_context_parallel``) and :mod:`.unpack`
-(``unpack_sequences``). This package may import ``megatron_vocabstats.ops.agreement`` and
-``ops.options`` (public), and ``.mcore``.
+(``unpack_sequences``).
 """
 
 from ..ops.options import IGNORE_INDEX

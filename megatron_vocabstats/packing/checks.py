@@ -1,10 +1,6 @@
 """Argument checks of the packing functions: positive sizes, integer tensors, cumulative lengths
 (``cu_seqlens`` / ``cu_seqlens_padded``: shapes always, values with ``validate``), the sequence
 dimension and fill values that the target dtype holds.
-
-May import: ``megatron_vocabstats.ops.agreement`` (``host_checks_enabled``),
-``megatron_vocabstats.ops.options`` (``check_number`` and ``check_bool``, the one checkers of
-number-like and bool options) and torch only.
 """
 
 from __future__ import annotations

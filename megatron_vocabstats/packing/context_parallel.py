@@ -1,9 +1,6 @@
 """Context parallelism over packed or ``[b, s]`` batches: the load-balanced (zigzag) positions of
 a rank (:func:`context_parallel_indices`), sharding (:func:`shard_for_context_parallel`) and its
 differentiable inverse (:func:`gather_from_context_parallel`, one all-gather).
-
-May import: :mod:`.checks`, :mod:`.layout`, ``megatron_vocabstats.ops.agreement``,
-``ops.options`` and ``ops._comm`` (the collectives; and torch).
 """
 
 from __future__ import annotations

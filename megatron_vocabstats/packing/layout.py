@@ -1,8 +1,6 @@
 """The packed (THD) layout: :class:`PackedBatch`, :func:`sequence_alignment` (the padding multiple
 of a parallel layout), the per-position segment arithmetic and the label shift inside sequences
 (:func:`shift_packed_labels`).
-
-May import: :mod:`.checks`, :mod:`megatron_vocabstats.ops.options` (and torch).
 """
 
 from __future__ import annotations

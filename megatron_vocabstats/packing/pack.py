@@ -1,9 +1,5 @@
 """Packing sequences into one THD row (:func:`pack_sequences`) and Megatron's
 ``PackedSeqParams`` for it (:func:`make_packed_seq_params`).
-
-May import: :mod:`.checks`, :mod:`.layout`, :mod:`megatron_vocabstats.ops.options`,
-:mod:`megatron_vocabstats.mcore` (the lazy ``PackedSeqParams`` lookup; never the
-``megatron_vocabstats.megatron`` subpackage), ``megatron_vocabstats.ops.agreement`` (and torch).
 """
 
 from __future__ import annotations

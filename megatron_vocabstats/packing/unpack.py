@@ -1,6 +1,4 @@
 """Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`.
-
-May import: :mod:`.checks`, ``megatron_vocabstats.ops.agreement``, ``ops.options`` (and torch).
 """
 
 from __future__ import annotations

@@ -12,9 +12,7 @@ MemTracker, the torch profiler's trace), :mod:`.summary` writes a trial's summar
 :mod:`.postprocess` rewrites every summary of an output directory
 (``python -m megatron_vocabstats.profiling summarize OUT``, :mod:`.cli`).
 
-May import: torch and the standard library only (matplotlib lazily, for the memory plots;
-:mod:`.cli` also :func:`megatron_vocabstats.version_check.is_rank0`).
-Never Megatron, the ops, or the examples; the plugin's own modules do not import this package.
+The plugin's own modules do not import this package.
 """
 
 from __future__ import annotations

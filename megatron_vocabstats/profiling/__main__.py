@@ -1,6 +1,4 @@
 """``python -m megatron_vocabstats.profiling summarize OUT``: see :mod:`.cli`.
-
-May import: :mod:`.cli`.
 """
 
 import sys

@@ -6,9 +6,6 @@ here: the GSM8K example's ``python -m examples.gsm8k.profile run ...`` (from the
 records one, and its own command line reuses :func:`add_summarize_command` and
 :func:`summarize_command`. Exit status 0 on success, 2 for bad input (``error: ...`` on stderr,
 printed by rank 0).
-
-May import: the standard library, the sibling modules of :mod:`megatron_vocabstats.profiling`
-and :mod:`megatron_vocabstats.version_check` (``is_rank0``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ Perfetto (https://ui.perfetto.dev) or ``chrome://tracing``:
 - ``trace.host.json``: everything else (operators, Python functions, CUDA runtime calls,
   annotations) with its track names; the host-to-device flow arrows (category ``ac2g``) are in
   neither view, since their ends lie in different views.
-
-May import: torch and the standard library.
 """
 
 from __future__ import annotations

@@ -15,9 +15,6 @@ Two back ends, both with torch's own instruments, both producing the same raw re
   alive at the start and the allocator's actions during the step; :func:`replay_trace` turns
   them into a timeline and the list of blocks alive at the peak, each put in a kind by
   :func:`classify_frames` from its stack.
-
-May import: torch (its ``MemTracker``) and, lazily,
-:mod:`megatron_vocabstats.ops.workspace` (to label the ops' cached buffers).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 Reads only the raw files a run left (``trial.json``, ``memory.raw.json``, ``trace.json``), so it
 works on a copied output directory, after a run was interrupted between trials, or after the
 summary code changed.
-
-May import: :mod:`.summary`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 
 Everything here is pure (no process group, no files) so that a bad selection is refused on every
 rank before any model is built.
-
-May import: the standard library only.
 """
 
 from __future__ import annotations

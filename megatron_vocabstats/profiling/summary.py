@@ -4,8 +4,6 @@ Everything is computed from the raw files of the trial directory (``trial.json``
 ``memory.raw.json`` or ``trace.json``), never from live state, so that
 ``python -m megatron_vocabstats.profiling summarize OUT`` rewrites the same files. Summaries hold
 no timestamps: regenerating them gives identical bytes.
-
-May import: :mod:`.kernels`, :mod:`.memory` and, lazily, matplotlib.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Trainer / rollout-engine mismatch: importance-weight corrections (:mod:`.correction`: TIS, MIS,
 IcePop, :class:`RolloutCorrection`, :func:`correction_weights`) and diagnostics
 (:mod:`.diagnostics`: :func:`mismatch_diagnostics`). See :mod:`.correction` for the methods and
-their sources. May import its two modules (the public names are re-exported here).
+their sources.
 """
 
 from . import correction, diagnostics

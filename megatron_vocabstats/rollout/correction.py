@@ -42,9 +42,7 @@ no NaN reaches a weight, the loss or a report entry.
 
 Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
 shape) unless ``validate``. Lives here: the options (:class:`RolloutCorrection`), the weights
-(:func:`correction_weights`) and the input helpers :mod:`.diagnostics` shares. May import
-:mod:`megatron_vocabstats.ops.options` and ``ops.agreement`` (``host_checks_enabled``), and
-torch.
+(:func:`correction_weights`) and the input helpers :mod:`.diagnostics` shares.
 """
 
 from __future__ import annotations

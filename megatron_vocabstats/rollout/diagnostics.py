@@ -4,8 +4,7 @@ inputs as the correction (:mod:`.correction`).
 
 Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
 shape): quantiles come from one sort with the uncounted positions pushed to +inf and indices
-computed on the device. May import :mod:`.correction`, :mod:`megatron_vocabstats.ops.options`
-(and torch).
+computed on the device.
 """
 
 from __future__ import annotations

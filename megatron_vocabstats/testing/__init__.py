@@ -7,9 +7,7 @@
   (:func:`~.megatron_cpu.install_cpu_shims`, :func:`~.megatron_cpu.cuda_factories_on_cpu`), for
   the tests and the CPU runs of the examples. Not imported here (import the submodule).
 
-May import: torch and the standard library (``megatron_cpu``: Megatron-Core, lazily, inside
-``install_cpu_shims``). Never the ops or the rest of the plugin; the plugin never imports this
-package.
+The plugin never imports this package.
 """
 
 from .host_sync import HostSyncError, forbid_host_sync

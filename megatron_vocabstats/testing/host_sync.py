@@ -11,8 +11,7 @@ Method: a ``TorchDispatchMode`` inspects every aten op that runs (using the op t
 ``torch.compile``), and a ``TorchFunctionMode`` catches the ``Tensor`` methods that copy data to
 Python without going through an aten op (``tolist``, ``numpy``, ``__array__``).
 
-Lives in :mod:`megatron_vocabstats.testing` (this module was ``megatron_vocabstats/testing.py``);
-import it from there. May import: torch and the standard library only.
+Import it from :mod:`megatron_vocabstats.testing`.
 """
 
 from __future__ import annotations

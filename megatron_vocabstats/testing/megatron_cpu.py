@@ -8,8 +8,6 @@ schedules also create a counter on ``cuda``: run them inside :func:`cuda_factori
 :func:`tag_torch_norm_for_sequence_parallel` lets Megatron's torch LayerNorm (used without Apex
 or transformer-engine) run under sequence parallelism, for tests of that layout. None of this is
 part of the plugin's training path, nor applied by ``import megatron_vocabstats.patch``.
-
-May import: torch and the standard library; Megatron-Core only inside :func:`install_cpu_shims`.
 """
 
 from __future__ import annotations

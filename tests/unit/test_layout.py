@@ -1,6 +1,7 @@
-"""The package's layout rules (docs/layout.md): short modules that say what they may import, no
-import cycle between the subpackages (lazy imports included), no op module reaching into a
-sibling op module's private names, and a layout document that names every module."""
+"""The package's layout rules (docs/layout.md): short modules, imports only as the layout
+document's table allows, no import cycle between the subpackages (lazy imports included), no op
+module reaching into a sibling op module's private names, and a layout document that names every
+module."""
 
 from __future__ import annotations
 
@@ -48,11 +49,58 @@ def _unit(module: str) -> str | None:
     return parts[1]
 
 
+# The units of the package: its top-level modules and subpackages (``__init__``: the package).
+UNITS = {p.stem for p in PACKAGE.glob("*.py")} | {
+    p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _rules(header: str = "| unit |") -> dict[str, set[str]]:
+    """The table of docs/layout.md's "Import rules" whose header row starts with ``header``:
+    ``{name: the names it may import}``."""
+    lines = (ROOT / "docs" / "layout.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rules = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        name, allowed = (c.strip() for c in line.strip().strip("|").split("|"))
+        rules[name.strip("`")] = set(re.findall(r"`([.\w]+)`", allowed))
+    return rules
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_modules_are_short_and_say_what_they_may_import(path):
+def test_modules_are_short_and_leave_import_rules_to_the_layout_document(path):
     assert len(path.read_text().splitlines()) < 400
     docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
-    assert "import" in docstring.lower(), "the module docstring says what it may import"
+    assert docstring, "a module docstring states the module's purpose"
+    assert "May import" not in docstring, "import rules live in docs/layout.md's table"
+
+
+@pytest.mark.parametrize("module", sorted(_rules("| ops module |")))
+def test_shared_ops_modules_import_as_the_layout_document_says(module):
+    allowed = _rules("| ops module |")[module]
+    imported = set()
+    for node in ast.walk(ast.parse((PACKAGE / "ops" / f"{module}.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+            imported.update("." * (node.level - 1) + name for name in names)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("megatron_vocabstats") for a in node.names)
+    assert imported <= allowed, f"ops/{module}.py imports {sorted(imported - allowed)}"
+
+
+def test_imports_follow_the_layout_documents_rules():
+    rules = _rules()
+    assert set(rules) == UNITS, f"docs/layout.md's import rules name {sorted(rules)}"
+    broken = []
+    for path in MODULES:
+        here = _unit(_name(path)) or "__init__"
+        for module, names in _imports(path):
+            for target in [module] + [f"{module}.{n}" for n in names] if module else []:
+                there = _unit(target)
+                if there in UNITS and there != here and there not in rules[here]:
+                    broken.append(f"{path.relative_to(PACKAGE)} imports {target}")
+    assert not broken, f"not allowed by docs/layout.md's import rules: {sorted(set(broken))}"
 
 
 def test_no_import_cycle_between_subpackages():

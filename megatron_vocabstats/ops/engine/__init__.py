@@ -24,9 +24,4 @@ Modules (import names from them; this package's ``__init__`` defines nothing): :
 chunks, gathered statistics, the unfused backward loop), :mod:`.linear` (the fused head's config,
 buffers, chunk GEMMs and chunk policy), :mod:`.wgrad` (weight/input gradients of a chunk),
 :mod:`.recompute` (the fused backward and the forward-gradient mode).
-
-May import: ``torch``, :mod:`.._layout`, :mod:`.._math`, :mod:`.._grad`, :mod:`..agreement`,
-:mod:`.._checks`, :mod:`.._comm`, :mod:`..options`, :mod:`..workspace` and, lazily
-(:mod:`.backends`), :mod:`..kernels.triton_stats`; never an op module of ``ops/`` nor the
-``megatron_vocabstats.megatron`` subpackage.
 """

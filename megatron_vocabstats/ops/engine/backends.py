@@ -10,8 +10,6 @@ without buffers (:func:`.chunks.logits_chunks` ``upcast=False``, :func:`.linear.
 
 Ops with their own statistics or gradient (top-k, sampling) use the torch chunks whatever the
 backend: :func:`backend_of` is only asked for the core op's objects.
-
-May import: :mod:`.kernel` and (lazily, once chosen) :mod:`..kernels.triton_stats`.
 """
 
 from __future__ import annotations

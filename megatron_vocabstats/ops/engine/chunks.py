@@ -14,10 +14,6 @@
 The statistics and the core gradient come from ``cfg.kernel``'s backend (:mod:`.backends`); for
 one that reads the logits itself (Triton) :func:`logits_chunks` with ``upcast=False`` hands it
 the logits as they are.
-
-May import: ``torch``, :mod:`.._layout`, :mod:`.._math`, :mod:`..options` (``StatsConfig``),
-:mod:`.._comm`, :mod:`..workspace`, :mod:`.kernel` and :mod:`.backends`; never an op module nor
-``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

@@ -18,9 +18,6 @@ object per ``cfg.kernel``) make the core op's objects below into what runs; the 
 (``ops/kernels/triton_stats.py``) takes chunks with ``z`` and ``scratch`` None: it reads
 ``chunk.logits``, or, in the fused LM head, computes them tile by tile from ``chunk.hidden`` and
 ``chunk.weight`` (``chunk.logits`` None).
-
-May import: ``torch``, :mod:`.._layout`, :mod:`.._grad` and :mod:`.._math`; nothing else of the
-package (the rest of the engine imports it).
 """
 
 from __future__ import annotations

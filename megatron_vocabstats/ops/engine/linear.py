@@ -12,10 +12,6 @@ ever holding ``[T, W]``.
   the two that ``cfg.kernel``'s backend takes;
 * :func:`full_hidden` / :func:`reduce_hidden_grad`: ``ColumnParallelLinear``'s collectives for
   the input and its gradient (sequence-parallel gather / reduce-scatter, or all-reduce).
-
-May import: ``torch``, :mod:`.._layout`, :mod:`.._math`, :mod:`..options`, :mod:`.._comm`,
-:mod:`..workspace`, :mod:`.kernel` and :mod:`.backends`; never an op module nor
-``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

@@ -9,11 +9,6 @@ forward.
 * the forward-gradient mode of ``linear_vocab_parallel_stats(grad_weights=...)``:
   :func:`forward_with_grads` (statistics and gradients in one pass), :func:`scaled_forward_grads`
   (its backward) and :func:`upstream_scale` (the scalar ``c`` and its check).
-
-May import: ``torch``, :mod:`.._math`, :mod:`.._grad`, :mod:`..agreement`, :mod:`.._comm` and the
-rest of the engine
-(:mod:`.kernel`, :mod:`.chunks`, :mod:`.linear`, :mod:`.wgrad`); never an op module nor
-``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

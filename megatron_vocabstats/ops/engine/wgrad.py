@@ -7,9 +7,6 @@
 * :func:`weight_grad_buffer` / :func:`fresh_weight_grad` / :func:`finish_weight_grad`: the fp32
   ``[W, H]`` sums (zero-filled, or written by the first chunk) and Megatron's ``main_grad``
   contract (gradient-accumulation fusion).
-
-May import: ``torch``, :mod:`..workspace` and :mod:`.linear` (the buffers and the config);
-never an op module nor ``megatron_vocabstats.megatron``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ read by :func:`forced_kernel`), :func:`resolve_kernel`, and the Triton kernels' 
 Triton kernels themselves live in :mod:`.triton_kernels` (host side :mod:`.triton_stats`,
 building blocks :mod:`.triton_tiles`), which import ``triton``: nothing here does
 (``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU.
-May import :mod:`.._argtypes`, the standard library and torch only (the Triton modules are
-imported only once chosen).
 """
 
 from __future__ import annotations

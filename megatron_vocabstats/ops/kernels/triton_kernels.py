@@ -17,8 +17,6 @@
   statistics (merged by the host as per-block statistics are) or with ``BLOCKS`` each tile's.
 * :func:`_tile_grad_kernel`: one ``ROWS x BLOCK_N`` tile of the fused head's logits gradient
   per program, recomputed by ``tl.dot`` and written once in the model dtype.
-
-May import triton and :mod:`.triton_tiles`.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ padding columns (local id >= ``real_width``) count as the floor; a row with a Na
 statistics; ``+inf`` gives NaN as in the torch path.
 
 Imports ``triton`` at import time: only :mod:`..engine.backends` imports this module, lazily,
-once ``kernels.resolve_kernel`` chose ``"triton"``. May import triton, torch, :mod:`.._layout`,
-:mod:`.._math`, :mod:`..options`, :mod:`.triton_tiles` and :mod:`.triton_kernels`.
+once ``kernels.resolve_kernel`` chose ``"triton"``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ keep them.
 Only constructs that compile on CUDA GPUs as they run under ``TRITON_INTERPRET=1``: power-of-two
 blocks, masked loads and stores, ``tl.dot`` with every dimension >= 16, constexpr flags for every
 optional part, scalar branches. Imports ``triton`` at import time (only the Triton kernel modules
-import this one). May import triton, :mod:`.._math` (constants) and :mod:`..options`.
+import this one).
 """
 
 from __future__ import annotations
