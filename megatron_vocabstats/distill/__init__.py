@@ -30,8 +30,7 @@ side) infinite. Both sides are floored alike, so KL(p, p) stays exactly 0.
 No host synchronisation (no ``.item()``, no value-dependent shapes); collectives only in the op.
 
 Layout: :mod:`.divergence` (``topk_divergence``, ``DistillConfig``, ``log1mexp``,
-``bregman_kl``; imports ``..losses.inputs``) and :mod:`.loss` (``distillation_loss``; also
-``..ops``).
+``bregman_kl``) and :mod:`.loss` (``distillation_loss``).
 """
 
 from .divergence import (

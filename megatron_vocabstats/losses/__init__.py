@@ -23,13 +23,12 @@ data-parallel ranks are divided by the summed ``num_tokens``. Report values are 
 Nothing here synchronises with the host: no ``.item()``, no branch on tensor values, no
 data-dependent shape; token counts stay on the device. (The op's own ``validate`` checks do read
 the host; they are off by default here, see :class:`StatsOptions`.) Communication: only the op's
+(one all-gather of the statistics per call); the losses add none.
 
-Layout:
-:mod:`.inputs` (``LossOutput``, input checks, masked sums; torch only), :mod:`.token`
-(``nll_loss``, ``score_tokens``), :mod:`.policy` (``policy_loss``; also ``..rollout``),
-:mod:`.stats` (``StatsOptions``, ``token_stats``, ``token_loss``, ``sft_loss``,
-``logprobs_step``; also ``..ops``) and :mod:`.forward_step` (``make_forward_step``,
-``StepBatch``, ``model_tp_group``; also ``..mcore``).
+Layout: :mod:`.inputs` (``LossOutput``, input checks, masked sums), :mod:`.token`
+(``nll_loss``, ``score_tokens``), :mod:`.policy` (``policy_loss``), :mod:`.stats`
+(``StatsOptions``, ``token_stats``, ``token_loss``, ``sft_loss``, ``logprobs_step``) and
+:mod:`.forward_step` (``make_forward_step``, ``StepBatch``, ``model_tp_group``).
 """
 
 from ..ops.options import IGNORE_INDEX

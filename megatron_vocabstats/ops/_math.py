@@ -18,22 +18,25 @@ to the scratch buffers handed in). The formulas are those of ``docs/numerics.md`
 
 ``u_r`` is kept relative to the shard maximum, so large logits (fp16 65504) do not cancel.
 
-Where each is computed (Triton: ``ops/kernels/triton_tiles.py``, launched by ``triton_stats.py``;
-float64: ``tests/unit/_reference.py``, whose autograd gives the reference gradient):
+Where each is computed (Triton: ``ops/kernels/triton_tiles.py`` and ``triton_kernels.py``; the
+merge over shards is this module's on both paths; float64: ``tests/unit/_reference.py``, whose
+autograd gives the reference gradient):
 
-====================  ===========================  =====================  =======================
-statistic             torch                        Triton twin            float64, tests
-====================  ===========================  =====================  =======================
-m_r, s_r, u_r, t_r    :func:`chunk_stats`,         ``online_update``,     ``reference_stats``;
-                      :func:`block_stats`          ``tile_update``        test_vocab_parallel
-a_r (smoothing)       ``_real_zsum``,              ``online_update``      test_extreme_logits
-                      :func:`rebase_zsum_`         (``ZSUM``)
-lanes of one row      (one reduction)              ``merge_lanes``        test_triton_kernels
-merge over shards,    :func:`merge_stats`,         (the torch merge)      test_batch_invariant,
-logZ, logprob, H      :func:`log_normaliser`                              test_vocab_parallel_dist
-gradient w.r.t. z     ``_grad.chunk_grad``         ``grad_values``        test_fused_linear,
-                                                                          test_triton_fused_kernels
-====================  ===========================  =====================  =======================
+====================  ===========================  ======================  =======================
+statistic             torch                        Triton twin             float64, tests
+====================  ===========================  ======================  =======================
+m_r, s_r, u_r, t_r    :func:`chunk_stats`,         ``online_update``,      ``reference_stats``;
+                      :func:`block_stats`          ``tile_update``         test_vocab_parallel
+a_r (smoothing)       ``_real_zsum``               ``online_update``       test_hostile_inputs
+                                                   (``ZSUM``)
+parts of one shard    :func:`reduce_blocks`        ``merge_lanes`` (the    test_triton_kernels,
+(blocks, splits)      (also the Triton splits)     row kernel's lanes)     test_batch_invariant
+merge over shards,    :func:`rebase_zsum_`,        (this module's)         test_vocab_parallel_dist
+logZ, logprob, H      :func:`merge_stats`,
+                      :func:`log_normaliser`
+gradient w.r.t. z     ``_grad.chunk_grad``         ``_row_grad_kernel``,   test_fused_linear,
+                                                   ``_tile_grad_kernel``   test_triton_fused_kernels
+====================  ===========================  ======================  =======================
 
 Batch-invariant mode (``batch_invariant=True`` of the ops): every sum over vocabulary columns is
 taken in blocks of :data:`BLOCK` columns, each block with its own maximum, and the blocks (then

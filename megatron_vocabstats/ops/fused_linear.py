@@ -178,7 +178,8 @@ def linear_vocab_parallel_stats(
             ``[T, 1, H]``), replicated on the ranks of ``tp_group``, or this rank's sequence
             shard with ``sequence_parallel``. Never modified.
         weight: this rank's shard ``[W, H]`` of the output layer (rows = global ids
-            ``[rank*W, (rank+1)*W)``), dtype and device of ``hidden``; tied embeddings allowed.
+            ``[rank*W, (rank+1)*W)``), dtype and device of ``hidden``; tied embeddings allowed
+            (gradients add up).
         target: int64 global token ids shaped like the (gathered) leading shape of ``hidden``,
             or None for entropy and logsumexp only.
         tp_group, entropy, kernel, **options: as for :func:`vocab_parallel_stats`
@@ -197,20 +198,24 @@ def linear_vocab_parallel_stats(
     Returns:
         :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp)``, fp32,
         shaped like ``target``, bitwise identical on every rank of ``tp_group``; with
-        ``return_argmax`` the tuple ``(VocabStats, argmax)``.
+        ``return_argmax`` the tuple ``(VocabStats, argmax)``, ``argmax`` int64 of that shape,
+        not differentiable.
 
     Communication: forward, one all-gather of ``[5, T]`` fp32 statistics (per chunk with
-    ``grad_weights``), a few int64 with ``validate``, the sequence-parallel gather of ``hidden``;
-    backward, one all-reduce of ``dX`` (a reduce-scatter under sequence parallelism; none with
-    ``partial_hidden_grad``). Memory beyond inputs and outputs: the reused chunk buffers,
-    ``O(tp * T)`` fp32 vectors, and in backward ``dX`` and the fp32 ``[W, H]`` weight-gradient
-    sums (none extra with an fp32 ``main_grad``).
+    ``grad_weights``), a few int64 with ``validate``, the sequence-parallel gather of ``hidden``.
+    Backward: one all-reduce of ``dX``, or under sequence parallelism the gather of ``hidden``
+    again and a reduce-scatter; none with ``partial_hidden_grad``, and with ``grad_weights`` the
+    ``dX`` reduction happens in forward. Memory beyond inputs and outputs: the reused chunk
+    buffers, ``O(tp * T)`` fp32 vectors, the gathered ``hidden`` under sequence parallelism, and
+    in backward ``dX`` and the fp32 ``[W, H]`` weight-gradient sums (none extra with an fp32
+    ``main_grad``).
 
     Raises:
         ValueError: naming the argument: what :func:`vocab_parallel_stats` raises, misshaped or
             mismatched ``hidden``/``weight``/``target``/``grad_weights``, an option not allowed
-            with another, and with ``validate`` on tp > 1 (on every rank) any input, option or
-            requested gradient that differs across ranks (``docs/options.md`` lists them).
+            with another (``docs/options.md``), ``accumulate_into_main_grad`` without a matching
+            ``weight.main_grad``, and with ``validate`` on tp > 1 (on every rank) any input,
+            option or requested gradient that differs across ranks.
         RuntimeError: a second backward through one forward with ``grad_weights``.
     """
     check_keywords("linear_vocab_parallel_stats", options, StatsKwargs)

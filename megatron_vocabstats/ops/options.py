@@ -107,8 +107,8 @@ def check_keywords(op: str, options: dict, allowed: type) -> None:
 
 
 class ShardKwargs(TypedDict, total=False):
-    """The keywords every op takes besides its tensors and ``tp_group``, documented in full at
-    :func:`~megatron_vocabstats.vocab_parallel_stats`: ``vocab_size`` (int | None, the real V),
+    """The keywords every op takes besides its tensors and ``tp_group``, each stated in full
+    once in ``docs/options.md``: ``vocab_size`` (int | None, the real V),
     ``vocab_start`` (int | None, global id of local column 0 for uneven shards), ``chunk_size``
     (int | None, tokens per fp32 chunk; None = auto) and ``validate`` (bool, default True: the
     host-side checks and their cross-rank agreement). The wrappers take them as

@@ -147,7 +147,7 @@ def vocab_parallel_stats(
         vocab_start: this shard's first global id, for unequal shards (needs ``vocab_size``).
         chunk_size: tokens upcast to fp32 at a time (None: auto); results do not depend on it.
         entropy: ``"off"`` (returned as None), ``"metric"`` (no gradient) or ``"grad"``.
-        temperature: logits (and gradients) are divided by it; at least 2.94e-39.
+        temperature: logits (and gradients) are divided by it; at least about 2.94e-39.
         ignore_index: targets equal to it get logprob 0, entropy 0 and exactly zero gradient.
         label_smoothing: eps in [0, 1): ``logprobs`` becomes ``sum_j q_j log p_j``, q smoothed.
         validate: the checks that read values on the host, and the cross-rank agreement.
@@ -162,18 +162,20 @@ def vocab_parallel_stats(
 
     Communication: one all-gather of ``[5, T]`` fp32 in forward (plus one of 5 int64 when
     ``validate``), none in backward. Memory beyond the inputs: two fp32 ``[chunk, W]`` buffers
-    (reused across calls through ``ops.workspace``) and ``O(tp * T)`` fp32 vectors; backward
+    (reused across calls: ``ops.workspace`` gives their lifetime under streams and CUDA graphs)
+    and ``O(tp * T)`` fp32 vectors; backward
     allocates the logits gradient once, in the logits dtype. No host synchronisation with
     ``validate=False`` (graph-capturable).
 
     Raises:
         TypeError: an argument of the wrong Python type, naming it (``InputTypeError``, also a
             ``ValueError``).
-        ValueError: naming the argument: a bad shape, dtype or option value, a missing
-            ``tp_group``, and with ``validate`` target ids outside ``[0, V)``, full logits
-            replicated on every rank, inputs or options that differ across ranks (each rank's
-            value printed; raised on every rank), and rows whose logits are NaN, +inf or all
-            -inf, or overflow fp32 after the temperature. ``docs/checks.md`` lists every check.
+        ValueError: naming the argument: a bad shape or dtype, an empty shard (width 0), an
+            option out of range (``chunk_size <= 0``, ...), a missing ``tp_group``, and with
+            ``validate`` target ids outside ``[0, V)``, full logits replicated on every rank,
+            inputs or options that differ across ranks (each rank's value printed; raised on
+            every rank), and scored rows whose logits are NaN, +inf or all -inf, or overflow
+            fp32 after the temperature (reported as a too small ``temperature``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
     cfg = checked_config(
