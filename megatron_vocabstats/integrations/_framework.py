@@ -88,8 +88,8 @@ class Framework:
             still raises.
         version_of: reads the version where there is no distribution (returns None if absent).
         error: the exception raised (a subclass of :class:`UnsupportedFrameworkError`).
-        options: the integration's ``_options.IntegrationOptions``: :meth:`apply` configures
-            it, :meth:`remove` resets it.
+        options: the integration's ``_options.IntegrationOptions``: :meth:`apply` validates
+            and configures with it, :meth:`remove` resets it.
     """
 
     name: str
@@ -185,17 +185,20 @@ class Framework:
                            self.name, version, ", ".join(self.tested))
         return targets
 
-    def apply(self, settings=None, before: Callable[[], None] | None = None) -> list[str]:
-        """Replace every binding (all or none); returns the ``module.name`` patched now (empty
-        when already applied). Once every binding is resolved and checked, before any is
-        patched: ``before()`` runs and ``settings`` (validated ``PluginSettings``) become the
-        :attr:`options` in force. Logs one line on rank 0, a WARNING if torch is outside the
-        tested range (frameworks' loggers often show only warnings)."""
+    def apply(self, options: Mapping[str, object], before: Callable[[], None] | None = None):
+        """Validate ``options`` (an integration's ``apply(**options)``) with :attr:`options`,
+        then replace every binding (all or none); returns the validated ``PluginSettings``,
+        now in force. Once every binding is resolved and checked, before any is patched:
+        ``before()`` runs and the settings are configured. Logs one line on rank 0 when it
+        patched anything, a WARNING if torch is outside the tested range (frameworks' loggers
+        often show only warnings). Raises ``ValueError``/``TypeError`` for an unknown or
+        invalid option and :attr:`error` for a framework whose bindings moved, before anything
+        is patched."""
+        settings = self.options.configured(**options)
         targets = self.targets()
         if before is not None:
             before()
-        if settings is not None:
-            self.options.configure(settings)
+        self.options.configure(settings)
         patched = []
         try:
             for module, name, factory in targets:
@@ -209,7 +212,7 @@ class Framework:
             logger.log(logging.WARNING if untested else logging.INFO,
                        "megatron-vocabstats: patched %s for %s %s%s", ", ".join(patched),
                        self.name, self.version(), f"; untested: {untested}" if untested else "")
-        return patched
+        return settings
 
     def remove(self) -> list[str]:
         """Restore every original binding (the options back to their defaults); returns the

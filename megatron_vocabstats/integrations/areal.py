@@ -74,9 +74,7 @@ def apply(**options) -> PluginSettings:
         UnsupportedArealError: AReaL missing or its names moved (nothing is patched then).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
-    settings = areal_ops.OPTIONS.configured(**options)
-    FRAMEWORK.apply(settings)
-    return settings
+    return FRAMEWORK.apply(options)
 
 
 def remove() -> list[str]:

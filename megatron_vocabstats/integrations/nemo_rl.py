@@ -108,10 +108,8 @@ def apply(**options) -> PluginSettings:
         UnsupportedNemoRLError: NeMo-RL missing or its names moved (nothing is patched then).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
-    settings = nemo_rl_ops.OPTIONS.configured(**options)
-    FRAMEWORK.apply(settings, before=lambda: nemo_rl_ops.set_fallbacks(
+    return FRAMEWORK.apply(options, before=lambda: nemo_rl_ops.set_fallbacks(
         {name: FRAMEWORK.original(MODEL_UTILS, name) for name in DEFINITIONS[MODEL_UTILS]}))
-    return settings
 
 
 def remove() -> list[str]:

@@ -82,9 +82,7 @@ def apply(**options) -> PluginSettings:
         UnsupportedSkyRLError: SkyRL missing or its names moved (nothing is patched then).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
-    settings = skyrl_ops.OPTIONS.configured(**options)
-    FRAMEWORK.apply(settings, before=lambda: skyrl_ops.set_helpers(_helpers()))
-    return settings
+    return FRAMEWORK.apply(options, before=lambda: skyrl_ops.set_helpers(_helpers()))
 
 
 def remove() -> list[str]:

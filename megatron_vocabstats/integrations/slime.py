@@ -91,9 +91,7 @@ def apply(args=None, /, **options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     del args
-    settings = slime_ops.OPTIONS.configured(**options)
-    FRAMEWORK.apply(settings)
-    return settings
+    return FRAMEWORK.apply(options)
 
 
 def remove() -> list[str]:
