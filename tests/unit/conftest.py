@@ -43,6 +43,19 @@ settings.register_profile("dev", max_examples=300, deadline=None, database=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    """A GSM8K folder for the example's tests: ``train.jsonl`` with 4 rows of
+    ``_gsm8k_files.ROW``, ``test.jsonl`` with 2."""
+    from _gsm8k_files import ROW, write_jsonl
+
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    write_jsonl(d / "train.jsonl", [ROW] * 4)
+    write_jsonl(d / "test.jsonl", [ROW] * 2)
+    return d
+
+
 def torchrun_results(script: str, nproc: int) -> dict:
     """Run ``tests/unit/dist/<script>`` on ``nproc`` gloo ranks once; ``{case: [per-rank result]}``.
 

@@ -28,14 +28,10 @@ pytest.importorskip("matplotlib")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from _gsm8k_files import ROW, TINY, write_jsonl  # noqa: E402
 from dist.gsm8k_cases import CASES  # noqa: E402
 from examples.gsm8k import data, report  # noqa: E402
 from examples.gsm8k.grpo import group_advantages  # noqa: E402
-
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "384"]
-ROW = {"question": "Tom has 3 apples and eats 1. How many are left?",
-       "answer": "He has 3 - 1 = <<3-1=2>>2 left.\nSo 2 apples.\n#### 2"}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -146,20 +142,6 @@ def cli():
     if not was_applied:
         sys.modules["megatron_vocabstats.patch"].remove()
     settings.update(**before)
-
-
-def write_jsonl(path, rows, raw=""):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + raw)
-    return str(path)
-
-
-@pytest.fixture
-def gsm8k_dir(tmp_path):
-    d = tmp_path / "gsm8k"
-    d.mkdir()
-    write_jsonl(d / "train.jsonl", [ROW] * 4)
-    write_jsonl(d / "test.jsonl", [ROW] * 2)
-    return d
 
 
 def fails(cli, capsys, argv, *needles):

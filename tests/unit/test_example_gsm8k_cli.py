@@ -1,4 +1,4 @@
-"""Hardening of the GSM8K example's command line (examples/gsm8k/cli.py, report.py, model.py).
+"""The GSM8K example's command line (examples/gsm8k/cli.py, report.py, model.py) on bad input.
 
 Bad flags are refused at parse time, outputs that exist (without ``--overwrite``) or that are
 inputs are refused, and bad input files are named, all with exit status 2 and before any
@@ -10,7 +10,6 @@ Nothing here trains a model.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import threading
@@ -24,10 +23,7 @@ pytest.importorskip("mistral_common")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-ROW = {"question": "Tom has 3 apples and eats 1. How many are left?",
-       "answer": "He has 3 - 1 = <<3-1=2>>2 left.\n#### 2"}
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "384"]
+from _gsm8k_files import ROW, TINY, write_jsonl  # noqa: E402
 
 
 @pytest.fixture
@@ -63,23 +59,9 @@ def fails(cli, capsys, argv, *needles) -> str:
     return err
 
 
-def write_jsonl(path, rows, raw="") -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + raw)
-    return str(path)
-
-
 @pytest.fixture
 def scoring(tmp_path):
     return write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "response": "b"}])
-
-
-@pytest.fixture
-def gsm8k_dir(tmp_path):
-    d = tmp_path / "gsm8k"
-    d.mkdir()
-    write_jsonl(d / "train.jsonl", [ROW] * 4)
-    write_jsonl(d / "test.jsonl", [ROW] * 2)
-    return d
 
 
 # --------------------------------------------------------------------- flags, at parse time

@@ -32,6 +32,14 @@ class Skip(Exception):
     """Raised by a case that does not apply to this world size."""
 
 
+def needs_tp2(group) -> tuple[int, int]:
+    """``(rank, size)`` of ``group``; :class:`Skip` when it has fewer than 2 ranks."""
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    if tp < 2:
+        raise Skip("needs tp >= 2")
+    return rank, tp
+
+
 def main(cases: Cases, *, timeout_s: float = 540.0) -> None:
     """Run ``cases`` on every rank (see the module docstring). ``timeout_s``: the gloo timeout of
     every collective, the bound on a hang (a script whose cases must never wait long passes a

@@ -9,10 +9,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, main, needs_tp2  # noqa: E402
 
 from megatron_vocabstats.ops._checks import LogitsSpec, checked_config  # noqa: E402
 from megatron_vocabstats.ops.agreement import (  # noqa: E402
@@ -26,13 +25,6 @@ OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,
                ignore_index=-100, label_smoothing=0.0, validate=True)
 
 
-def _tp2(group):
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
-    return rank, tp
-
-
 def _message(fn):
     try:
         fn()
@@ -44,7 +36,7 @@ def _message(fn):
 @CASES.register
 def logits_spec_matches_the_stand_in(group):
     """Same config, and the same error on every rank, for a spec and a stride-0 stand-in."""
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     last = rank == tp - 1
     good = ((6, 16), torch.zeros(6, dtype=torch.long), {})
     cases = [
@@ -74,7 +66,7 @@ def logits_spec_matches_the_stand_in(group):
 
 @CASES.register
 def check_builder_raises_on_every_rank(group):
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     last = rank == tp - 1
 
     def build():

@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, main, needs_tp2  # noqa: E402
 from _reference import reference_stats  # noqa: E402
 from megatron_vocabstats import (  # noqa: E402
     vocab_parallel_stats,
@@ -21,18 +21,10 @@ from megatron_vocabstats import (  # noqa: E402
 from megatron_vocabstats.ops._checks import checked_config  # noqa: E402
 from megatron_vocabstats.ops.agreement import target_checksum as _target_checksum  # noqa: E402
 from megatron_vocabstats.testing import forbid_host_sync  # noqa: E402
-from vocab_parallel_cases import rank_size  # noqa: E402
 
 CASES = Cases()
 OPTIONS = dict(vocab_size=None, chunk_size=None, entropy="off", temperature=1.0,
                ignore_index=-100, label_smoothing=0.0, validate=True)
-
-
-def _tp2(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
-    return rank, tp
 
 
 def _own(group) -> int:
@@ -54,7 +46,7 @@ def expect_error(fn, *fragments, kind=ValueError):
 def one_rank_local_error_raises_on_every_rank(group):
     """A list for logits, a width-0 shard, a bad option type, or any other exception on the last
     rank: that rank raises its own error, the others name it (no rank left in a collective)."""
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     last = rank == tp - 1
     logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
     cases = [
@@ -81,7 +73,7 @@ def one_rank_local_error_raises_on_every_rank(group):
 
 @CASES.register
 def agreement_errors_print_values_per_rank(group):
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     logits, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
     expect_error(lambda: vocab_parallel_stats(logits, target, tp_group=group,
                                               temperature=1.0 + (rank == 1)),
@@ -118,7 +110,7 @@ def _check_exact(st, full, target, **kw):
 def extreme_shards_are_exact(group):
     """One shard all -9e29, another at 3e38 (was: NaN entropy); label smoothing at 3e38 (was:
     +inf logprob); batch-invariant blocks at 3e38 and -9e29."""
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     width = 128
     full = torch.full((4, width * tp), -9e29)
     full[0, width:2 * width] = 3e38           # shard 1 all at 3e38, shard 0 all at -9e29
@@ -136,7 +128,7 @@ def extreme_shards_are_exact(group):
 
 @CASES.register
 def out_of_range_target_without_validate_is_nan_on_every_rank(group):
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     torch.manual_seed(3)
     full = torch.randn(3, 16 * tp)
     vocab = 16 * tp - 3
@@ -162,7 +154,7 @@ def one_rank_loss_input_error_raises_on_every_rank(group):
     from megatron_vocabstats import TopK, distillation_loss, policy_loss, sft_loss, token_loss
     from megatron_vocabstats.losses import StatsOptions
 
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     last = rank == tp - 1
     logits, labels = torch.randn(2, 3, 8) + _own(group), torch.zeros(2, 3, dtype=torch.long)
     mask = torch.ones(2, 3)
@@ -191,7 +183,7 @@ def one_rank_loss_input_error_raises_on_every_rank(group):
 def teacher_differing_across_ranks_is_refused(group):
     from megatron_vocabstats import TopK, distillation_loss
 
-    rank, _ = _tp2(group)
+    rank, _ = needs_tp2(group)
     logits, mask = torch.randn(2, 3, 8) + _own(group), torch.ones(2, 3)
     indices = torch.tensor([0, 1]).expand(2, 3, 2)
     mine = TopK(torch.full((2, 3, 2), -1.0 - 0.5 * rank), indices)
@@ -218,7 +210,7 @@ def loss_fn_errors_and_differing_loss_inputs_raise_everywhere(group):
     from megatron_vocabstats import policy_loss, token_loss
     from megatron_vocabstats.losses import StatsOptions
 
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     last = rank == tp - 1
     logits, labels = torch.randn(2, 3, 8) + _own(group), torch.tensor([[1, 5, 7], [0, -100, 3]])
     mask, zeros = torch.ones(2, 3), torch.zeros(2, 3)
@@ -248,7 +240,7 @@ def loss_fn_errors_and_differing_loss_inputs_raise_everywhere(group):
 def distillation_options_differing_across_ranks_raise_everywhere(group):
     from megatron_vocabstats import distillation_loss, vocab_parallel_topk
 
-    rank, tp = _tp2(group)
+    rank, tp = needs_tp2(group)
     torch.manual_seed(0)
     full = torch.randn(3, 8 * tp)
     shard = full[:, rank * 8:(rank + 1) * 8]
