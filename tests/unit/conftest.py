@@ -1,12 +1,11 @@
-"""Shared test helpers: the torchrun launcher for the multi-process (gloo) cases, the pinned
-BLAS thread count and the hypothesis profiles."""
+"""Shared test helpers: the launch of the multi-process (gloo) case scripts (through
+``_ranks.launch``), the pinned BLAS thread count and the hypothesis profiles."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -17,12 +16,14 @@ from hypothesis import HealthCheck, Phase, settings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _ranks import LaunchError, launch  # noqa: E402
+
 # One intra-op thread for every in-process test: how a reduction or a GEMM splits its work over
 # threads changes its rounding, so with the machine's default the bits of a result depend on the
 # machine. The bounds of _reference.py hold for any summation order, but the bitwise comparisons
 # (chunked vs unchunked, fused vs unfused, batch invariance) need both sides split alike. It is
-# also faster on a loaded 2-core machine (docs/numerics.md, "Test tolerances"). torchrun children
-# get OMP_NUM_THREADS=1 (torchrun_results).
+# also faster on a loaded 2-core machine (docs/numerics.md, "Test tolerances"). Launched ranks
+# get OMP_NUM_THREADS=1 (_ranks.launch).
 torch.set_num_threads(1)
 
 # Hypothesis: "ci" (the default) draws a bounded number of examples from a fixed seed
@@ -56,40 +57,42 @@ def gsm8k_dir(tmp_path):
     return d
 
 
-def torchrun_results(script: str, nproc: int) -> dict:
+def torchrun_results(script: str, nproc: int, env: dict | None = None) -> dict:
     """Run ``tests/unit/dist/<script>`` on ``nproc`` gloo ranks once; ``{case: [per-rank result]}``.
+    ``env``: variables the ranks need before their first import (``_ranks.launch``).
 
     A launch that fails (a crash, a hang ended by the gloo timeout) raises its error for every
     case of the script, without launching it again for each."""
-    outcome = _launch(script, nproc)
+    outcome = _launch(script, nproc, tuple(sorted((env or {}).items())))
     if isinstance(outcome, AssertionError):
         raise outcome
     return outcome
 
 
 @functools.cache
-def _launch(script: str, nproc: int) -> dict | AssertionError:
+def _launch(script: str, nproc: int, env: tuple) -> dict | AssertionError:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", os.path.join(HERE, "dist", script), "--out", out]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        try:
+            rc, log = launch([os.path.join(HERE, "dist", script), "--out", out], nproc,
+                             env=dict(env))
+        except LaunchError as exc:
+            return exc
         ranks = []
         for r in range(nproc):
             path = os.path.join(out, f"rank{r}.json")
             if not os.path.exists(path):
                 return AssertionError(
-                    f"torchrun {script} x{nproc} exited {proc.returncode} without results from "
-                    f"rank {r}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+                    f"torchrun {script} x{nproc} exited {rc} without results from "
+                    f"rank {r}:\n{log[-12000:]}"
                 )
             with open(path) as f:
                 ranks.append(json.load(f))
     return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 
 
-def check_case(script: str, nproc: int, name: str) -> None:
+def check_case(script: str, nproc: int, name: str, env: dict | None = None) -> None:
     """Pass, skip or fail a pytest test as case ``name`` did on every rank."""
-    per_rank = torchrun_results(script, nproc).get(name)
+    per_rank = torchrun_results(script, nproc, env).get(name)
     assert per_rank is not None, f"case {name} was not run by {script}"
     failures = [f"rank {r}: {res}" for r, res in enumerate(per_rank) if res.startswith("FAIL")]
     if failures:
@@ -118,6 +121,8 @@ VERSIONED = {
     "test_fused_linear.py": "the fused head's autograd and GEMM dtypes per torch",
     "test_extreme_logits.py": "fp16/bf16/inf edge values through the leg's torch kernels",
     "test_workspace.py": "buffer reuse relies on torch's tensor versioning and streams API",
+    "test_dist_launcher.py": "the test launcher against the leg's torchrun (its variables, its "
+                             "agent store)",
     "test_verl.py": "verl's real module code on the leg's torch (verl pins torch 2.11)",
     "test_verl_dist.py": "verl's real module code on gloo ranks",
     "test_nemo_rl.py": "NeMo-RL needs Python 3.13: the integration's bindings on the 3.13 leg",

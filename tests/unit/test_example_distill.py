@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from _ranks import launch
 
 pytestmark = pytest.mark.megatron
 pytest.importorskip("megatron.core")
@@ -31,11 +32,9 @@ TINY = ["--tp", "2", "--num-layers", "1", "--hidden-size", "64", "--num-attentio
 
 
 def _distill(out: str, *flags: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "examples.gsm8k", "distill", *TINY, "--out", out, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rc, log = launch(["-m", "examples.gsm8k", "distill", *TINY, "--out", out, *flags], 2,
+                     cwd=ROOT, timeout=600)
+    assert rc == 0, log[-9000:]
     with open(os.path.join(out, "distill.json")) as f:
         return json.load(f)
 

@@ -31,13 +31,12 @@ import functools
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 
 import pytest
 import torch
+
+from _ranks import LaunchError, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dist", "megatron_training_run.py")
@@ -126,24 +125,16 @@ def _launch(layout: str) -> tuple[dict | None, str]:
     megatron = [f for f in common if f not in script_flags]
     spec = json.dumps([{"name": name, "flags": [*flags, *own]} for name, flags in runs.items()])
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={NPROC}", SCRIPT, "--out", out, "--runs", spec,
-               *MEGATRON_FLAGS, *megatron]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        # A session of its own, so that a timeout ends torchrun's ranks too.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, cwd=out, start_new_session=True)
         try:
-            log, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            return None, f"layout {layout} took over {TIMEOUT_S} s:\n{log[-6000:]}"
+            rc, log = launch([SCRIPT, "--out", out, "--runs", spec, *MEGATRON_FLAGS, *megatron],
+                             NPROC, cwd=out, timeout=TIMEOUT_S)
+        except LaunchError as exc:
+            return None, f"layout {layout}: {exc}"
         ranks = []
         for r in range(NPROC):
             path = os.path.join(out, f"rank{r}.json")
             if not os.path.exists(path):
-                return None, (f"layout {layout} exited {proc.returncode} without results from "
+                return None, (f"layout {layout} exited {rc} without results from "
                               f"rank {r}:\n{log[-8000:]}")
             with open(path) as f:
                 ranks.append(json.load(f))
@@ -247,10 +238,13 @@ def test_plugin_matches_megatron(layout, name):
 
 
 def _run_logs(log: str) -> dict[str, str]:
-    """The log of each run of a launch, cut at rank 0's ``@@run NAME`` markers (the run script
-    prints one before each run)."""
-    parts = re.split(r"^@@run (\S+) rank 0$", log, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+    """The log of each run of a launch, every rank's, cut at the ``@@run NAME rank R`` markers
+    (the run script prints one on each rank before each run)."""
+    parts = re.split(r"^@@run (\S+) rank \d+$", log, flags=re.M)
+    logs: dict[str, str] = {}
+    for name, text in zip(parts[1::2], parts[2::2]):
+        logs[name] = logs.get(name, "") + text
+    return logs
 
 
 def test_log_says_once_that_the_plugin_is_on():

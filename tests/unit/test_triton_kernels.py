@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from _ranks import launch
 from conftest import HERE, check_case
 from dist.triton_cases import CASES
 from megatron_vocabstats import vocab_parallel_entropy, vocab_parallel_stats
@@ -111,15 +112,12 @@ def test_import_does_not_import_triton():
 
 
 def run_interpreted(script: str) -> None:
-    """Run the pytest file ``script`` (in tests/unit) in a subprocess with ``TRITON_INTERPRET=1``
-    set before triton decorates the kernels."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           os.path.join(HERE, script)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-4000:]
+    """Run the pytest file ``script`` (in tests/unit) in its own process with
+    ``TRITON_INTERPRET=1`` set before triton decorates the kernels."""
+    rc, out = launch(["-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(HERE, script)],
+                     1, cwd=ROOT, env={"TRITON_INTERPRET": "1"}, timeout=540)
+    assert rc == 0, out[-16000:]
+    assert " passed" in out and "failed" not in out, out[-4000:]
 
 
 @needs_triton
@@ -132,4 +130,4 @@ def test_kernels_under_the_interpreter():
 @needs_triton
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tp2_under_the_interpreter(name):
-    check_case("triton_cases.py", 2, name)
+    check_case("triton_cases.py", 2, name, env={"TRITON_INTERPRET": "1"})
