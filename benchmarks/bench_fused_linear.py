@@ -58,7 +58,7 @@ from _runner import (
 from bench_vocab_parallel import megatron_ce
 from megatron_vocabstats import vocab_parallel_stats
 from megatron_vocabstats.ops.engine.linear import auto_linear_chunk_size
-from megatron_vocabstats.ops.fused_linear import (
+from megatron_vocabstats.ops.stats.from_hidden import (
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
 )

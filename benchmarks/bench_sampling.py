@@ -25,7 +25,7 @@ reference at the same targets, computed untimed in row chunks so it also exists 
 the rows where vLLM's sorted order has no tie across the top-p boundary; the rows with such a
 tie (common with bf16 logits: the sort's order among equal values decides which tied tokens
 go, here a stable sort as torch's CUDA radix sort of a vocabulary row is, and ours keeps the
-highest ids as that order does, see ``megatron_vocabstats/ops/sampling.py``) are counted
+highest ids as that order does, see ``megatron_vocabstats/ops/sampling/from_logits.py``) are counted
 separately, with the largest difference there and the targets that one side keeps and the
 other drops.
 

@@ -20,8 +20,8 @@ from ..ops.agreement import (
     tensor_checksum,
 )
 from ..ops.options import FP32_MAX, LOGP_MIN, MIN_TEMPERATURE, check_bool, check_number
-from ..ops.topk import vocab_parallel_topk_logprobs
-from ..ops.topk_math import TopK
+from ..ops.topk.from_logits import vocab_parallel_topk_logprobs
+from ..ops.topk.math import TopK
 from .divergence import DIVERGENCES, DistillConfig, topk_divergence
 
 StudentFn = Callable[..., torch.Tensor]

@@ -118,8 +118,8 @@ def token_stats(
             * a callable ``fn(target, *, tp_group, vocab_size, chunk_size, entropy, temperature,
               ignore_index, label_smoothing, validate, batch_invariant, kernel) -> VocabStats``,
               i.e. ``vocab_parallel_stats``'s keywords (for example a partial of
-              :func:`~megatron_vocabstats.ops.fused_linear.linear_vocab_parallel_stats` over its
-              hidden states and weight). It receives ``target`` shaped like ``labels`` and must
+              :func:`~megatron_vocabstats.ops.stats.from_hidden.linear_vocab_parallel_stats` over
+              its hidden states and weight). It receives ``target`` shaped like ``labels`` and must
               return statistics shaped like ``labels``: over Megatron's ``[s, b, H]`` hidden
               states, transpose the target to ``[s, b]`` and the results back to ``[b, s]``.
         labels: int64 ``[...]`` target ids, the leading shape of the logits.

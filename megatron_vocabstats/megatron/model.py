@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..mcore import tp_group_of
-from ..ops.vocab_parallel import VocabStats, vocab_parallel_stats
+from ..ops.stats.from_logits import VocabStats, vocab_parallel_stats
 from . import announce, settings
 from .head import (
     DeferredLogits,
@@ -109,7 +109,7 @@ def fused_stats(logits: DeferredLogits, labels: torch.Tensor, cfg: settings.Plug
     sequence parallelism and ``main_grad`` fusion (:meth:`.head.DeferredLogits.op_kwargs`).
     ``argmax``: ``(VocabStats, argmax [s, b])`` (``return_argmax``); ``kernel`` overrides the
     settings' backend."""
-    from ..ops.fused_linear import linear_vocab_parallel_stats
+    from ..ops.stats.from_hidden import linear_vocab_parallel_stats
 
     layer = logits.op_kwargs()
     options = replace(cfg.stats_options(fused=True), temperature=layer.pop("temperature"),

@@ -21,7 +21,7 @@ from ..ops.options import (
     check_choice,
     check_number,
 )
-from ..ops.sampling import sampler_problem
+from ..ops.sampling.from_logits import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection, correction_bounds
 
 # The rollout-correction modes of the settings and the --rollout-correction flag: "none" = off.

@@ -20,7 +20,7 @@ from dist.fused_linear_cases import assert_close, make_problem, reference_linear
 from megatron_vocabstats import vocab_parallel_stats  # noqa: E402
 from megatron_vocabstats.ops.engine.linear import ChunkBuffers  # noqa: E402
 from megatron_vocabstats.ops.engine.wgrad import accumulate_wgrad, wgrad_mode  # noqa: E402
-from megatron_vocabstats.ops.fused_linear import linear_vocab_parallel_stats  # noqa: E402
+from megatron_vocabstats.ops.stats.from_hidden import linear_vocab_parallel_stats  # noqa: E402
 from megatron_vocabstats.profiling import peak_memory_bytes  # noqa: E402
 
 CUDA = torch.device("cuda")

@@ -41,7 +41,7 @@ PRELOAD = (
     "megatron.core.parallel_state",
     "megatron.core.tensor_parallel",
     "megatron.core.models.gpt",
-    "megatron_vocabstats.ops.vocab_parallel",
+    "megatron_vocabstats.ops.stats.from_logits",
 )
 
 

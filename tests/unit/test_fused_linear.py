@@ -18,7 +18,7 @@ from dist.fused_linear_cases import (
 )
 from megatron_vocabstats import vocab_parallel_stats
 from megatron_vocabstats.ops.engine.linear import auto_linear_chunk_size
-from megatron_vocabstats.ops.fused_linear import (
+from megatron_vocabstats.ops.stats.from_hidden import (
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
 )

@@ -393,7 +393,7 @@ def test_sft_loss_accepts_precomputed_stats_and_callable():
 
 
 def test_sft_and_policy_loss_through_the_fused_lm_head():
-    fused = pytest.importorskip("megatron_vocabstats.ops.fused_linear")
+    fused = pytest.importorskip("megatron_vocabstats.ops.stats.from_hidden")
     torch.manual_seed(1)
     hidden = torch.randn(3, 5, 8)
     weight = torch.randn(37, 8)

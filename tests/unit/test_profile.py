@@ -117,7 +117,7 @@ ACT = [frame("/x/megatron/core/transformer/mlp.py", "forward"),
 LOGITS = [frame("/x/torch/nn/functional.py", "linear"),
           frame("/x/megatron/core/tensor_parallel/layers.py", "forward"),
           frame("/x/megatron/core/models/gpt/gpt_model.py", "_postprocess"), TRAIN]
-DLOGITS = [frame("/repo/megatron_vocabstats/ops/vocab_parallel.py", "backward"),
+DLOGITS = [frame("/repo/megatron_vocabstats/ops/stats/from_logits.py", "backward"),
            frame("/x/megatron/core/pipeline_parallel/schedules.py", "backward_step"), TRAIN]
 WGRAD = [frame("/x/megatron/core/pipeline_parallel/schedules.py", "backward_step"), TRAIN]
 CLIP = [frame("/repo/examples/gsm8k/model.py", "clip_grad_norm_"), TRAIN]
@@ -209,7 +209,7 @@ def test_replay_trace_peak_and_groups():
     assert [r["bytes"] for r in largest] == [32 * MiB, 32 * MiB, 16 * MiB, 8 * MiB, 4 * MiB]
     # Where: the innermost frame outside torch itself.
     assert sorted(r["where"] for r in largest[:2]) == [
-        "/repo/megatron_vocabstats/ops/vocab_parallel.py:1 backward",
+        "/repo/megatron_vocabstats/ops/stats/from_logits.py:1 backward",
         "/x/megatron/core/tensor_parallel/layers.py:1 forward"]
 
 

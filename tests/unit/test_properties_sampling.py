@@ -8,7 +8,7 @@ gradients finite and equal to float64 within the bounds below; rows without grad
 The reference works on the op's own fp32 ``z = x / temperature`` (one rounding, as the op's
 upcast), so the kept set is decided on the same values; rows whose float64 top-p or min-p
 boundary lies within 1e-6 of a cut are not compared (the op sums fp32-rounded masses: the
-module docstring of ``ops.sampling`` says a token that close to ``top_p`` may fall either way).
+module docstring of ``ops.sampling.from_logits`` says a token that close to ``top_p`` may fall either way).
 
 Bounds (first order in u = 2^-24, as ``_reference.py``): the op's ``log q = (t - m) - log(mass)``
 in float64 with ``mass = sum fl32(exp(fl32(z - m)))``: each term off by ``u |x_j| + 2u``

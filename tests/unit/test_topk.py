@@ -1,4 +1,4 @@
-"""Single-process tests of the top-k ops (ops/topk.py, ops/fused_topk.py) against float64
+"""Single-process tests of the top-k ops (ops/topk/from_logits.py, ops/topk/from_hidden.py) against float64
 references; the tp = 1, 2, 4 cases are in test_topk_dist.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from megatron_vocabstats import (
     vocab_parallel_topk,
     vocab_parallel_topk_logprobs,
 )
-from megatron_vocabstats.ops.topk_math import rank_keys
+from megatron_vocabstats.ops.topk.math import rank_keys
 from megatron_vocabstats.testing import forbid_host_sync
 from test_vocab_parallel import TOLERANCES as TOL  # numerics.md's
 from test_vocab_parallel import _assert_close as _close

@@ -1,8 +1,8 @@
 """The chunk engine under every op: chunk iterators, chunk buffers, gathered statistics, the
 recompute-backward loop and the weight-gradient helpers.
 
-The op modules (``ops/vocab_parallel.py``, ``topk.py``, ``sampling.py`` and their fused
-``fused_*.py`` variants) hold only their autograd Functions, their public API and the math no
+The op families (``stats/``, ``topk/``, ``sampling/``, each ``from_logits.py`` and
+``from_hidden.py``) hold only their autograd Functions, their public API and the math no
 other op uses. Everything they share lives here, behind one narrow seam (:mod:`.kernel`): per
 chunk of tokens an op supplies
 

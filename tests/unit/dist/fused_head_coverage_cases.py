@@ -25,7 +25,7 @@ CASES = Cases()
 
 
 def _spy_fused(calls):
-    import megatron_vocabstats.ops.fused_linear as fused_module
+    import megatron_vocabstats.ops.stats.from_hidden as fused_module
 
     original = fused_module.linear_vocab_parallel_stats
     fused_module.linear_vocab_parallel_stats = lambda *a, **k: calls.append(1) or original(*a,

@@ -26,7 +26,7 @@ from _harness import Cases, Skip, main  # noqa: E402
 from _reference import reference_stats  # noqa: E402
 from megatron_vocabstats import profiling  # noqa: E402
 from megatron_vocabstats.ops import _comm  # noqa: E402
-from megatron_vocabstats.ops.fused_linear import (  # noqa: E402
+from megatron_vocabstats.ops.stats.from_hidden import (  # noqa: E402
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
 )

@@ -88,7 +88,7 @@ def build(argv):
 def sft_loss_falls_and_plugin_matches_megatron(group):
     from megatron.core import tensor_parallel
 
-    import megatron_vocabstats.ops.fused_linear as fused
+    import megatron_vocabstats.ops.stats.from_hidden as fused
     from megatron_vocabstats.megatron import model as patched
 
     out = shared_dir()

@@ -124,7 +124,7 @@ def _step(gpt_step, model):
 
     import _framework_stubs
     import megatron_vocabstats.megatron.model as patched_model
-    import megatron_vocabstats.ops.fused_linear as fused_linear
+    import megatron_vocabstats.ops.stats.from_hidden as fused_linear
 
     model.zero_grad(set_to_none=True)
     counts, lines, dz = {}, _Lines(), []

@@ -198,7 +198,7 @@ def compare_with_native(*, options, spy, model=None, mask=None, labels=None, **g
     layer never have produced logits, yet its forward pre-hooks (the distributed optimizer's
     and FSDP's parameter gather) have run as often as without the patch. Returns
     ``(calls of spy, model)``."""
-    import megatron_vocabstats.ops.fused_linear as fused_module
+    import megatron_vocabstats.ops.stats.from_hidden as fused_module
     from megatron_vocabstats import patch
     from megatron_vocabstats.megatron import model as patched_model
 

@@ -15,7 +15,7 @@ gradient-accumulation fusion (``weight.main_grad``).
 
 This module holds the autograd Function and the public API; the chunk loop, the buffers, the
 weight-gradient GEMMs, the recompute backward and the forward-gradient mode are the engine's
-(:mod:`.engine`); the input checks live in :mod:`.linear_checks`.
+(:mod:`.engine`); the input checks live in ``ops/hidden_checks.py``.
 """
 
 from __future__ import annotations
@@ -26,32 +26,32 @@ from typing import Unpack
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite, first_order_backward
-from ._grad import finite_lse, grad_coefficients
-from ._layout import merge_first_max
-from ._math import STAT_ARGMAX, STAT_MAX, merge_stats
-from .agreement import host_checks_enabled
-from .engine.backends import backend_of
-from .engine.chunks import (
+from .._checks import check_finite, first_order_backward
+from .._grad import finite_lse, grad_coefficients
+from .._layout import merge_first_max
+from .._math import STAT_ARGMAX, STAT_MAX, merge_stats
+from ..agreement import host_checks_enabled
+from ..engine.backends import backend_of
+from ..engine.chunks import (
     flatten_target,
     function_outputs,
     gathered_stats,
     merge_tokens_per_pass,
     targets_in_range,
 )
-from .engine.kernel import StatsGrad
-from .engine.linear import (
+from ..engine.kernel import StatsGrad
+from ..engine.linear import (
     ChunkBuffers,
     LinearStatsConfig,
     full_hidden,
     fused_chunks,
     reduce_hidden_grad,
 )
-from .engine.recompute import forward_with_grads, recompute_backward, scaled_forward_grads
-from .linear_checks import checked_linear_config
-from .options import LinearStatsKwargs, StatsKwargs, check_keywords
-from .vocab_parallel import VocabStats
-from .workspace import untracked
+from ..engine.recompute import forward_with_grads, recompute_backward, scaled_forward_grads
+from ..hidden_checks import checked_linear_config
+from ..options import LinearStatsKwargs, StatsKwargs, check_keywords
+from ..workspace import untracked
+from .from_logits import VocabStats
 
 __all__ = [
     "linear_vocab_parallel_cross_entropy",

@@ -24,7 +24,7 @@ gathers of differing sizes (the collective fails or hangs until the backend's ti
 differing ids or masks silently wrong sums.
 
 This module holds the autograd Functions and the public API; the candidate/merge math, the passes
-and the gradient kernel are in :mod:`.topk_math`, the input checks in :mod:`.topk_checks`, the
+and the gradient kernel are in :mod:`.math`, the input checks in :mod:`.checks`, the
 chunk loop in :mod:`.engine`.
 """
 
@@ -35,17 +35,18 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from ._checks import checked_config, first_order_backward
-from .engine.chunks import logits_chunks, logits_grad
-from .options import ScaledKwargs, ShardKwargs, StatsConfig, check_keywords
-from .topk_checks import (
+from .. import _comm
+from .._checks import checked_config, first_order_backward
+from ..engine.chunks import logits_chunks, logits_grad
+from ..options import ScaledKwargs, ShardKwargs, StatsConfig, check_keywords
+from ..workspace import untracked
+from .checks import (
     agreement,
     k_problem,
     picked_config,
     real_vocab,
 )
-from .topk_math import (
+from .math import (
     TopK,
     TopKConfig,
     TopKGrad,
@@ -54,7 +55,6 @@ from .topk_math import (
     picked_pass,
     topk_pass,
 )
-from .workspace import untracked
 
 __all__ = [
     "TopKLogits",

@@ -1,4 +1,4 @@
-"""Input checks of the top-k ops (``topk.py``, ``fused_topk.py``): ``indices``, ``mask`` and
+"""Input checks of the top-k ops (``from_logits.py``, ``from_hidden.py``): ``indices``, ``mask`` and
 ``k``, the cross-rank agreement on them, and the validated config of the ops that read the logits
 at given ids (:func:`picked_config`).
 
@@ -13,10 +13,10 @@ import numbers
 
 import torch
 
-from . import _comm
-from ._argtypes import InputTypeError, check_bool, check_number
-from ._checks import checked_config
-from .agreement import Field, host_checks_enabled, target_checksum
+from .. import _comm
+from .._argtypes import InputTypeError, check_bool, check_number
+from .._checks import checked_config
+from ..agreement import Field, host_checks_enabled, target_checksum
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 

@@ -1,4 +1,5 @@
-"""The top-k ops' math and passes over the chunks, shared by ``topk.py`` and ``fused_topk.py``.
+"""The top-k ops' math and passes over the chunks, shared by ``from_logits.py`` and
+``from_hidden.py``.
 
 * candidates and their merge: :func:`rank_keys` (one int64 key per column: value descending, id
   ascending), :func:`chunk_candidates`, :func:`merge_candidates`, :func:`logprobs_of`;
@@ -18,14 +19,14 @@ from typing import NamedTuple
 
 import torch
 
-from . import _comm
-from ._checks import check_finite
-from ._grad import chunk_grad, finite_lse, split_lse
-from ._layout import ShardLayout
-from ._math import NUM_STATS, Z_FLOOR, log_normaliser
-from .agreement import host_checks_enabled
-from .engine.kernel import Chunk, ShardStats
-from .options import StatsConfig
+from .. import _comm
+from .._checks import check_finite
+from .._grad import chunk_grad, finite_lse, split_lse
+from .._layout import ShardLayout
+from .._math import NUM_STATS, Z_FLOOR, log_normaliser
+from ..agreement import host_checks_enabled
+from ..engine.kernel import Chunk, ShardStats
+from ..options import StatsConfig
 
 _LOW32 = 2**32
 
@@ -176,7 +177,7 @@ class TopKGrad:
 
 
 # ---------------------------------------------------------------------------------------------
-# Passes over the chunks: shared by the ops on logits and the fused ones (ops/fused_topk.py)
+# Passes over the chunks: shared by the ops on logits and the fused ones (ops/topk/from_hidden.py)
 
 
 def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> TopK:

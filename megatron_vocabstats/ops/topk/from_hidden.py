@@ -1,8 +1,8 @@
-"""Top-k distillation ops straight from hidden states: the LM head fused with ``ops/topk.py``.
+"""Top-k distillation ops straight from hidden states: the LM head fused with :mod:`.from_logits`.
 
 Each chunk's logits ``hidden_chunk @ weight.T`` exist only in the fused LM head's ``[chunk, W]``
 buffer (``engine.ChunkBuffers`` / ``engine.linear_chunks``); the per-chunk math and the merge are
-those of :mod:`megatron_vocabstats.ops.topk` (:mod:`.topk_math`), and backward recomputes each
+those of :mod:`.from_logits` (:mod:`.math`), and backward recomputes each
 chunk's logits and turns the logits gradient into ``dX`` and ``dW`` right away
 (``engine.recompute_backward``), so no ``[T, V/tp]`` tensor exists and the workspace does not grow
 with the sequence length.
@@ -19,16 +19,16 @@ from typing import Unpack
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from ._checks import first_order_backward
-from .agreement import host_checks_enabled
-from .engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
-from .engine.recompute import recompute_backward
-from .linear_checks import checked_linear_config, lead_shape
-from .options import ScaledKwargs, check_keywords
-from .topk_checks import agreement, index_problem, k_problem, real_vocab, valid_rows
-from .topk_math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
-from .workspace import untracked
+from .. import _comm
+from .._checks import first_order_backward
+from ..agreement import host_checks_enabled
+from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
+from ..engine.recompute import recompute_backward
+from ..hidden_checks import checked_linear_config, lead_shape
+from ..options import ScaledKwargs, check_keywords
+from ..workspace import untracked
+from .checks import agreement, index_problem, k_problem, real_vocab, valid_rows
+from .math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
 
 
 def _linear_config(hidden, weight, tp_group, **options) -> LinearStatsConfig:

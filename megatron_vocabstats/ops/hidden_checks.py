@@ -1,4 +1,4 @@
-"""Input checks of the fused LM-head ops (``fused_linear``, ``fused_topk``, ``fused_sampling``).
+"""Input checks of the fused LM-head ops (``from_hidden`` of ``stats/``, ``topk/``, ``sampling/``).
 
 * :func:`lead_shape`: the (gathered) leading shape of the tokens of ``hidden``;
 * :func:`linear_problem`: the first problem with the fused op's own arguments (hidden, weight,

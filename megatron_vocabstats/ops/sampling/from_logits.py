@@ -36,7 +36,7 @@ within about 1e-7 relative of ``top_p`` may fall either way (vLLM's own fp32 cum
 coarser), and only there may tp sizes differ.
 
 This module holds the autograd Function and the public API (and the filter checks); the radix
-search, the forward pass and the gradient kernel are in :mod:`.sampling_search`, the chunk loop in
+search, the forward pass and the gradient kernel are in :mod:`.search`, the chunk loop in
 :mod:`.engine`.
 """
 
@@ -47,19 +47,19 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from ._argtypes import check_number
-from ._checks import checked_config, first_order_backward
-from .agreement import bits_float, float_bits
-from .engine.chunks import flatten_target, logits_chunks, logits_grad
-from .options import TargetKwargs, check_keywords
-from .sampling_search import (
+from .._argtypes import check_number
+from .._checks import checked_config, first_order_backward
+from ..agreement import bits_float, float_bits
+from ..engine.chunks import flatten_target, logits_chunks, logits_grad
+from ..options import TargetKwargs, check_keywords
+from ..workspace import untracked
+from .search import (
     SampledGrad,
     SamplerConfig,
     grad_coefficient,
     sampled_pass,
     sampling_outputs,
 )
-from .workspace import untracked
 
 # A top_k at least this large keeps every column of any vocabulary (ids are below 2**31).
 _TOP_K_ALL = 2**62

@@ -1,4 +1,4 @@
-"""The sampler's log-probs (:mod:`.sampling`) straight from hidden states on the fused LM-head
+"""The sampler's log-probs (:mod:`.from_logits`) straight from hidden states on the fused LM-head
 path: every pass of the threshold search recomputes each chunk's logits ``hidden @ W.T``, so no
 ``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
 per pass (14 in forward with top-k and top-p, one in backward).
@@ -11,21 +11,21 @@ from typing import Unpack
 import torch
 import torch.distributed as dist
 
-from ._checks import first_order_backward
-from .engine.chunks import flatten_target
-from .engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
-from .engine.recompute import recompute_backward
-from .linear_checks import checked_linear_config
-from .options import TargetKwargs, check_keywords
-from .sampling import SamplingLogprobs, sampler_config
-from .sampling_search import (
+from .._checks import first_order_backward
+from ..engine.chunks import flatten_target
+from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
+from ..engine.recompute import recompute_backward
+from ..hidden_checks import checked_linear_config
+from ..options import TargetKwargs, check_keywords
+from ..workspace import untracked
+from .from_logits import SamplingLogprobs, sampler_config
+from .search import (
     SampledGrad,
     SamplerConfig,
     grad_coefficient,
     sampled_pass,
     sampling_outputs,
 )
-from .workspace import untracked
 
 
 class _LinearSamplingLogprobs(torch.autograd.Function):

@@ -1,5 +1,5 @@
-"""The sampler log-probs' radix threshold search and per-chunk math, shared by ``sampling.py``
-and ``fused_sampling.py``.
+"""The sampler log-probs' radix threshold search and per-chunk math, shared by ``from_logits.py``
+and ``from_hidden.py``.
 
 * keys: :func:`sort_keys` (the order-preserving int64 image of the fp32 values) and
   :func:`value_of` (its inverse);
@@ -11,7 +11,7 @@ and ``fused_sampling.py``.
   :class:`~.engine.kernel.ChunkGrad` for it (:class:`SampledGrad`);
 * the validated options :class:`SamplerConfig`.
 
-Method and communication: see ``sampling.py``'s module docstring.
+Method and communication: see ``from_logits.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import NamedTuple
 
 import torch
 
-from . import _comm
-from ._checks import check_finite
-from ._layout import target_in_range
-from ._math import Z_FLOOR
-from .agreement import host_checks_enabled
-from .engine.kernel import Chunk
-from .options import StatsConfig
+from .. import _comm
+from .._checks import check_finite
+from .._layout import target_in_range
+from .._math import Z_FLOOR
+from ..agreement import host_checks_enabled
+from ..engine.kernel import Chunk
+from ..options import StatsConfig
 
 _KEY_MIN = -(2**31)
 _PAD_KEY = _KEY_MIN - 1  # below every real column: padding is never counted

@@ -16,14 +16,14 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from ..mcore import default_tp_group, megatron_tp_size
-from ._argtypes import check_bool
-from ._checks import check_finite, checked_config, first_order_backward
-from ._grad import finite_lse, grad_coefficients
-from ._math import merge_stats
-from .agreement import host_checks_enabled
-from .engine.backends import backend_of
-from .engine.chunks import (
+from ...mcore import default_tp_group, megatron_tp_size
+from .._argtypes import check_bool
+from .._checks import check_finite, checked_config, first_order_backward
+from .._grad import finite_lse, grad_coefficients
+from .._math import merge_stats
+from ..agreement import host_checks_enabled
+from ..engine.backends import backend_of
+from ..engine.chunks import (
     flatten_target,
     function_outputs,
     gathered_stats,
@@ -32,9 +32,9 @@ from .engine.chunks import (
     merge_tokens_per_pass,
     targets_in_range,
 )
-from .engine.kernel import StatsGrad
-from .options import StatsConfig, VocabStatsKwargs, check_keywords
-from .workspace import untracked
+from ..engine.kernel import StatsGrad
+from ..options import StatsConfig, VocabStatsKwargs, check_keywords
+from ..workspace import untracked
 
 __all__ = [
     "VocabStats",
