@@ -1,13 +1,8 @@
-"""Lazy lookups of third-party ``megatron.core`` names that the lower layer needs.
+"""Lazy lookups of third-party ``megatron.core`` names that the lower layer needs: the
+tensor-parallel group and size, the padded vocabulary size and the ``PackedSeqParams`` class.
 
-Lives here: :func:`tp_group_of` / :func:`default_tp_group` (the tensor-parallel group of a
-Megatron module, read by :func:`megatron_vocabstats.losses.model_tp_group`),
-:func:`megatron_tp_size` and :func:`megatron_padded_vocab_size` (read by the ops' checks of
-``tp_group``) and :func:`packed_seq_params_class` (read by :mod:`megatron_vocabstats.packing`).
 They sit below ``megatron_vocabstats.megatron`` so that the losses and packing (and the ops)
-can use them without importing that subpackage.
-
-Importing it never imports Megatron.
+can use them without importing that subpackage. Importing it never imports Megatron.
 """
 
 from __future__ import annotations

@@ -28,9 +28,6 @@ ulps), and a tail that rounds to 0 would make reverse KL (teacher side) or forwa
 side) infinite. Both sides are floored alike, so KL(p, p) stays exactly 0.
 
 No host synchronisation (no ``.item()``, no value-dependent shapes); collectives only in the op.
-
-Layout: :mod:`.divergence` (``topk_divergence``, ``DistillConfig``, ``log1mexp``,
-``bregman_kl``) and :mod:`.loss` (``distillation_loss``).
 """
 
 from .divergence import (

@@ -117,63 +117,39 @@ def distillation_loss(
         loss_sum = per_token.sum() * (temperature ** 2 if temperature_scale else 1)
         num_tokens = m.sum()
 
-    computed without gathering the vocabulary or upcasting the logits
-    (:func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`). ``functools.partial`` of it over
-    everything but ``student`` is a Megatron ``loss_func``: the schedule divides ``loss_sum`` by
-    ``num_tokens`` (and the number of microbatches).
+    computed without gathering the vocabulary or upcasting the logits, by
+    :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (communication: one all-gather of
+    ``[5 + k, T]`` fp32 under tensor parallelism; with ``validate``, one of a few int64 before).
+    A ``functools.partial`` over all but ``student`` is a ``loss_func``. More: docs/distillation.md.
 
     Args:
-        student: this rank's student logits shard ``[..., V/tp]`` (bf16/fp16/fp32; Megatron
-            ``[b, s, V/tp]``), or a callable ``fn(indices, *, tp_group, mask, vocab_size,
-            temperature, chunk_size, validate) -> [..., k] log-probs``, e.g.
-            ``functools.partial(linear_vocab_parallel_topk_logprobs, hidden, weight)`` (fused
-            LM head).
-        teacher: :class:`~megatron_vocabstats.TopK` ``(logprobs [..., k], indices [..., k])`` of
-            the teacher, computed on the fly (:func:`~megatron_vocabstats.vocab_parallel_topk`
-            with the same ``temperature``) or precomputed and stored (any float dtype; upcast).
-        loss_mask: ``[...]`` the leading shape, non-zero where a token counts. Required: padded
-            positions (often k copies of id 0) must be masked out; they then give exactly 0 and
-            zero gradient.
-        tp_group: the student vocabulary's tensor-parallel group; None = no tensor parallelism.
+        student: this rank's logits shard ``[..., V/tp]`` (bf16, fp16, fp32), or a fused LM head
+            ``fn(indices, *, tp_group, mask, vocab_size, temperature, chunk_size, validate)``
+            returning the ``[..., k]`` log-probs at ``indices``.
+        teacher: :class:`~megatron_vocabstats.TopK` ``(logprobs, indices)``, both ``[..., k]``:
+            global ids, log-probs of any float dtype (upcast) at the same ``temperature``.
+        loss_mask: ``[...]``, non-zero where a token counts; required (mask the padding out).
+        tp_group: the student vocabulary's tensor-parallel group; None: no tensor parallelism.
         vocab_size: the student's real vocabulary size (default: shard width x tp).
-        teacher_vocab_size: the teacher's real vocabulary size, if known: must equal the
-            student's (``ValueError`` otherwise; distillation over ids needs one vocabulary).
+        teacher_vocab_size: the teacher's real vocabulary size, if known; must be the student's.
         divergence, beta, tail_bucket, renormalize: as :func:`topk_divergence`.
         temperature, chunk_size: of the student op (the logits are divided by the temperature).
-        temperature_scale: multiply the loss (and so its gradient) by ``temperature ** 2``, the
-            soft-target scaling of Hinton, Vinyals and Dean 2015 ("Distilling the Knowledge in a
-            Neural Network", sec. 2): the gradient of a softened KL shrinks like
-            ``1 / temperature ** 2``, and the factor keeps its magnitude independent of the
-            temperature (e.g. when mixed with a hard-label loss). False (default): the
-            divergence as it is, as TRL's GKD and Megatron's ModelOpt KD do not scale either.
-        validate: the op's host-reading checks (off by default in a training step, as in
-            :class:`~megatron_vocabstats.losses.StatsOptions`): teacher ids outside
-            ``[0, vocab_size)`` at counted tokens, an id twice in one counted token's top-k, or
-            teacher log-probs that are NaN, above 0 or whose probabilities sum above 1 (beyond
-            their rounding) raise ``ValueError`` on every rank, and so do ``k``, ``indices``,
-            ``loss_mask``, teacher log-probs or the divergence's options (``divergence``,
-            ``beta``, ``tail_bucket``, ``renormalize``, ``temperature_scale``) that differ
-            across the ranks of ``tp_group``; every check of this function then raises on every
-            rank (one all-gather of a few int64 before the op's). Without it an out-of-range id
-            makes the loss NaN (never a silently wrong number); a repeated id counts as a bucket
-            of its own each time (the top-k measures then weigh that id twice, and with
-            ``tail_bucket`` the teacher's mass may exceed 1, so the loss has no meaning).
+        temperature_scale: multiply the loss by ``temperature ** 2`` (Hinton et al. 2015).
+        validate: the checks that read the host and the cross-rank agreement (default off).
 
     Returns:
-        :class:`~megatron_vocabstats.LossOutput`: ``loss_sum`` fp32 scalar, ``num_tokens`` int32,
-        report ``[sum, count]`` of ``"distill loss"``, ``"teacher topk mass"`` and
-        ``"student topk mass"`` (mean probability mass on the top-k per counted token).
-
-    Communication: the op's (one all-gather of ``[5 + k, T]`` fp32 under tensor parallelism).
+        :class:`LossOutput`: ``loss_sum`` fp32 scalar, ``num_tokens`` int32, report ``[sum, count]``
+        of ``"distill loss"``, ``"teacher topk mass"``, ``"student topk mass"`` (mean top-k mass).
 
     Raises:
-        ValueError: naming the argument: ``loss_mask`` missing or misshapen, a ``teacher`` that
-            is not a (logprobs, indices) pair of equal ``[..., k]`` shapes, ``teacher_vocab_size``
-            different from the student's, a ``student`` of another type,
-            ``validate`` not a bool, ``temperature_scale`` not a bool or with a
-            ``temperature`` whose square does not
-            fit fp32 (above 1.8e19), with ``validate`` repeated ids (see there), and
-            what :func:`topk_divergence` and the op raise.
+        ValueError: naming the argument: ``loss_mask`` missing or misshapen; a ``teacher`` not a
+            (float, integer) pair of one ``[..., k]`` shape, k >= 1; a ``student`` of another
+            type; a ``teacher_vocab_size`` not the student's (or with a callable student and no
+            ``vocab_size``); a non-bool ``validate`` or ``temperature_scale``; with the latter, a
+            ``temperature`` whose square overflows fp32; with ``validate``, on every rank: teacher
+            ids out of range or repeated, or log-probs NaN, above 0 or summing above 1 (counted
+            tokens), inputs or options differing across ranks; and what the op and
+            :func:`topk_divergence` raise.
     """
     def local_checks():
         cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,

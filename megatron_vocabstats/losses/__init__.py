@@ -24,11 +24,6 @@ Nothing here synchronises with the host: no ``.item()``, no branch on tensor val
 data-dependent shape; token counts stay on the device. (The op's own ``validate`` checks do read
 the host; they are off by default here, see :class:`StatsOptions`.) Communication: only the op's
 (one all-gather of the statistics per call); the losses add none.
-
-Layout: :mod:`.inputs` (``LossOutput``, input checks, masked sums), :mod:`.token`
-(``nll_loss``, ``score_tokens``), :mod:`.policy` (``policy_loss``), :mod:`.stats`
-(``StatsOptions``, ``token_stats``, ``token_loss``, ``sft_loss``, ``logprobs_step``) and
-:mod:`.forward_step` (``make_forward_step``, ``StepBatch``, ``model_tp_group``).
 """
 
 from ..ops.options import IGNORE_INDEX

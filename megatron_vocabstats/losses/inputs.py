@@ -1,9 +1,6 @@
-"""The loss contract's result type, the input checks and the small pure helpers of the losses.
-
-Lives here: :class:`LossOutput` (Megatron's ``(loss_sum, num_tokens, report)``), the checks of
-per-token inputs (shapes, dtypes, devices and options only: never tensor values) and the masked
-sums / ``[sum, count]`` report entries every loss builds on. Shared by
-:mod:`megatron_vocabstats.losses` and :mod:`megatron_vocabstats.distill`.
+"""The loss contract's result type (Megatron's ``(loss_sum, num_tokens, report)``), the checks
+of per-token inputs (shapes, dtypes, devices and options only: never tensor values) and the
+masked sums and ``[sum, count]`` report entries that the losses and distillation build on.
 """
 
 from __future__ import annotations

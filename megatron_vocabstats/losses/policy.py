@@ -139,97 +139,45 @@ def policy_loss(
 ) -> LossOutput:
     """PPO / GRPO clipped-surrogate policy loss in Megatron's loss contract.
 
-    Per token t with ``r = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20) and
-    advantage A (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7)::
+    Per token, with ``r = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20) and
+    advantage A (PPO: Schulman et al. 2017, eq. 7; dual clip: Ye et al. 2020, eq. 5)::
 
         pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))
-        pg = min(pg, -dual_clip * A)  where A < 0     # dual clip, Ye et al. 2020 (AAAI), eq. 5
+        pg = min(pg, -dual_clip * A)  where A < 0
         loss_t = w_t * pg + kl_coef * KL_t - entropy_coef * entropy_t
 
-    ``KL_t`` estimates KL(pi || pi_ref) from ``d = ref_logprobs - logprobs``: ``"k1"`` is ``-d``,
-    ``"k3"`` is ``exp(d) - d - 1`` (Schulman 2020, "Approximating KL divergence"; k3 is GRPO's
-    penalty, Shao et al. 2024, "DeepSeekMath", eq. 4). Gradients flow into ``logprobs`` (through
-    r and the KL term) and ``entropy``; ``old_logprobs``, ``advantages`` and ``ref_logprobs``
-    are treated as constants.
-
-    Rollout correction: ``w_t = 1`` unless ``rollout_correction`` is given; then ``w_t`` is the
-    detached weight of :func:`~megatron_vocabstats.rollout.correction_weights` from
-    ``old_logprobs`` (the trainer's recomputation) and ``rollout_logprobs`` (the engine's):
-    truncated IS (``"tis"``, Yao et al. 2025), masked IS (``"mis"``, verl) or IcePop
-    (``"icepop"``, arXiv:2510.18855), per token or per sequence, see
-    :class:`~megatron_vocabstats.rollout.RolloutCorrection`. It multiplies the clipped surrogate
-    only, as verl and TRL apply it; the KL and entropy terms are not weighted. Tokens that the
-    correction drops (weight 0) still count in ``num_tokens`` (their KL and entropy terms still
-    apply); verl's rejection sampling, which also removes them from the denominator, is
-    ``loss_mask & ~flags`` with the flags of ``correction_weights``. Without
-    ``rollout_correction`` the loss, its gradient and the other report entries are bit for bit
-    those of the call without the rollout arguments (which only add report entries).
-
-    Aggregation, with ``m = loss_mask != 0`` and ``n_i`` the tokens of row i:
-
-    * ``"token-mean"``: ``loss_sum = sum_t m_t loss_t``, ``num_tokens = sum_t m_t``; Megatron's
-      division gives the mean over tokens (over the global batch with
-      ``calculate_per_token_loss``).
-    * ``"sequence-mean"`` (GRPO's ``1/G sum_i 1/|o_i| sum_t``): ``loss_sum = sum_i (sum_t
-      m_it loss_it) / n_i`` over rows with ``n_i > 0``, and ``num_tokens`` counts those
-      **rows**, not tokens, so the same division gives the mean over sequences of their token
-      means. Rows are dim 0 of a 2-D ``[b, s]`` input; a row with no token contributes 0 to both.
+    Gradients flow into ``logprobs`` and ``entropy`` only. No collective; no host sync unless
+    ``RolloutCorrection(validate=True)``. In detail: ``docs/ops.md``, "policy_loss".
 
     Args:
-        logprobs: ``[b, s]`` (any shape for token-mean) floating log pi(token) in nats, usually
-            fp32 from :func:`vocab_parallel_stats`; differentiable.
-        old_logprobs: log pi_old of the same tokens (the rollout policy), same shape.
-        advantages: per-token advantages, same shape (broadcast a per-sequence advantage first).
+        logprobs: floating log pi in nats, ``[b, s]`` (any shape for token-mean).
+        old_logprobs, advantages: log pi_old (the rollout policy) and advantages, same shape.
         loss_mask: same shape, any dtype; a token counts where non-zero. Required.
-        entropy: per-token entropy (nats), same shape; needed when ``entropy_coef != 0`` and then
-            differentiable (``vocab_parallel_stats(entropy="grad")``); reported when given.
-        ref_logprobs: log pi_ref, same shape; needed when ``kl_coef > 0``; reported when given.
+        entropy: per-token entropy in nats, same shape; with a gradient if ``entropy_coef != 0``.
+        ref_logprobs: log pi_ref, same shape; required when ``kl_coef > 0``.
         clip_eps: in (0, 1); the ratio floor is ``1 - clip_eps``.
-        clip_eps_high: > 0, the ratio ceiling is ``1 + clip_eps_high`` (DAPO's "clip-higher");
-            None means ``clip_eps``.
+        clip_eps_high: > 0, the ratio ceiling ``1 + clip_eps_high`` (DAPO); None: ``clip_eps``.
         dual_clip: None (off) or c > 1: the loss of a token with A < 0 is at most ``-c A``.
-        kl_coef: >= 0, weight of the KL penalty to the reference policy.
-        kl_estimator: ``"k1"`` or ``"k3"``.
-        entropy_coef: weight of the entropy bonus (positive favours higher entropy).
-        aggregation: ``"token-mean"`` or ``"sequence-mean"``.
-        rollout_logprobs: the rollout engine's log-probs of the same tokens (nats), same shape,
-            treated as a constant; given alone it only adds the mismatch diagnostics to the
-            report.
-        rollout_correction: a :class:`~megatron_vocabstats.rollout.RolloutCorrection`, or None
-            (no weighting); needs ``rollout_logprobs``, and ``[b, s]`` inputs at
-            ``level="sequence"``. A counted token whose old or rollout log-prob is NaN or
-            +inf (or both -inf) gets weight 0 and a surrogate of 0 (ratio 1: no NaN reaches the
-            loss, its gradient or the report; counted in ``"rollout invalid logprobs"``), or
-            raises ``ValueError`` with ``RolloutCorrection(validate=True)``.
-        rollout_outside: optional bool tensor, same shape: True where the target lies outside the
-            rollout sampler's kept set (top-k / top-p); only reported, not excluded.
+        kl_coef, entropy_coef: weights of the KL penalty (>= 0) and of the entropy bonus.
+        kl_estimator: ``KL_t`` from ``d = ref_logprobs - logprobs``: ``"k1"`` ``-d``, ``"k3"``
+            ``exp(d) - d - 1`` (Schulman 2020; GRPO's, DeepSeekMath eq. 4).
+        aggregation: ``"token-mean"`` or ``"sequence-mean"`` (GRPO; rows: dim 0 of ``[b, s]``).
+        rollout_logprobs: the rollout engine's log-probs, same shape; alone, only reported.
+        rollout_correction: a :class:`RolloutCorrection` (detached weights ``w_t``), or None (1).
+        rollout_outside: bool, same shape: targets outside the sampler's kept set; reported.
 
     Returns:
-        :class:`LossOutput`; ``loss_sum`` fp32 (float64 for float64 ``logprobs``), ``num_tokens``
-        int32 (tokens, or rows for sequence-mean). Report, as ``[sum, count]``: ``"policy
-        loss"`` = ``[loss_sum, num_tokens]``; token means (count = masked tokens) of ``"clip
-        fraction"`` (tokens whose clipped term was taken), ``"approx kl"`` (k3 of
-        KL(pi_old || pi)), ``"logprob"``, and when they apply ``"dual clip fraction"``,
-        ``"ref kl"`` (the chosen estimator), ``"entropy"``. With ``rollout_logprobs``, the
-        entries of :func:`~megatron_vocabstats.rollout.mismatch_diagnostics` computed from
-        ``old_logprobs``: ``"rollout |dlogprob|"``, ``"rollout k3 kl"`` (KL(rollout ||
-        trainer)), ``"rollout ratio p50"``/``"p90"``/``"p99"``/``"max"`` (per-microbatch
-        quantiles as ``[value, 1]``: Megatron's reduction averages them over microbatches),
-        and with ``rollout_correction`` ``"rollout weight"`` and ``"rollout truncated
-        fraction"`` (``"tis"``) or ``"rollout masked fraction"``; with ``rollout_outside``,
-        ``"rollout outside support"`` ``[count, num_tokens]``. The keys depend only on the
-        options and on which optional inputs are given. Masked positions contribute exactly 0
-        to values and gradients, whatever they hold.
+        :class:`LossOutput`: ``loss_sum`` fp32 (float64 for float64 ``logprobs``), ``num_tokens``
+        int32 (counted tokens; sequence-mean: rows with one); report ``[sum, count]`` pairs, keys
+        set by the options and the inputs given. Masked positions add exactly 0, gradients too.
 
     Raises:
-        ValueError: naming the argument: ``loss_mask`` None; shapes, dtypes or devices that
-            differ; ``sequence-mean`` on a tensor that is not 2-D; options out of range; an
-            unknown ``aggregation`` or ``kl_estimator``; ``kl_coef > 0`` without
-            ``ref_logprobs``; ``entropy_coef != 0`` without ``entropy``, or with an ``entropy``
-            that has no gradient while ``logprobs`` has one; ``rollout_correction`` that is not a
-            ``RolloutCorrection`` or comes without ``rollout_logprobs``; a misshapen
-            ``rollout_logprobs``/``rollout_outside`` or a non-bool ``rollout_outside``;
-            ``level="sequence"`` on inputs that are not 2-D.
+        ValueError: naming the argument: ``loss_mask`` None; mismatched shapes, dtypes or
+            devices; options out of range or unknown; ``"sequence-mean"`` or ``level="sequence"``
+            on inputs that are not 2-D; ``kl_coef > 0`` without ``ref_logprobs``;
+            ``entropy_coef != 0`` without ``entropy`` (or its gradient, where ``logprobs`` has
+            one); a bad ``rollout_correction`` or ``rollout_outside``; a correction without
+            ``rollout_logprobs`` or (``validate``) with a counted token without a log-ratio.
     """
     cfg = PolicyLossConfig(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,

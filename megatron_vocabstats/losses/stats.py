@@ -1,10 +1,6 @@
-"""Where the per-token statistics come from, and the losses composed with them.
-
-Lives here: :class:`StatsOptions` (the one user-facing options object of the statistics, fields
-1:1 the ops' keywords, :meth:`StatsOptions.op_kwargs`), :func:`selected_tokens`,
-:func:`token_stats` (logits, ``VocabStats`` or a statistics callable -> ``VocabStats``),
-:func:`token_loss` (a per-token loss applied to them, with the cross-rank checks of
-``validate``), and its two instances :func:`sft_loss` and :func:`logprobs_step`.
+"""Where the per-token statistics come from (logits, a ``VocabStats`` or a statistics
+callable, with :class:`StatsOptions`, the one user-facing options object of the statistics),
+and the losses composed with them.
 """
 
 from __future__ import annotations

@@ -21,13 +21,6 @@ value checks read a few numbers on the host. Pass ``validate=False`` in hot or g
 (the checks are skipped anyway while a CUDA graph is being captured). Every function refuses a
 ``validate`` (and any other bool option) that is not a bool, naming it (``ops.options.check_bool``:
 a ``TypeError`` that is also a ``ValueError``).
-
-Layout:
-:mod:`.checks` (argument and cumulative-length checks), :mod:`.layout` (``PackedBatch``,
-``sequence_alignment``, ``shift_packed_labels``), :mod:`.pack` (``pack_sequences``,
-``make_packed_seq_params``), :mod:`.context_parallel` (``context_parallel_indices``,
-``shard_for_context_parallel``, ``gather_from_context_parallel``) and :mod:`.unpack`
-(``unpack_sequences``).
 """
 
 from ..ops.options import IGNORE_INDEX

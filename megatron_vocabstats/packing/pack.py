@@ -82,48 +82,38 @@ def pack_sequences(
         labels = cat([cat([x_i[1:], full(P_i - L_i + 1, ignore_index)])[:P_i] for i])
         position_ids = cat([arange(P_i) for i]);  loss_mask = (labels != ignore_index)
 
-    computed with tensor ops over all positions at once. Choose ``alignment`` with
-    :func:`sequence_alignment` (``2 * cp`` at least for context parallelism).
-
-    Data preparation, not a hot path: it may synchronise with the host (``validate=True`` with a
-    ``lengths`` tensor reads it; a list of sequences copies its lengths to the device). It is
-    sync-free with a ``lengths`` tensor and ``validate=False`` (output shapes from the static
-    bound ``total_length``), so it can run inside a captured step in that form. The per-step
-    functions (:func:`shift_packed_labels`, :func:`shard_for_context_parallel`,
-    :func:`gather_from_context_parallel`, :func:`unpack_sequences`) never sync with
-    ``validate=False``.
+    computed with tensor ops over all positions at once; no collective. Host synchronisation: a
+    list of sequences copies its lengths to the device, ``validate`` reads a ``lengths`` tensor;
+    with a ``lengths`` tensor and ``validate=False`` it is sync-free (graph-capturable). More:
+    ``docs/ops.md``, "Packed sequences and context parallelism".
 
     Args:
-        sequences: a list of 1-D integer tensors (same dtype and device; empty ones allowed), or a
+        sequences: a list of 1-D integer tensors (one dtype and device; empty ones allowed), or a
             padded batch ``[B, S]`` whose row b holds ``lengths[b]`` real tokens on the left.
-        lengths: with a padded batch only: ``[B]`` integer tensor on its device, or B ints.
-        alignment: every sequence is padded to a multiple of it.
-        total_length: pad the row to exactly this T (a multiple of ``alignment``); the padding is
-            part of the last sequence. Default: the packed length when lengths are known on the
-            host (a list, or ``lengths`` as ints), else the static bound ``B * ceil(S/alignment)
-            * alignment``, so that no device value is read.
+        lengths: with a padded batch only: a ``[B]`` integer tensor on its device, or B ints.
+        alignment: every sequence is padded to a multiple of it (:func:`sequence_alignment`).
+        total_length: the row length T, a multiple of ``alignment`` (the padding is part of the
+            last sequence). Default: the packed length when the lengths are on the host, else the
+            static bound ``B * ceil(S / alignment) * alignment``.
         pad_token_id: token id of padding positions.
         ignore_index: label of positions without a next token.
-        seq_params: build ``packed_seq_params`` (imports megatron-core on first use; None when it
-            is not importable). ``total_tokens``/``seq_idx`` (Mamba only) are left unset: Megatron
-            derives them with a host sync.
-        validate: with a ``lengths`` tensor, check ``0 <= lengths <= S`` and that the packed
-            length fits ``total_length`` (reads them on the host; skipped during CUDA graph
-            capture). Without it such input gives wrong tokens.
+        seq_params: build ``packed_seq_params`` (:func:`make_packed_seq_params`).
+        validate: with a ``lengths`` tensor, check ``0 <= lengths <= S`` and that the packed length
+            fits ``total_length`` (skipped during CUDA graph capture; unchecked: wrong tokens).
 
     Returns:
-        :class:`PackedBatch`. ``max_seqlen`` is exact when lengths are known on the host; with a
-        ``lengths`` tensor it is the bound T (any padded length is <= T), and
-        ``pad_between_seqs`` is set True.
+        :class:`PackedBatch` (shapes and dtypes there). ``max_seqlen`` is exact when the lengths
+        are on the host; with a ``lengths`` tensor it is the bound T, and ``pad_between_seqs`` is
+        set True.
 
     Raises:
         ValueError: naming the argument: empty ``sequences``, a non-integer or non-1-D sequence,
             mixed dtypes/devices, a padded batch without ``lengths`` or with lengths of the wrong
-            shape, device or dtype, lengths outside ``[0, S]`` (a tensor: with ``validate``), a
-            non-positive ``alignment``, ``total_length`` not a multiple of ``alignment`` or smaller
-            than the packed length (a tensor: with ``validate``), a ``pad_token_id`` or
-            ``ignore_index`` that is not an int or does not fit the token dtype, ``seq_params``
-            or ``validate`` not a bool.
+            shape, device or dtype (or ``lengths`` with a list), lengths outside ``[0, S]`` (a
+            tensor: with ``validate``), a non-positive ``alignment``, ``total_length`` not a
+            multiple of ``alignment`` or smaller than the packed length (a tensor: with
+            ``validate``), a ``pad_token_id`` or ``ignore_index`` that is not an int or does not
+            fit the token dtype, ``seq_params`` or ``validate`` not a bool.
     """
     seq_params = check_bool("seq_params", seq_params)
     validate = check_bool("validate", validate)

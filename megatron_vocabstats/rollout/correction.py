@@ -41,8 +41,7 @@ gets weight 0 and is flagged, and the diagnostics count it (``"rollout invalid l
 no NaN reaches a weight, the loss or a report entry.
 
 Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
-shape) unless ``validate``. Lives here: the options (:class:`RolloutCorrection`), the weights
-(:func:`correction_weights`) and the input helpers :mod:`.diagnostics` shares.
+shape) unless ``validate``.
 """
 
 from __future__ import annotations
