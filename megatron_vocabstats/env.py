@@ -18,6 +18,7 @@ import inspect
 import os
 import platform
 import sys
+import warnings
 
 from . import __version__, versions
 
@@ -218,7 +219,12 @@ def main(argv=None) -> int:
         help_asked = argv in (["-h"], ["--help"])
         print(usage, file=sys.stdout if help_asked else sys.stderr)
         return 0 if help_asked else 2
-    print(report())
+    with warnings.catch_warnings():
+        # The components' import-time warnings (Megatron's "Transformer Engine and Apex are not
+        # installed", ...) would only come above the report, which says what is installed.
+        warnings.simplefilter("ignore")
+        text = report()
+    print(text)
     return 0
 
 

@@ -55,7 +55,8 @@ def run(argv=None) -> tuple[int, str]:
     """The command; returns ``(exit status, message)`` and writes the script unless ``--check``.
 
     Raises ``ValueError`` for bad input (no checkout path, a path without
-    ``megatron/core/package_info.py`` or ``pretrain_gpt.py``, a release without a shipped patch).
+    ``megatron/core/package_info.py`` or ``pretrain_gpt.py``, a release without a shipped patch)
+    and ``OSError`` when the script cannot be read or written.
     """
     args = _parser().parse_args(argv)
     if args.list:
@@ -97,7 +98,7 @@ def run(argv=None) -> tuple[int, str]:
 def main(argv=None) -> int:
     try:
         code, message = run(argv)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input, or a script it cannot read or write
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if message:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -117,3 +118,21 @@ def test_help_is_usage_and_status_0_other_arguments_2(capsys):
 def test_versions_prints_the_supported_versions_table(capsys):
     assert env.main(["--versions"]) == 0
     assert capsys.readouterr().out == versions.markdown_table() + "\n"
+
+
+
+def test_component_imports_do_not_print_their_warnings(monkeypatch, capsys):
+    """``vocabstats-env`` does not repeat a component's import-time warnings (Megatron's about
+    Transformer Engine and Apex) above its report."""
+    devices = env._devices
+
+    def noisy(torch):
+        warnings.warn("Transformer Engine and Apex are not installed")
+        return devices(torch)
+
+    monkeypatch.setattr(env, "_devices", noisy)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        assert env.main([]) == 0
+    assert not shown, [str(w.message) for w in shown]
+    assert capsys.readouterr().out.startswith(env.TITLE)

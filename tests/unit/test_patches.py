@@ -171,6 +171,22 @@ def test_command_refuses_what_does_not_fit(tmp_path, capsys):
     assert "package_info.py cannot be read" in capsys.readouterr().err
 
 
+def test_command_names_a_script_it_cannot_write(tmp_path, capsys, monkeypatch):
+    path, before = _checkout(tmp_path, "0.19")
+    real_open = open
+
+    def read_only(file, mode="r", *args, **kwargs):
+        if file == path and "w" in mode:
+            raise PermissionError(13, "Permission denied", file)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", read_only)
+    assert cli.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Permission denied" in err and path in err
+    assert "Traceback" not in err and real_open(path).read() == before
+
+
 def test_command_lists_the_shipped_patches(capsys):
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
