@@ -1,14 +1,10 @@
-"""The ops: pure math (``_math``), collectives (``_comm``), checks (``_checks``), the chunk engine
-(``engine/``) and the autograd Functions.
+"""The vocab-parallel ops and their public API: statistics of this rank's shard of the vocabulary
+(log-probs, entropy, cross-entropy, top-k, sampler log-probs and their gradients) from its logits
+or, fused with the LM head, from hidden states, without gathering the vocabulary.
 
-Layout: ``engine/`` holds the machinery every op shares (chunk iterators and buffers, gathered
-statistics, the backward loops, the fused LM head's GEMMs and ``main_grad`` contract) behind one
-per-chunk seam (``engine.kernel``: statistics and gradient of a chunk). One folder per op family
-(``stats/``, ``topk/``, ``sampling/``) holds its autograd Functions and public API, on logits
-(``from_logits``) and on hidden states (``from_hidden``, the fused LM head), with the family's own
-math and checks beside them (``topk/math``, ``topk/checks``, ``sampling/search``); the fused
-heads share ``hidden_checks``. No op module imports a private name of another, and nothing here
-imports ``megatron_vocabstats.megatron``.
+Math is kept apart from communication: pure tensor math in ``_math`` and ``_grad``, collectives
+in ``_comm``, the chunk engine every op shares in ``engine/``, one folder per op family
+(``stats/``, ``topk/``, ``sampling/``). What lives where: ``docs/layout.md``.
 """
 
 from .sampling.from_hidden import linear_vocab_parallel_sampling_logprobs

@@ -1,11 +1,9 @@
 """Python-type and range checks of scalar arguments, and the error they raise.
 
-Lives here: :class:`InputTypeError` (a ``TypeError`` that is also a ``ValueError``), the one
-checker of number-like options (:func:`check_number`, and :func:`number_problem`, its message
-without raising, which the Megatron flag types use), its shorthands :func:`check_integer` and
-:func:`check_real`, :func:`check_choice`, :func:`check_int64` (an int that must fit the int64
-columns of the cross-rank check exchange) and the one checker of bool options
-(:func:`check_bool`, :func:`bool_error`). The bottom of ``ops/`` (docs/layout.md).
+The one checker of number-like options and the one of bool options, which every op, loss,
+settings object and flag uses; a wrong Python type raises :class:`InputTypeError`, a
+``TypeError`` that is also a ``ValueError``. Standard library only; :mod:`.options` makes the
+checkers public.
 """
 
 from __future__ import annotations

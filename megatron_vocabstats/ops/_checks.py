@@ -1,24 +1,14 @@
-"""Input checks of the vocab-parallel ops (the ops' own: the logits, target and options of a call).
+"""Input checks of the vocab-parallel ops: the logits (a tensor, or a :class:`LogitsSpec` from a
+caller that never materialises them), target and options of one call, validated into a
+:class:`StatsConfig`.
 
 Shape, dtype and argument checks always run. Checks that read tensor values on the host (target
 range, cross-rank agreement, finite results) run only with ``validate=True`` and never while a CUDA
-graph is being captured or a tracer runs the call (``torch.compile``, ``make_fx``; the automatic
-chunk size then specialises a symbolic width). Under tensor parallelism every rank first decides
-locally, then all ranks exchange one small int64 vector (sizes, a target checksum and an error
-flag) so that a bad input on one rank raises on every rank instead of leaving the others waiting
-in a collective. Every exception of the local checks (not only ``ValueError``) goes through that
-exchange.
-
-Wrong Python types raise :class:`InputTypeError`, a ``TypeError`` that is also a ``ValueError``.
-Backward functions call :func:`refuse_double_backward` (or use :func:`first_order_backward`).
-
-Lives here: :func:`checked_config` (a call's checks and its :class:`StatsConfig`; the logits
-given as a tensor or, by a caller that never materialises them, as a :class:`LogitsSpec`), the
-compared columns of its exchange, :func:`check_finite` and the double-backward guards. The
-pieces it is built from live in :mod:`._argtypes` (Python-type checks), :mod:`._layout` (the
-shard layout), :mod:`.options` (the options' values and :class:`StatsConfig`), :mod:`.kernels`
-(the ``kernel`` choice, :func:`~.kernels.resolve_kernel`), :mod:`._replicated` (identical
-shards on every rank) and :mod:`.agreement` (the cross-rank exchange, :class:`CrossRankCheck`).
+graph is being captured or a tracer runs the call (``torch.compile``, ``make_fx``). Under tensor
+parallelism every exception of the local checks (not only ``ValueError``) goes through the one
+cross-rank exchange of :mod:`.agreement`, so a bad input on one rank raises on every rank instead
+of leaving the others waiting in a collective. Backward functions refuse double backward
+(:func:`refuse_double_backward`, :func:`first_order_backward`).
 """
 
 from __future__ import annotations

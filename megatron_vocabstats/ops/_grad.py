@@ -1,14 +1,9 @@
 """The logits gradient of the statistics, one chunk at a time.
 
-Lives here: :func:`chunk_grad` (the gradient of ``sum(g_lp * logprobs + g_H * entropy)`` for one
-chunk, from the merged logsumexp and entropy), :func:`grad_coefficients` (its per-row upstream
-coefficients), :func:`split_lse` (the logsumexp as an fp32 pair) and :func:`finite_lse`. The
-formula is that of ``docs/numerics.md`` (see :mod:`._math`): with upstream ``g_lp``, ``g_H`` the
-gradient w.r.t. z is ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed)
-one-hot target, and ``log p_j = (z_j - lse) - lse_lo`` with the logsumexp as an fp32 pair.
-
 Pure tensor math like :mod:`._math`: no collectives, never writes to the caller's tensors (only
-to the scratch buffers handed in).
+to the scratch buffers handed in). With upstream ``g_lp``, ``g_H`` the gradient w.r.t. z is
+``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target, the
+logsumexp kept as an fp32 pair (``docs/numerics.md``, "Gradients w.r.t. z").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Where a rank's logits columns sit in the global vocabulary, and where its targets fall.
 
-Lives here: :class:`ShardLayout` (one shard's columns), :func:`shard_layout` (built and checked
-from one call's arguments), :func:`check_contiguous` (the shards given per rank tile the
-vocabulary), :data:`BLOCK` and :func:`padded_width` (the batch-invariant blocks of columns),
-:func:`target_in_range` and :func:`local_target_index` (global target ids on this shard),
-:func:`put_first_max_ids` / :func:`merge_first_max` (the global id of a row's largest logit, from
-per-shard parts). Pure host logic and elementwise tensor ops, no collectives.
+The shard layout of one call, built and checked from its arguments; the blocks of :data:`BLOCK`
+columns of batch-invariant mode; the global id of a row's largest logit from per-shard parts.
+Pure host logic and elementwise tensor ops, no collectives.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Cross-rank agreement of input checks: a bad input on one rank raises on every rank.
 
-Public (``megatron_vocabstats.ops.agreement``): the machinery that the ops' checks
-(``ops/_checks.py``) and the packages above ``ops/`` (losses, packing, distillation) share. Under
-tensor (or context) parallelism every rank first decides locally, then all ranks exchange one
-small int64 vector (an error flag, then values that must be equal on every rank) so that a bad
+Public (``megatron_vocabstats.ops.agreement``), shared by the ops' checks (``ops/_checks.py``) and
+the packages above ``ops/`` (losses, packing, distillation). Under tensor (or context) parallelism
+every rank first decides locally, then all ranks exchange one small int64 vector (an error flag,
+then values that must be equal on every rank), built by :class:`CrossRankCheck`, so that a bad
 input on one rank raises on every rank instead of leaving the others waiting in a collective.
-
-Lives here: :class:`CrossRankCheck` (the check builder: collects this rank's first problem and
-its agreement row, then does the single exchange), :func:`checked_on_every_rank` (a caller's own
-checks through it), :func:`agree_across_ranks` (the exchange itself) and its :class:`Field`
-columns, the checksums and float encodings compared there (:func:`target_checksum`,
-:func:`tensor_checksum`, :func:`float_bits`, :func:`bits_float`) and :func:`host_checks_enabled`.
 """
 
 from __future__ import annotations

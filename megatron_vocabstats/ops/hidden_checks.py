@@ -1,12 +1,9 @@
 """Input checks of the fused LM-head ops (``from_hidden`` of ``stats/``, ``topk/``, ``sampling/``).
 
-* :func:`lead_shape`: the (gathered) leading shape of the tokens of ``hidden``;
-* :func:`linear_problem`: the first problem with the fused op's own arguments (hidden, weight,
-  target shape, ``grad_weights``, ``sequence_parallel``, ``main_grad``,
-  ``partial_hidden_grad``), as an exception;
-* :func:`checked_linear_config`: the whole validation of one fused call, routing its problems
-  and the cross-rank agreement through the core checks' one exchange
-  (``_checks.checked_config``), giving a :class:`~.engine.LinearStatsConfig`.
+The fused op's own arguments (hidden, weight, target shape, ``grad_weights``,
+``sequence_parallel``, ``main_grad``, ``partial_hidden_grad``) are checked here; their problems
+and the cross-rank agreement go through the core checks' one exchange
+(``_checks.checked_config``), giving a :class:`~.engine.LinearStatsConfig`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The options of the vocabulary statistics: their allowed values, defaults and validated bundle.
 
 Public (``megatron_vocabstats.ops.options``), for the ops, the losses and the Megatron settings
-alike. Lives here: :data:`IGNORE_INDEX` (the default ``ignore_index``), :data:`LOGP_MIN`,
-:data:`ENTROPY_MODES`, :data:`BATCH_INVARIANT_MODES` and the flag spellings
-:data:`BATCH_INVARIANT_NAMES`, :func:`check_batch_invariant`, :data:`LOGITS_DTYPES`,
-:data:`MIN_TEMPERATURE`, the auto chunk size (:data:`CHUNK_BYTES`, :func:`auto_chunk_size`),
-the keyword sets the op wrappers take as ``**options`` (:class:`ShardKwargs` and its extensions
-up to :class:`VocabStatsKwargs`, ``TypedDict`` s for ``Unpack``) and :class:`StatsConfig`, the
-frozen options of one call (built by ``_checks.checked_config``), and, public here for the
-packages above, the checkers of options (:func:`check_choice`, :func:`check_number`: the one
-checker of number-like options, and its message :func:`number_problem`; :func:`check_bool`, the
-one checker of bool options, and its error :func:`bool_error`; from :mod:`._argtypes`).
+alike: the options' constants and defaults, the keyword sets the op wrappers take as
+``**options`` (``TypedDict`` s for ``Unpack``), :class:`StatsConfig` (the frozen options of one
+call, built by ``_checks.checked_config``) and the checkers of options of :mod:`._argtypes`.
+What each option means: ``docs/options.md``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Chunk buffers reused across calls, with lifetimes that stay safe under streams and CUDA graphs.
 
-The ops upcast each ``[chunk, W]`` slice of logits into fp32 scratch buffers (two for the core
-op, three or four for the fused op). Allocating them per call is cheap with the CUDA caching
-allocator but not free (an allocator round trip per buffer, fresh pages on CPU), so one small
-cache, :data:`WORKSPACE`, keeps them between calls.
-
-Lifetime rules (what makes a cached buffer safe to hand out again):
-
-1. **Held means private.** :meth:`Workspace.take` removes a buffer from the cache; until it is
-   given back with :meth:`Workspace.give` nobody else can get it (two live calls, or a forward
-   and a backward on another thread, get different buffers).
-2. **Streams.** On CUDA a lease remembers the stream it was taken on; :meth:`Lease.record_stream`
-   adds any other stream that reads it. On :meth:`Workspace.give` an event is recorded on each
-   of those streams, and the next :meth:`Workspace.take` makes its own stream wait for them
-   (``Stream.wait_event``: a device-side wait, no host sync), so a buffer still read by a pending
-   side-stream kernel is never overwritten. A buffer dropped from the cache is
-   ``record_stream``-ed on those streams, so the caching allocator does not reuse its memory
-   early either.
-3. **CUDA graph capture.** While ``torch.cuda.is_current_stream_capturing()`` is True the cache is
-   neither read nor written: :meth:`Workspace.take` allocates a fresh buffer (from the graph's
-   private memory pool, which the graph keeps for as long as it lives) and :meth:`Workspace.give`
-   drops it. A captured graph therefore never shares memory with eager calls, and eager calls
-   never write into memory a replay reads. The same holds while a tracer runs the call
-   (:func:`tracing`: ``torch.compile``, ``make_fx``): its tensors belong to that trace.
-4. **Reset.** :func:`reset_workspace` drops every cached buffer (held ones are unaffected: they
-   go back to the emptied cache when given back). Call it after destroying CUDA
-   graphs (Megatron: after ``FullCudaGraphWrapper.reset_cuda_graph()`` or
-   ``megatron.core.transformer.cuda_graphs.delete_cuda_graphs()``; plain PyTorch: after
-   ``CUDAGraph.reset()``) or whenever the memory should go back to the allocator;
-   :func:`with_workspace_reset` wraps such a reset function so that it does both.
-5. **Bounded.** At most ``max_buffers`` free buffers and ``max_bytes`` bytes are kept; the least
-   recently returned are dropped first, and a buffer larger than ``max_bytes`` is never kept.
-
-Buffers are flat and grouped by size class (the element count rounded up by at most 1/8), so
-calls whose token count varies a little still reuse them; :meth:`Workspace.take` returns a view
-of the requested shape. Their content is undefined (like ``torch.empty``). On CPU the same API
-applies, without streams or capture.
+The ops upcast each ``[chunk, W]`` slice of logits into fp32 scratch buffers; one small bounded
+cache, :data:`WORKSPACE`, keeps them between calls. A buffer taken is private until given back;
+on CUDA the next user's stream waits for every stream that read it (an event, no host sync);
+while a CUDA graph is being captured or a tracer runs the call (:func:`tracing`) the cache is
+neither read nor written; :func:`reset_workspace` drops every cached buffer (call it after
+destroying CUDA graphs, or wrap the reset function with :func:`with_workspace_reset`). A buffer's
+content is undefined (like ``torch.empty``). The rules in full: ``docs/cuda-graphs.md``, "The
+chunk workspace".
 """
 
 from __future__ import annotations
@@ -262,8 +234,8 @@ WORKSPACE = Workspace()
 
 def reset_workspace() -> None:
     """Drop every free buffer cached by the ops (:data:`WORKSPACE`); their memory goes back to
-    the allocator. Buffers a running op holds are unaffected (rule 4 of the module). Raises
-    nothing."""
+    the allocator. Buffers a running op holds are unaffected: they go back to the emptied cache
+    when given back. Raises nothing."""
     WORKSPACE.reset()
 
 

@@ -1,19 +1,11 @@
-"""The chunk iterator over logits and the gathered statistics: the engine of the unfused ops.
+"""The engine of the unfused ops: the chunk iterator over logits and the gathered statistics.
 
-* :func:`logits_chunks`: the tokens of a ``[T, W]`` logits shard in chunks of ``chunk_size``
-  rows, each upcast into one of two reused fp32 ``[chunk, W]`` workspace buffers, as
-  :class:`~.kernel.Chunk` objects;
-* :func:`gathered_stats`: every chunk's statistics (the core op's :class:`~.kernel.ChunkStats`
-  of ``cfg.kernel``'s backend) gathered over the shards in one all-gather, ready for
-  ``_math.merge_stats``; :func:`merge_tokens_per_pass` sizes that merge;
-* :func:`logits_grad`: the backward loop of an op on logits, around its
-  :class:`~.kernel.ChunkGrad`;
-* small helpers every Function shares (:func:`flatten_target`, :func:`targets_in_range`,
-  :func:`function_outputs`).
-
-The statistics and the core gradient come from ``cfg.kernel``'s backend (:mod:`.backends`); for
-one that reads the logits itself (Triton) :func:`logits_chunks` with ``upcast=False`` hands it
-the logits as they are.
+The tokens of a ``[T, W]`` logits shard come in chunks of ``chunk_size`` rows, each upcast into
+one of two reused fp32 ``[chunk, W]`` workspace buffers (or handed over as they are,
+``upcast=False``, to a backend that reads the logits itself); every chunk's statistics, from
+``cfg.kernel``'s backend (:mod:`.backends`), are gathered over the shards in one all-gather for
+``_math.merge_stats``; the backward loop of an op on logits runs around its
+:class:`~.kernel.ChunkGrad`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""The fused LM head's side of the chunk engine: chunk logits ``hidden @ weight.T`` without
-ever holding ``[T, W]``.
+"""The fused LM head's side of the chunk engine: chunk logits ``hidden @ weight.T`` without ever
+holding ``[T, W]``.
 
-* :func:`auto_linear_chunk_size` / :data:`CPU_LINEAR_CHUNK_BYTES`: the fused ops' chunk policy;
-* :class:`LinearStatsConfig`: the validated options of one fused call (``options.StatsConfig``
-  plus sequence parallelism, main_grad fusion, forward-gradient mode, which gradients);
-* :class:`ChunkBuffers`: the reused workspace buffers of one pass over the chunks;
-* :func:`chunk_logits` / :func:`linear_chunks`: one chunk's logits GEMM and the iterator of
-  :class:`~.kernel.Chunk` objects over the hidden states (:data:`INVARIANT_ROWS` rows per GEMM
-  in batch-invariant mode); :func:`tile_chunks`: the chunks without GEMM of a backend that
-  computes the logits itself (Triton's ``tl.dot`` tiles), and :func:`fused_chunks`, the one of
-  the two that ``cfg.kernel``'s backend takes;
-* :func:`full_hidden` / :func:`reduce_hidden_grad`: ``ColumnParallelLinear``'s collectives for
-  the input and its gradient (sequence-parallel gather / reduce-scatter, or all-reduce).
+The validated options of one fused call (:class:`LinearStatsConfig`: ``options.StatsConfig`` plus
+sequence parallelism, main_grad fusion, forward-gradient mode, which gradients), the fused ops'
+chunk policy and reused buffers, the per-chunk GEMM (:data:`INVARIANT_ROWS` rows per GEMM in
+batch-invariant mode; none for a backend that computes the logits itself, as Triton's ``tl.dot``
+tiles do), and ``ColumnParallelLinear``'s collectives for the input and its gradient
+(sequence-parallel gather / reduce-scatter, or all-reduce).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The backward engines of the fused LM head: recompute each chunk, or take the gradients in
 forward.
 
-* :func:`recompute_backward`: ``(grad_hidden, grad_weight)`` of any fused op: each chunk's logits
-  are recomputed (:func:`.linear.linear_chunks`), turned into their gradient by the op's
-  :class:`~.kernel.ChunkGrad` (the seam), then into ``dX = g @ W`` and ``dW += g.T @ h`` right
-  away (:func:`.wgrad.input_grads_of_chunk`); the op hands its gradient over as an object, the
-  engine never calls back into the op;
-* the forward-gradient mode of ``linear_vocab_parallel_stats(grad_weights=...)``:
-  :func:`forward_with_grads` (statistics and gradients in one pass), :func:`scaled_forward_grads`
-  (its backward) and :func:`upstream_scale` (the scalar ``c`` and its check).
+Backward recomputes each chunk's logits, turns them into their gradient by the op's
+:class:`~.kernel.ChunkGrad` (the seam) and then into ``dX = g @ W`` and ``dW += g.T @ h`` right
+away; the op hands its gradient over as an object, the engine never calls back into the op. The
+forward-gradient mode of ``linear_vocab_parallel_stats(grad_weights=...)`` takes statistics and
+gradients in one pass and only scales them in backward.
 """
 
 from __future__ import annotations

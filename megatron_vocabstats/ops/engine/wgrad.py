@@ -1,12 +1,8 @@
 """Weight and input gradients of the fused LM head from one chunk's logits gradient.
 
-* :func:`input_grads_of_chunk`: ``dX = g @ W`` and ``dW += g.T @ h`` of one chunk;
-* :func:`accumulate_wgrad`: the fp32 accumulation ``acc += g.T @ h`` from model-dtype
-  operands, by the GEMM mode probed once per device type (:func:`wgrad_mode`: ``"addmm"``,
-  ``"mm"`` or ``"upcast"``);
-* :func:`weight_grad_buffer` / :func:`fresh_weight_grad` / :func:`finish_weight_grad`: the fp32
-  ``[W, H]`` sums (zero-filled, or written by the first chunk) and Megatron's ``main_grad``
-  contract (gradient-accumulation fusion).
+``dX = g @ W`` and ``dW += g.T @ h`` per chunk, the weight gradient summed in fp32 from
+model-dtype operands (by the GEMM mode probed once per device type, :func:`wgrad_mode`), and
+Megatron's ``main_grad`` contract (gradient-accumulation fusion).
 """
 
 from __future__ import annotations

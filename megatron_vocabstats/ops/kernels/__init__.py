@@ -1,12 +1,10 @@
 """Kernel backends behind the engine's per-chunk seam (:mod:`..engine.kernel`), and their choice.
 
-Lives here: :data:`KERNELS` / :data:`KERNEL_CHOICES` (the values of the ops' ``kernel``
-argument), :data:`KERNEL_ENV` (the environment variable that forces one for ``kernel="auto"``,
-read by :func:`forced_kernel`), :func:`resolve_kernel`, and the Triton kernels' block width
-(:func:`block_columns`) and fused tiles (:data:`LINEAR_BLOCKS`, :func:`linear_blocks`). The
-Triton kernels themselves live in :mod:`.triton_kernels` (host side :mod:`.triton_stats`,
-building blocks :mod:`.triton_tiles`), which import ``triton``: nothing here does
-(``importlib.util.find_spec`` only), so importing the package never needs triton or a GPU.
+The values of the ops' ``kernel`` argument, the environment variable that forces one for
+``kernel="auto"``, the resolution of the choice, and the Triton kernels' block and tile sizes.
+The Triton kernels (:mod:`.triton_kernels`, host side :mod:`.triton_stats`, building blocks
+:mod:`.triton_tiles`) import ``triton``: nothing here does (``importlib.util.find_spec`` only),
+so importing the package never needs triton or a GPU.
 """
 
 from __future__ import annotations

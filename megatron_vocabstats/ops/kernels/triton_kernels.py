@@ -1,22 +1,13 @@
-"""The Triton kernels of the chunk statistics and gradient (host wrappers:
-:mod:`.triton_stats`; building blocks: :mod:`.triton_tiles`; their cost on an H200:
-``docs/gpu-model.md``).
+"""The ``@triton.jit`` kernels of the chunk statistics and gradient (host wrappers:
+:mod:`.triton_stats`; building blocks: :mod:`.triton_tiles`; their arithmetic:
+``docs/numerics.md``, "Triton kernels"; their cost on an H200: ``docs/gpu-model.md``).
 
-* :func:`_row_stats_kernel`: one row of stored logits per program, read once in blocks of
-  ``LANES x GROUP`` columns; each lane (``GROUP`` consecutive columns, one 16-byte load) keeps its
-  own running maximum and sums, merged once per row, so the loop has no cross-thread reduction;
-  the target logit is loaded directly. Padding columns (local id >= ``real_width``) are at the
-  floor and add nothing: they are not read.
-* :func:`_row_grad_kernel`: one row's logits gradient per program, in blocks of ``BLOCK_N``
-  columns; the target's term is added once after the loop (a row whose target is here) and a row
-  that is not valid is written as zeros without reading it.
-* :func:`_tile_stats_kernel`: ``ROWS`` rows times one split of ``split_cols`` columns per program,
-  in tiles of ``BLOCK_N`` columns, the programs in :func:`.triton_tiles.tile_order`; the tile is
-  ``hidden @ weight.T`` by ``tl.dot`` (``FUSED``, optionally stored in the model dtype:
-  ``STORE``) or stored logits (the per-block statistics of one row). Writes each split's
-  statistics (merged by the host as per-block statistics are) or with ``BLOCKS`` each tile's.
-* :func:`_tile_grad_kernel`: one ``ROWS x BLOCK_N`` tile of the fused head's logits gradient
-  per program, recomputed by ``tl.dot`` and written once in the model dtype.
+Unfused, one row of stored logits per program: the statistics read the row once in blocks of
+``LANES x GROUP`` columns, each lane keeping its own running statistics, merged once per row; the
+gradient writes the row once (a row that is not valid as zeros, without reading it). Fused LM
+head, ``ROWS`` rows times one split of the columns per program: the statistics of ``tl.dot``
+tiles of ``hidden @ weight.T`` (or per-block statistics of stored logits), and the gradient one
+recomputed tile at a time, written once in the model dtype. Padding columns are never read.
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
 """The host side of the Triton kernels behind the engine's per-chunk seam: statistics and
 gradient of a chunk, from stored logits (the unfused op) or from hidden states (the fused LM
-head). The kernels live in :mod:`.triton_kernels`, their building blocks in
-:mod:`.triton_tiles`.
+head), through the seam's objects :class:`TritonShardStats` and :class:`TritonStatsGrad`.
 
-* :func:`shard_stats`: a chunk's shard statistics (the ``[NUM_STATS, n]`` of
-  ``_math.chunk_stats``), or with ``per_block`` those of each block of ``_layout.BLOCK`` columns
-  (``[NUM_STATS, n, nb]``, batch-invariant mode "tp"). Stored logits: one program per row,
-  per-lane partial statistics merged once per row. Fused: programs of ``BLOCK_M`` rows times
-  one split of the columns in a grouped order, each split's statistics merged by
-  ``_math.reduce_blocks`` as per-block statistics are; the logits tiles are never stored unless
-  the caller gives a buffer (the forward-gradient mode, whose gradient then reads them).
-* :func:`stats_grad`: the chunk's logits gradient (``_grad.chunk_grad``, both upstream gradients
-  folded), written once in the model dtype: in place of the logits (unfused, one row per
-  program) or into the fused head's gradient buffer (one recomputed tile per program), from
-  which cuBLAS makes ``dX`` and ``dW`` (``engine.wgrad``).
+Same formulas as the torch path (``docs/numerics.md``), not the same bits. The statistics of the
+fused head's column splits are merged by ``_math.reduce_blocks`` as per-block statistics are; its
+logits tiles are never stored unless the caller gives a buffer (the forward-gradient mode). The
+gradient is written once in the model dtype, in place of the chunk's logits (unfused) or into
+the fused head's gradient buffer, from which cuBLAS makes ``dX`` and ``dW``. A row's statistics
+depend only on its own logits, the shard width and the tile sizes and splits (fixed, no
+autotuning), so ``batch_invariant=True`` holds as it is; ``"tp"`` takes per-block statistics,
+which the torch merge combines in its fixed tree.
 
-The seam's objects (:class:`TritonShardStats`, :class:`TritonStatsGrad`) call them with what the
-chunk holds: its logits, or its hidden rows and the weight shard (``chunk.hidden`` given).
-
-Same formulas as the torch path (``docs/numerics.md``), not the same bits. Batch invariance: a
-row's statistics depend only on its own logits, the shard width and the tile sizes and splits,
-which depend on nothing else (no autotuning), so ``batch_invariant=True`` holds as it is;
-``"tp"`` takes ``per_block``, whose parts the torch merge combines in its fixed tree.
-
-Supported: logits or hidden/weight bf16/fp16/fp32 with any strides, W >= 1, H >= 1, any n
-(grid dimension 0); fp32 statistics; int64 target index. Logits below ``Z_FLOOR`` (-inf too) and
-padding columns (local id >= ``real_width``) count as the floor; a row with a NaN logit gets NaN
-statistics; ``+inf`` gives NaN as in the torch path.
+Supported: logits or hidden/weight bf16/fp16/fp32 with any strides, W >= 1, H >= 1, any n;
+fp32 statistics; int64 target index. Logits below ``Z_FLOOR`` (-inf too) and padding columns
+(local id >= ``real_width``) count as the floor; a row with a NaN logit gets NaN statistics;
+``+inf`` gives NaN as in the torch path.
 
 Imports ``triton`` at import time: only :mod:`..engine.backends` imports this module, lazily,
 once ``kernels.resolve_kernel`` chose ``"triton"``.

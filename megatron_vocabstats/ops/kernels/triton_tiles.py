@@ -1,30 +1,13 @@
 """The Triton building blocks of the kernels (:mod:`.triton_kernels`): a tile of logits in,
 statistics or gradient out.
 
-* :func:`exp_` (``exp2`` of a ``log2 e`` prescaled argument: one ``MUFU.EX2`` on a GPU, 2 ulp,
-  plus two roundings of the argument, ``docs/numerics.md``) and :func:`round_to` (fp32 -> the
-  model dtype, nearest even: the GPU's ``cvt.rn``, and :func:`round_bf16` by integer ops in the
-  interpreter, whose own cast truncates);
-* :func:`load_logits` / :func:`matmul_logits` (``hidden @ weight.T`` by ``tl.dot``, rounded once
-  to the model dtype) and :func:`scaled_z`: ``z = logits / tau`` with the floor and the padding
-  columns as ``_math.load_chunk`` makes them;
-* :func:`online_update` folds a tile ``[R, C]`` into R running statistics: a tile's rows (the
-  fused kernels and the per-block statistics, :func:`tile_update` with the target logit), or the
-  lanes of one row (``[LANES, GROUP]``, the unfused statistics: one running maximum and sums per
-  lane of ``GROUP`` consecutive columns, no cross-thread reduction inside the loop), which
-  :func:`merge_lanes` combines once per row; :func:`store_stats` stores one part;
-  :func:`tile_order`, the grouped launch order of the fused statistics;
-* :func:`target_rows`, :func:`grad_rows` / :func:`grad_values`: each row's target and the
-  gradient of ``_grad.chunk_grad``.
-
-Online rescaling (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax",
-extended to the entropy and smoothing sums): ``s <- s e^d + sum e^(z - m)``, ``u <- e^d (u + d s)
-+ sum e^(z - m)(z - m)``, ``a <- a + c k d + sum c (z - m)`` over the k real columns seen before,
-``d = m_old - m <= 0``. Every term of ``u`` and ``a`` is <= 0, so large logits (fp16 65504)
-neither overflow nor cancel, as in the torch path. A NaN logit makes the running maximum NaN
-(:func:`max_nan`, :func:`amax_nan`: NaN propagated explicitly, whatever ``tl.maximum``'s default
-does on this Triton) and the sums NaN, as torch's ``amax`` and sums do; the stored statistics
-keep them.
+A tile is loaded (or computed as ``hidden @ weight.T`` by ``tl.dot``, rounded once to the model
+dtype), scaled and floored as ``_math.load_chunk`` makes it, and folded into running statistics
+by online rescaling (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax",
+extended to the entropy and smoothing sums; the formulas: ``docs/numerics.md``, "Triton
+kernels"), or turned into the gradient of ``_grad.chunk_grad``. A NaN logit makes the running
+maximum and the sums NaN, as torch's ``amax`` and sums do (:func:`max_nan`, :func:`amax_nan`:
+NaN propagated explicitly, whatever ``tl.maximum``'s default does on this Triton).
 
 Only constructs that compile on CUDA GPUs as they run under ``TRITON_INTERPRET=1``: power-of-two
 blocks, masked loads and stores, ``tl.dot`` with every dimension >= 16, constexpr flags for every

@@ -2,42 +2,14 @@
 vocab-parallel logits, without gathering the vocabulary.
 
 RL trainers compare their log-probs with the rollout engine's, which samples from a truncated,
-renormalised distribution q. :func:`vocab_parallel_sampling_logprobs` gives ``log q(target)``
-with q built as vLLM's v1 sampler builds it (``vllm/v1/sample/sampler.py``: temperature, then the
-argmax-invariant logits processors, min-p among them, then ``apply_top_k_top_p``):
-
-1. ``z = logits / temperature`` over the real vocabulary;
-2. min-p keeps ``p_j >= min_p * max_i p_i``, i.e. ``exp(z_j - max z) >= min_p``;
-3. top-k keeps ``z_j >= `` the k-th largest kept value (ties at that value are all kept, as
-   vLLM's ``logits < kth_value`` mask does);
-4. top-p as vLLM's ``apply_top_k_top_p``: sort ascending (a stable sort, so equal values in id
-   order), drop tokens while the cumulative probability, renormalised over the set kept by 2
-   and 3, is ``<= 1 - top_p``, always keep the last one. Where values are distinct a token
-   stays when the mass strictly more likely than it is below ``top_p``; of a tie on the
-   boundary the highest ids stay, as many as the cumulative sum needs;
-5. ``q = softmax(z)`` over the kept set.
-
-Min-p and top-k are thresholds on z, so they commute; top-p comes last and renormalises over
-what they keep. SGLang applies top-k, then top-p, then min-p (on the top-p-renormalised
-probabilities), which gives another set when min-p and top-p are both active.
-
-Method: the kept set of a row is ``z >= threshold``; each threshold is found by a radix search
-over the order-preserving int32 image of the fp32 values (6 steps deciding 6, 6, 6, 6, 6 and 2
-bits; exact): per step every rank histograms its columns of the row into the buckets of the
-current key interval (a count for top-k, the mass ``exp(z - m)`` for top-p), one all-gather sums
-the shards in rank order, and every rank picks the same bucket. The tie on the top-p boundary
-is split from per-shard tie counts (the shards hold ascending ids in rank order, so the lowest
-ranks give up their tied columns first). Communication for tp > 1: one all-gather of ``[2, T]``
-(maxima and target logits), 6 of at most ``[T, 64]`` float64 per active top-k/top-p, one of
-``[T]`` float64 (the kept mass; ``[3, T]`` with top-p, adding the tie counts); none in backward.
-Counts are exact; the masses ``exp(z - m)`` are rounded to fp32 per column and summed in float64
-(a chunk's buckets, then chunks and shards), so a token whose strictly-more-likely mass lies
-within about 1e-7 relative of ``top_p`` may fall either way (vLLM's own fp32 cumulative sum is
-coarser), and only there may tp sizes differ.
-
-This module holds the autograd Function and the public API (and the filter checks); the radix
-search, the forward pass and the gradient kernel are in :mod:`.search`, the chunk loop in
-:mod:`.engine`.
+renormalised distribution q. :func:`vocab_parallel_sampling_logprobs` gives ``log q(target)`` with q
+built as vLLM's v1 sampler builds it (``vllm/v1/sample/sampler.py``: temperature, then min-p among
+the argmax-invariant logits processors, then ``apply_top_k_top_p``); SGLang's order gives another
+set when min-p and top-p are both active. Each filter keeps ``z >= threshold``; the top-k and top-p
+thresholds are found by a radix search over the shards (:mod:`.search`). Counts are exact; the top-p
+masses are summed in float64, so a token whose strictly-more-likely mass lies within about 1e-7
+relative of ``top_p`` may fall either way (vLLM's own fp32 cumulative sum is coarser), and only
+there may tp sizes differ. Order, tie rules, method and communication: ``docs/rollout.md``.
 """
 
 from __future__ import annotations
@@ -159,8 +131,8 @@ def vocab_parallel_sampling_logprobs(
 ) -> SamplingLogprobs:
     """``log q(target)`` under the inference sampler's truncated, renormalised distribution q.
 
-    Reference semantics (one process, full vocabulary, vLLM's v1 sampler; see the module
-    docstring for the order and the tie rules)::
+    Reference semantics (one process, full vocabulary, vLLM's v1 sampler; the order, the tie rules
+    and the method, a radix threshold search over the shards: ``docs/rollout.md``)::
 
         z = logits.float()[..., :V] / temperature
         keep = torch.exp(z - z.max(-1, keepdim=True).values) >= min_p          # min-p
@@ -173,33 +145,26 @@ def vocab_parallel_sampling_logprobs(
         keep &= ~drop.new_zeros(drop.shape).scatter(-1, order, drop)
         logprobs = torch.log_softmax(z.masked_fill(~keep, -inf), -1).gather(-1, target[..., None])
 
-    without gathering the vocabulary (radix threshold search; see the module docstring).
-
     Args:
         logits: this rank's vocabulary shard ``[..., W]`` (bf16, fp16 or fp32); differentiable,
             never modified.
         target: int64 global ids shaped like ``logits.shape[:-1]`` (the sampled tokens).
         tp_group, **options: as :func:`~megatron_vocabstats.vocab_parallel_stats`
-            (:class:`~megatron_vocabstats.ops.options.TargetKwargs`: ``vocab_size``,
-            ``vocab_start``, ``chunk_size``, ``validate``, ``temperature``, ``ignore_index``);
-            ``temperature`` > 0 (vLLM's greedy temperature 0 has no distribution to score).
-        top_k: an int >= 1: keep the k most likely tokens (ties at the k-th value kept);
-            None = off. vLLM's ``top_k=-1`` is None here; a k of V or more (any size) keeps
-            everything. Python and numpy numbers are accepted for the filters (not bools).
+            (:class:`~megatron_vocabstats.ops.options.TargetKwargs`); ``temperature`` > 0.
+        top_k: an int >= 1 (ties at the k-th value kept); None = off (vLLM's -1); a k of V or
+            more keeps everything.
         top_p: in (0, 1]; None or 1 = off. A tie on the boundary keeps its highest ids.
         min_p: in [0, 1); None or 0 = off.
 
     Returns:
         :class:`SamplingLogprobs` ``(logprobs, outside)``: fp32 log q(target) (-inf where the
         target is outside the kept set, 0 at ``ignore_index``, NaN at an id outside ``[0, V)``
-        when ``validate`` is off) and the bool mask of scored targets outside the kept set.
-        Equal on every rank. Differentiable w.r.t. the logits with the kept set held constant:
-        ``d/dz_j = (1[j = y] - q_j) / temperature``; zero gradient where the target is outside
-        the kept set or ignored.
+        when ``validate`` is off) and the bool mask of scored targets outside the kept set, equal
+        on every rank. Gradient w.r.t. the logits with the kept set held constant:
+        ``(1[j = y] - q_j) / temperature``; zero where the target is outside the set or ignored.
 
-    Communication: see the module docstring (at most 14 small collectives for tp > 1, plus the
-    check all-gather with ``validate``); none in backward. Memory: the core op's two fp32
-    ``[chunk, W]`` buffers plus chunk-sized int64 keys and float64 masses.
+    Communication (tp > 1): at most 14 small all-gathers in forward (plus the check all-gather
+    with ``validate``), none in backward.
 
     Raises:
         ValueError: naming the argument: ``top_k <= 0``, ``top_p`` outside (0, 1], ``min_p``

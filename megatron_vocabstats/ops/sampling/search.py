@@ -1,17 +1,8 @@
 """The sampler log-probs' radix threshold search and per-chunk math, shared by ``from_logits.py``
-and ``from_hidden.py``.
-
-* keys: :func:`sort_keys` (the order-preserving int64 image of the fp32 values) and
-  :func:`value_of` (its inverse);
-* the search: ``_largest_key`` (radix search over the keys, one all-gather per step),
-  ``_thresholds`` (top-k, then top-p over what min-p and top-k keep), the kept mass and the
-  top-p tie split (:class:`TopPBoundary`);
-* :func:`sampled_pass`: the whole forward over the engine's chunks (:class:`~.engine.kernel.Chunk`);
-* the backward: :func:`grad_coefficient`, :func:`sampled_chunk_grad` and the engine's
-  :class:`~.engine.kernel.ChunkGrad` for it (:class:`SampledGrad`);
-* the validated options :class:`SamplerConfig`.
-
-Method and communication: see ``from_logits.py``'s module docstring.
+and ``from_hidden.py``: order-preserving integer keys of the fp32 values, the radix search over
+them (one all-gather per step) for top-k, then top-p over what min-p and top-k keep, the kept
+mass and the top-p tie split, the forward pass over the engine's chunks and the gradient. Method
+and communication: ``docs/rollout.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Vocab-parallel log-probs, entropy and cross-entropy straight from hidden states.
 
-The LM head and :func:`~megatron_vocabstats.vocab_parallel_stats` in one autograd Function: the
-tokens are processed in chunks, each chunk's logits ``hidden_chunk @ weight.T`` live only in a
-``[chunk, W]`` buffer of the model dtype, and its statistics are taken with the core op's math
-(``_math.load_chunk``, ``chunk_stats``, ``merge_stats``, ``chunk_grad``). Backward recomputes each
-chunk's logits, turns them into the logits gradient and immediately into ``dX = g @ W`` and
-``dW += g.T @ h``. No ``[T, V/tp]`` tensor ever exists, so the peak does not grow with the
-sequence length beyond the ``[T, H]`` activations and a few ``[T]`` vectors.
+The LM head and :func:`~megatron_vocabstats.vocab_parallel_stats` in one autograd Function: each
+chunk's logits ``hidden_chunk @ weight.T`` live only in a ``[chunk, W]`` buffer of the model
+dtype, and backward recomputes each chunk and turns its logits gradient into ``dX = g @ W`` and
+``dW += g.T @ h`` right away. No ``[T, V/tp]`` tensor ever exists, so the peak does not grow with
+the sequence length beyond the ``[T, H]`` activations and a few ``[T]`` vectors.
 
 Method: the chunked "cut cross-entropy" idea (Wijmans et al., 2024, arXiv:2411.09009) and
 Liger-Kernel's fused linear cross-entropy, on top of the exact vocab-parallel statistics of
 ``docs/numerics.md``; Megatron's ``ColumnParallelLinear`` contract for sequence parallelism and
 gradient-accumulation fusion (``weight.main_grad``).
-
-This module holds the autograd Function and the public API; the chunk loop, the buffers, the
-weight-gradient GEMMs, the recompute backward and the forward-gradient mode are the engine's
-(:mod:`.engine`); the input checks live in ``ops/hidden_checks.py``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,6 @@ One autograd Function covers every chunk: the forward upcasts one ``[chunk, W]``
 into two reused fp32 buffers, packs each shard's statistics into a ``[k, T]`` tensor and merges
 them after a single all-gather; the backward recomputes each chunk and writes its gradient into one
 preallocated tensor of the logits' dtype, with no collective.
-
-This module holds the Function and the public API; the chunk loop, the buffers and the gathered
-statistics are the engine's (:mod:`.engine`), the math :mod:`._math`'s.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Top-k distillation ops straight from hidden states: the LM head fused with :mod:`.from_logits`.
 
 Each chunk's logits ``hidden_chunk @ weight.T`` exist only in the fused LM head's ``[chunk, W]``
-buffer (``engine.ChunkBuffers`` / ``engine.linear_chunks``); the per-chunk math and the merge are
-those of :mod:`.from_logits` (:mod:`.math`), and backward recomputes each
-chunk's logits and turns the logits gradient into ``dX`` and ``dW`` right away
-(``engine.recompute_backward``), so no ``[T, V/tp]`` tensor exists and the workspace does not grow
-with the sequence length.
-Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to top-k
-log-probs. Sequence parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
-``ColumnParallelLinear``'s contract through the fused head's own helpers.
+buffer; the per-chunk math and the merge are those of :mod:`.from_logits`, and backward recomputes
+each chunk's logits and turns their gradient into ``dX`` and ``dW`` right away, so no ``[T, V/tp]``
+tensor exists and the workspace does not grow with the sequence length. Method: chunked linear
+cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to top-k log-probs. Sequence
+parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
+``ColumnParallelLinear``'s contract.
 """
 
 from __future__ import annotations
@@ -89,49 +87,41 @@ def linear_vocab_parallel_topk_logprobs(
 
         vocab_parallel_topk_logprobs(h @ W.T, indices, mask=mask, vocab_size=..., ...)
 
-    Each chunk's logits are ``hidden_chunk @ weight.T`` in the model dtype, as in
-    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`, so the results equal the unfused op
-    on the logits assembled from those chunk products bit for bit (see that function for the
-    rounding of a full ``hidden @ weight.T`` versus chunks). Backward recomputes each chunk.
-    Method: the chunked linear cross-entropy of Wijmans et al. 2024 ("Cut Your Losses in
-    Large-Vocabulary Language Models", arXiv:2411.09009) applied to the top-k log-probs of
-    ``docs/numerics.md`` ("Top-k distillation").
+    bit for bit on the logits assembled from the chunk products ``hidden_chunk @ weight.T`` (model
+    dtype), as :func:`~megatron_vocabstats.linear_vocab_parallel_stats`; backward recomputes each
+    chunk. Method: the chunked linear cross-entropy of Wijmans et al. 2024 (arXiv:2411.09009)
+    applied to the top-k log-probs of ``docs/numerics.md`` ("Top-k distillation").
 
     Args:
         hidden: ``[..., H]`` bf16/fp16/fp32 hidden states (Megatron ``[s, b, H]``), replicated
             on the ranks of ``tp_group``; with ``sequence_parallel`` this rank's sequence shard
-            ``[s/tp, ..., H]`` (gathered along dim 0 inside, its gradient reduce-scattered).
-            Never modified.
+            ``[s/tp, ..., H]``. Never modified.
         weight: this rank's ``[W, H]`` shard of the output layer, same dtype and device.
         indices: integer global ids ``[..., k]`` whose leading shape is that of ``hidden``
             (the gathered ``[s, ...]`` under ``sequence_parallel``, as Megatron's labels).
         tp_group, mask, **options: as
             :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (``mask`` shaped like the
             leading shape of ``indices``; :class:`~megatron_vocabstats.ops.options.ScaledKwargs`,
-            with ``chunk_size`` as below).
-        sequence_parallel: ``hidden`` is the local sequence shard (Megatron's
-            ``sequence_parallel``); ignored for tp = 1.
-        chunk_size: tokens per chunk (default ``fused_linear.auto_linear_chunk_size``).
-        accumulate_into_main_grad: Megatron's gradient-accumulation fusion, exactly as
-            :func:`~megatron_vocabstats.linear_vocab_parallel_stats`: the fp32 weight gradient is
-            added into ``weight.main_grad`` (and a dummy or None returned).
+            ``chunk_size`` in tokens, default ``engine.linear.auto_linear_chunk_size``).
+        sequence_parallel: ``hidden`` is the local sequence shard; ignored for tp = 1.
+        accumulate_into_main_grad: Megatron's gradient-accumulation fusion: the fp32 weight
+            gradient is added into ``weight.main_grad`` (and a dummy or None returned).
 
     Returns:
         fp32 ``[..., k]`` log-probs, identical on every rank (0 at masked rows).
 
     Communication: forward, one all-gather of ``[5 + k, T]`` fp32 (plus, with ``validate`` on
     tp > 1, one of a few int64, and under ``sequence_parallel`` the all-gather of ``hidden``);
-    backward, one all-reduce of ``dX``, or under ``sequence_parallel`` one reduce-scatter and
-    the all-gather of ``hidden`` again (as ``ColumnParallelLinear``).
-    Memory beyond inputs and outputs: the fused head's chunk buffers, ``O(tp k T)`` fp32, the
-    gathered ``hidden`` under sequence parallelism, and in backward ``dX`` and the fp32
-    ``[W, H]`` weight-gradient sums (none extra with an fp32 ``main_grad``); nothing ``[T, W]``.
+    backward, one all-reduce of ``dX``, or under ``sequence_parallel`` one reduce-scatter and the
+    all-gather of ``hidden`` again (as ``ColumnParallelLinear``). Memory: the chunk buffers,
+    ``O(tp k T)`` fp32, the gathered ``hidden``; in backward ``dX`` and the fp32 ``[W, H]``
+    weight-gradient sums (none with an fp32 ``main_grad``); nothing ``[T, W]``.
 
     Raises:
         ValueError: everything :func:`~megatron_vocabstats.linear_vocab_parallel_stats` raises
-            for ``hidden``/``weight``/options and everything ``vocab_parallel_topk_logprobs``
-            raises for ``indices``/``mask``; under ``validate`` and tp > 1 on every rank,
-            including ``k``, ``indices`` or ``mask`` that differ across the ranks.
+            for ``hidden``/``weight``/options and ``vocab_parallel_topk_logprobs`` for
+            ``indices``/``mask``; under ``validate`` and tp > 1 on every rank, including ``k``,
+            ``indices`` or ``mask`` that differ across the ranks.
     """
     check_keywords("linear_vocab_parallel_topk_logprobs", options, ScaledKwargs)
     lead = lead_shape(hidden, sequence_parallel, _comm.group_rank_size(tp_group)[1])

@@ -22,10 +22,6 @@ Under ``validate`` on tp > 1 the ranks also agree on ``k``, ``indices`` and ``ma
 before any result is used. Without ``validate`` nothing is compared: a differing ``k`` gives
 gathers of differing sizes (the collective fails or hangs until the backend's timeout),
 differing ids or masks silently wrong sums.
-
-This module holds the autograd Functions and the public API; the candidate/merge math, the passes
-and the gradient kernel are in :mod:`.math`, the input checks in :mod:`.checks`, the
-chunk loop in :mod:`.engine`.
 """
 
 from __future__ import annotations

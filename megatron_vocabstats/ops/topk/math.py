@@ -1,15 +1,8 @@
 """The top-k ops' math and passes over the chunks, shared by ``from_logits.py`` and
-``from_hidden.py``.
-
-* candidates and their merge: :func:`rank_keys` (one int64 key per column: value descending, id
-  ascending), :func:`chunk_candidates`, :func:`merge_candidates`, :func:`logprobs_of`;
-* log-probs at given ids: :func:`locate`, :func:`picked_logits`;
-* the gradient of ``sum_k g_k log p(i_k)``: :func:`chunk_topk_grad`, its per-token terms
-  (:func:`backward_terms`) and the engine's :class:`~.engine.kernel.ChunkGrad` for it
-  (:class:`TopKGrad`);
-* the passes over the engine's chunks (:class:`~.engine.kernel.Chunk`): :func:`topk_pass` and
-  :func:`picked_pass`, one all-gather each;
-* the result and options types :class:`TopK` and :class:`TopKConfig`.
+``from_hidden.py``: each shard's candidates and their merge (ranked by one int64 key per column:
+value descending, id ascending), the log-probs at given ids, the gradient of
+``sum_k g_k log p(i_k)`` (the engine's :class:`~.engine.kernel.ChunkGrad` for it), and the passes
+over the engine's chunks, one all-gather each.
 """
 
 from __future__ import annotations
