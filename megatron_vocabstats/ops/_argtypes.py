@@ -160,10 +160,13 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
-    """``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
+    """``ValueError`` naming ``name`` unless ``value`` is one of ``choices``
+    (:class:`InputTypeError` when its type is not one of theirs, e.g. ``entropy=True``)."""
     try:
         ok = value in choices
     except Exception:  # noqa: BLE001 - e.g. a tensor or an unhashable value: not a choice
         ok = False
     if not ok:
-        raise ValueError(f"{name} must be one of {choices}, got {_shown(value)}")
+        wrong_type = not isinstance(value, tuple({type(c) for c in choices}))
+        raise (InputTypeError if wrong_type else ValueError)(
+            f"{name} must be one of {choices}, got {_shown(value)}")

@@ -132,9 +132,11 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
     validate = check_bool("validate", validate)
     if target is not None:
         if not isinstance(target, torch.Tensor):
-            raise InputTypeError(f"target must be an int64 tensor, got {type(target).__name__}")
+            raise InputTypeError("target must be a tensor of integer token ids, got "
+                                 f"{type(target).__name__}")
         if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-            raise ValueError(f"target must hold integer token ids (int64), got {target.dtype}")
+            raise ValueError("target must hold integer token ids (an integer dtype: int64, "
+                             f"int32, ...), got {target.dtype}")
         if target.shape != logits.shape[:-1]:
             raise ValueError(
                 f"target shape {tuple(target.shape)} must equal the leading shape of logits "
@@ -161,8 +163,8 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         layout = shard_layout(logits.shape[-1], rank, tp, vocab_size, vocab_start)
     except ValueError as exc:
         if tp_group is None and "does not fit" in str(exc):
-            raise ValueError(f"{exc}; tp_group is None (no tensor parallelism: these logits hold "
-                             "the whole vocabulary): pass tp_group for a vocabulary-parallel "
+            raise ValueError(f"{exc}; tp_group is None (no tensor parallelism: {_holder(logits)} "
+                             "hold the whole vocabulary): pass tp_group for a vocabulary-parallel "
                              "shard") from None
         raise
     if tp == 1 and not layout.even:
@@ -184,14 +186,22 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         bad = (target != cfg.ignore_index) & ((target < 0) | (target >= cfg.layout.vocab_size))
         if bool(bad.any()):
             value = int(target[bad].reshape(-1)[0])
-            hint = ("; tp_group is None, so these logits must hold the whole vocabulary: for "
-                    "one rank's vocabulary shard pass its tp_group"
+            hint = (f"; tp_group is None, so {_holder(logits)} must hold the whole vocabulary: "
+                    "for one rank's vocabulary shard pass its tp_group"
                     if tp_group is None and value >= cfg.layout.vocab_size else "")
             raise ValueError(
                 f"target holds id {value}, outside [0, vocab_size={cfg.layout.vocab_size}) and "
                 f"not ignore_index={cfg.ignore_index}{hint}"
             )
     return cfg
+
+
+def _holder(logits) -> str:
+    """What holds the vocabulary in an error message: the logits, or (the fused LM head's
+    :class:`LogitsSpec`) the output layer's weight."""
+    if isinstance(logits, LogitsSpec):
+        return "the output layer's weight rows"
+    return "these logits"
 
 
 def _check_no_missing_group(width: int) -> None:

@@ -64,3 +64,34 @@ def test_transposed_fused_weight_gets_a_hint():
                        ) as info:
         mv.linear_vocab_parallel_stats(hidden, torch.randn(8, 5), None)
     assert "transposed" not in str(info.value)
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("entropy", True, TypeError), ("entropy", "full", ValueError),
+    ("kernel", None, TypeError), ("kernel", "cuda", ValueError),
+])
+def test_a_choice_of_the_wrong_type_is_a_type_error(option, value, error):
+    """``entropy=True`` raised a plain ValueError while other wrong types raise InputTypeError
+    (a TypeError, and a ValueError too); a wrong value of the right type stays a ValueError."""
+    with pytest.raises(ValueError, match=f"^{option} must be one of") as info:
+        mv.vocab_parallel_stats(torch.randn(3, 8), torch.tensor([1, 2, 3]), **{option: value})
+    assert isinstance(info.value, TypeError) == (error is TypeError)
+
+
+def test_an_out_of_range_id_names_what_holds_the_vocabulary():
+    """The fused head's message spoke of "these logits", which its caller never held."""
+    hidden, weight, target = torch.randn(3, 8), torch.randn(20, 8), torch.tensor([1, 2, 25])
+    with pytest.raises(ValueError, match="so the output layer's weight rows must hold the whole"):
+        mv.linear_vocab_parallel_stats(hidden, weight, target)
+    with pytest.raises(ValueError, match="so these logits must hold the whole vocabulary"):
+        mv.vocab_parallel_stats(hidden @ weight.T, target)
+
+
+def test_target_of_any_integer_dtype():
+    """The message said int64 while int32 ids are accepted (with the same result)."""
+    logits, target = torch.randn(3, 8), torch.tensor([1, 2, 7])
+    want = mv.vocab_parallel_stats(logits, target)
+    got = mv.vocab_parallel_stats(logits, target.int())
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    with pytest.raises(ValueError, match=r"integer token ids \(an integer dtype: int64, int32"):
+        mv.vocab_parallel_stats(logits, target.float())
