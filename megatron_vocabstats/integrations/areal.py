@@ -59,6 +59,9 @@ FRAMEWORK = Framework(name="AReaL", distribution="areal",
                       install_hint="pip install 'areal==1.0.4'", tested=TESTED,
                       definitions=DEFINITIONS, consumers=CONSUMERS, optional=ENGINES,
                       error=UnsupportedArealError, options=areal_ops.OPTIONS)
+# remove(): restore every original binding (the options back to their defaults); returns
+# the names restored.
+remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def apply(**options) -> PluginSettings:
@@ -75,16 +78,6 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     return FRAMEWORK.apply(options)
-
-
-def remove() -> list[str]:
-    """Restore every original AReaL binding; returns the names restored (the options go back
-    to their defaults)."""
-    return FRAMEWORK.remove()
-
-
-is_applied = FRAMEWORK.is_applied
-patched_names = FRAMEWORK.patched_names
 
 
 apply()

@@ -93,6 +93,7 @@ FRAMEWORK = Framework(
     install_hint="a checkout of NVIDIA-NeMo/RL on the path, Python 3.13", tested=TESTED,
     definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedNemoRLError,
     options=nemo_rl_ops.OPTIONS)
+is_applied, patched_names = FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def apply(**options) -> PluginSettings:
@@ -116,10 +117,6 @@ def remove() -> list[str]:
     """Restore every original NeMo-RL binding; returns the names restored."""
     nemo_rl_ops.set_fallbacks({})
     return FRAMEWORK.remove()
-
-
-is_applied = FRAMEWORK.is_applied
-patched_names = FRAMEWORK.patched_names
 
 
 apply()

@@ -47,6 +47,9 @@ FRAMEWORK = Framework(name="SkyRL", distribution="skyrl",
                       install_hint="pip install 'skyrl[megatron]==0.3.*'", tested=TESTED,
                       definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSkyRLError,
                       options=skyrl_ops.OPTIONS)
+# remove(): restore every original binding (the options back to their defaults); returns
+# the names restored.
+remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def skyrl_version() -> str | None:
@@ -83,15 +86,6 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     return FRAMEWORK.apply(options, before=lambda: skyrl_ops.set_helpers(_helpers()))
-
-
-def remove() -> list[str]:
-    """Restore every original SkyRL binding; returns the names restored."""
-    return FRAMEWORK.remove()
-
-
-is_applied = FRAMEWORK.is_applied
-patched_names = FRAMEWORK.patched_names
 
 
 apply()

@@ -72,6 +72,9 @@ FRAMEWORK = Framework(
     install_hint="a checkout of THUDM/slime installed with pip install -e .", tested=TESTED,
     definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSlimeError,
     options=slime_ops.OPTIONS)
+# remove(): restore every original binding (the options back to their defaults); returns
+# the names restored.
+remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def apply(args=None, /, **options) -> PluginSettings:
@@ -92,15 +95,6 @@ def apply(args=None, /, **options) -> PluginSettings:
     """
     del args
     return FRAMEWORK.apply(options)
-
-
-def remove() -> list[str]:
-    """Restore slime's original bindings; returns the names restored."""
-    return FRAMEWORK.remove()
-
-
-is_applied = FRAMEWORK.is_applied
-patched_names = FRAMEWORK.patched_names
 
 
 apply()

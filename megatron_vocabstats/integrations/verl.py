@@ -68,6 +68,9 @@ class UnsupportedVerlError(UnsupportedFrameworkError):
 FRAMEWORK = Framework(name="verl", distribution="verl", install_hint="pip install 'verl==0.9.*'",
                       tested=TESTED, definitions=DEFINITIONS, consumers=CONSUMERS,
                       error=UnsupportedVerlError, options=verl_ops.OPTIONS)
+# remove(): restore every original binding (the options back to their defaults); returns
+# the names restored.
+remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def verl_version() -> str | None:
@@ -91,16 +94,6 @@ def apply(**options) -> PluginSettings:
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     return FRAMEWORK.apply(options)
-
-
-def remove() -> list[str]:
-    """Restore every original verl binding; returns the names restored (the options go back
-    to their defaults)."""
-    return FRAMEWORK.remove()
-
-
-is_applied = FRAMEWORK.is_applied
-patched_names = FRAMEWORK.patched_names
 
 
 apply()
