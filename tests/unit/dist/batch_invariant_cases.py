@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, main, needs_tp2  # noqa: E402
 
 from _reference import reference_stats  # noqa: E402
 from megatron_vocabstats import linear_vocab_parallel_stats, vocab_parallel_stats  # noqa: E402
@@ -139,9 +139,7 @@ def no_host_sync_and_one_collective_under_tp(group):
 
 @CASES.register
 def tp_mode_needs_whole_blocks_and_agreement(group):
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     logits, target = torch.randn(3, 100), torch.zeros(3, dtype=torch.long)
     try:
         vocab_parallel_stats(logits, target, tp_group=group, batch_invariant="tp")

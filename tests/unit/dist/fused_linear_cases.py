@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, main, needs_tp2  # noqa: E402
 
 from _reference import reference_stats  # noqa: E402
 from megatron_vocabstats import profiling  # noqa: E402
@@ -385,9 +385,7 @@ def expect_value_error(fn, expected):
 def _last_rank_input_is_bad(group, spoil, own_message, **options):
     """The last rank's (hidden, weight shard) go through ``spoil``; every rank must raise: that
     rank with ``own_message``, the others saying it rejected its inputs (no hang)."""
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     hidden, weight, target = make_problem(tp, tokens=(3 * tp, 2))
     h = shard_rows(hidden, rank, tp) if options.get("sequence_parallel") else hidden
     w = shard_rows(weight, rank, tp)
@@ -421,9 +419,7 @@ def options_differing_across_ranks_raise_everywhere(group):
     ``partial_hidden_grad`` set on rank 0 only: every rank raises naming the field, with each
     rank's value (was: a failed or mismatched collective on one rank and wrong gradients on the
     others)."""
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     hidden, weight, target = make_problem(tp, tokens=(3 * tp, 2))
     first = rank == 0
     param = megatron_like_weight(shard_rows(weight, rank, tp), zero_out_wgrad=True)
@@ -490,9 +486,7 @@ def return_argmax_is_torch_argmax_of_the_full_logits(group):
 
 @CASES.register
 def reduce_scatter_fallback_matches(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     full = torch.randn(3 * tp, 2, 5, generator=torch.Generator().manual_seed(rank))
     expected = full.clone()
     dist.all_reduce(expected, group=group)

@@ -10,7 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, main, needs_tp2  # noqa: E402
 
 from _reference import reference_sampling  # noqa: E402
 from megatron_vocabstats import (  # noqa: E402
@@ -114,9 +114,7 @@ def a_tie_across_shards_splits_as_vllm(group):
 
 @CASES.register
 def bounded_collectives_and_none_in_backward(group):
-    _, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    _, tp = needs_tp2(group)
     full, shard, target, _, _ = _problem(group)
     with count_collectives() as fwd:
         out = vocab_parallel_sampling_logprobs(shard, target, tp_group=group, vocab_size=VOCAB,
@@ -130,9 +128,7 @@ def bounded_collectives_and_none_in_backward(group):
 
 @CASES.register
 def filters_differing_across_ranks_raise_everywhere(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     _, shard, target, _, _ = _problem(group)
     for kw, message in ((dict(top_k=4 + rank), "top_k differs"),
                         (dict(top_p=0.5 + 0.25 * (rank % 2)), "top_p differs"),

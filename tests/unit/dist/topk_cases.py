@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, main, needs_tp2  # noqa: E402
 
 from megatron_vocabstats import (  # noqa: E402
     TopK,
@@ -270,9 +270,7 @@ def k_larger_than_vocab_raises_everywhere(group):
 
 @CASES.register
 def out_of_range_index_on_one_rank_raises_everywhere(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     shard = shard_of(full_logits(group), group)
     indices = torch.zeros(3, 5, 2, dtype=torch.long)
     if rank == tp - 1:
@@ -305,9 +303,7 @@ def mismatched_k_mask_indices_raise_everywhere(group):
     # With validate, a k, mask or ids that differ on one rank raise on every rank, naming the
     # argument (a differing k would otherwise fail inside the gather; ids or masks would give
     # silently wrong sums).
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     last = rank == tp - 1
     shard = shard_of(full_logits(group), group)
     # (each rank its own weight shard: the same one everywhere is a wrong group)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main
+from _harness import Cases, main, needs_tp2
 from _reference import (
     assert_within,
     reference_stats,
@@ -47,9 +47,7 @@ def _shards(group, *, width, vocab, dtype, tokens=6):
 
 
 def _parity(group, dtype, *, width, vocab, tau, eps):
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    if tp == 1:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     full, shard, target = _shards(group, width=width, vocab=vocab, dtype=dtype)
     valid = target != -100
     w_lp = torch.linspace(-1, 2, target.numel())
@@ -99,9 +97,7 @@ def tp_parity_bf16_multi_block_temperature(group):
 @CASES.register
 def tp_kernels_must_agree(group):
     """A rank on the torch path and one on the Triton path: the agreement check names it."""
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    if tp == 1:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     _, shard, target = _shards(group, width=40, vocab=80, dtype=torch.float32)
     expect_value_error(lambda: vocab_parallel_stats(shard, target, tp_group=group,
                                                     kernel="triton" if rank == 0 else "torch"),
@@ -123,8 +119,7 @@ def tp_fused_sequence_parallel_forward_grad(group):
 def tp_invariant_mode_gives_the_bits_of_tp1(group):
     """``batch_invariant="tp"`` on the kernels: the shards' per-block statistics merged over tp
     give the bits of one process on the full logits."""
-    if dist.get_world_size(group) == 1:
-        raise Skip("needs tp >= 2")
+    needs_tp2(group)
     full, shard, target = _shards(group, width=256, vocab=500, dtype=torch.bfloat16)
     opts = dict(vocab_size=500, label_smoothing=0.1, batch_invariant="tp", kernel="triton")
     sharded = vocab_parallel_stats(shard, target, tp_group=group, **opts)

@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, Skip, main, needs_tp2  # noqa: E402
 
 from _reference import reference_stats, reference_topk  # noqa: E402
 from megatron_vocabstats import (  # noqa: E402
@@ -134,9 +134,7 @@ def _expect(fn, fragment):
 
 @CASES.register
 def bad_ranges_raise_on_every_rank(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     _, shard, target, start, _ = _problem(group)
     last = rank == tp - 1
     call = vocab_parallel_stats

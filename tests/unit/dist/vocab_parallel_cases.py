@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, Skip, main  # noqa: E402
+from _harness import Cases, Skip, main, needs_tp2  # noqa: E402
 
 from _reference import reference_stats  # noqa: E402
 from megatron_vocabstats import (  # noqa: E402
@@ -153,9 +153,7 @@ def tp2_v8_gradient_is_softmax_minus_onehot(group):
 
 @CASES.register
 def odd_shard_width_targets_on_other_rank(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     width, tokens = 97, 13  # a prime width: no internal tile divides it
     full = torch.randn(tokens, width * tp) * 4
     target = (tp - 1) * width + torch.randint(0, width, (tokens,))  # all on the last rank
@@ -233,9 +231,7 @@ def peak_memory_within_bound(group):
 
 @CASES.register
 def mismatched_shard_widths_raise_everywhere(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     width = 16 if rank == 0 else 17  # vocab_size=16*tp-1 fits either width: only the width differs
     logits = torch.randn(5, width)
     target = torch.zeros(5, dtype=torch.long)
@@ -249,9 +245,7 @@ def mismatched_shard_widths_raise_everywhere(group):
 
 @CASES.register
 def mismatched_options_raise_everywhere(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     logits, target = torch.randn(5, 16), torch.zeros(5, dtype=torch.long)
     for option, mine in (("temperature", 1.0 + rank), ("label_smoothing", 0.1 * rank)):
         try:
@@ -264,9 +258,7 @@ def mismatched_options_raise_everywhere(group):
 
 @CASES.register
 def mismatched_targets_raise_everywhere(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     logits = torch.randn(5, 16)
     target = torch.full((5,), rank, dtype=torch.long)
     try:
@@ -279,9 +271,7 @@ def mismatched_targets_raise_everywhere(group):
 
 @CASES.register
 def out_of_range_target_on_one_rank_raises_everywhere(group):
-    rank, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    rank, tp = needs_tp2(group)
     logits = torch.randn(5, 16)
     target = torch.zeros(5, dtype=torch.long)
     if rank == tp - 1:
@@ -296,9 +286,7 @@ def out_of_range_target_on_one_rank_raises_everywhere(group):
 
 @CASES.register
 def replicated_full_vocab_is_rejected(group):
-    _, tp = rank_size(group)
-    if tp < 2:
-        raise Skip("needs tp >= 2")
+    _, tp = needs_tp2(group)
     try:
         vocab_parallel_stats(torch.randn(4, 50), torch.zeros(4, dtype=torch.long),
                              tp_group=group, vocab_size=50)
