@@ -1,3 +1,4 @@
-"""The core statistics (log-probs, entropy, cross-entropy, argmax and their gradients) over a
+"""The core statistics (log-probs, entropy, logsumexp, cross-entropy and their gradients) over a
 vocabulary-parallel shard: ``from_logits`` takes the logits, ``from_hidden`` the hidden states
-and the output layer's weight (the fused LM head, no full logits)."""
+and the output layer's weight (the fused LM head, no full logits; it also gives the argmax).
+This ``__init__`` exports nothing: import from the module, or from ``megatron_vocabstats``."""
