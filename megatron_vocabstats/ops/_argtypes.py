@@ -46,6 +46,9 @@ def describe_range(*, integer: bool = False, low=None, high=None, low_open: bool
     if low is not None and high is not None:
         return (f"{kind} in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}"
                 f"{')' if high_open else ']'}")
+    if low is not None and not low_open and isinstance(low, float) and 0 < low < 1e-30:
+        # a floor just above 0 (temperature's, 1 / the largest fp32) reads as what it means
+        return f"{kind} > 0 (at least {_bound(low)})"
     if low is not None:
         return f"{kind} {'>' if low_open else '>='} {_bound(low)}"
     if high is not None:

@@ -95,3 +95,12 @@ def test_target_of_any_integer_dtype():
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     with pytest.raises(ValueError, match=r"integer token ids \(an integer dtype: int64, int32"):
         mv.vocab_parallel_stats(logits, target.float())
+
+
+@pytest.mark.parametrize("value", [0, -1.0, 1e-40])
+def test_temperature_floor_reads_as_positive(value):
+    """``temperature=0`` said "must be a finite number >= 2.93874e-39", a floor that reads as
+    noise; the rule is "> 0", with that floor (1 / the largest fp32) in parentheses."""
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number > 0 \(at least "
+                                         r"2\.93874e-39\), got "):
+        mv.vocab_parallel_stats(torch.randn(3, 8), torch.tensor([1, 2, 3]), temperature=value)
