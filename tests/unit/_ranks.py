@@ -7,13 +7,17 @@ server process per pytest worker imports them once; each launch forks it, and th
 torchrun's agent: it forks the ranks, hosts the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``,
 as torchrun's agent does) and gives each rank torchrun's environment (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...). A rank runs the script as ``__main__``
-with its arguments, in a fresh fork, so no state passes from one launch to the next. The scripts
-are unchanged torchrun scripts, and ``test_dist_launcher.py`` runs one under ``torchrun`` itself.
+with its arguments, in a fresh fork, so no state passes from one launch to the next; as a fresh
+process it gets the caller's environment of the moment, random seeds of its own, an empty
+stdin, and at its end its exit handlers run. The scripts are unchanged torchrun scripts, and
+``test_dist_launcher.py`` runs one under ``torchrun`` itself.
 
 The forks happen before anything in their parent starts a thread (the agent creates its store
 only after forking the ranks), so no lock is inherited held. When a rank exits with an error the
-agent ends the others, as torchrun does; a launch that outlives ``timeout`` ends the server, its
-agent and ranks (one session), and the next launch starts a new server.
+agent ends the others, as torchrun does, and what the ranks left running is ended with the
+launch. A launch that outlives ``timeout`` ends the server, its agent and ranks (one session),
+and the next launch starts a new server; a server whose pytest worker dies mid-launch ends
+itself and the launch.
 """
 
 from __future__ import annotations
@@ -74,11 +78,21 @@ class _Server:
         return json.loads(line)
 
     def close(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_session(self.proc.pid)  # the server, its agent, the ranks and their children
         self.proc.wait()
+
+
+def _kill_session(sid: int, but: int | None = None) -> None:
+    """SIGKILL every process of session ``sid`` (the server's) but ``but``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == but:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
+                    os.kill(int(entry), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            pass
 
 
 _SERVERS: dict[tuple, _Server] = {}
@@ -89,18 +103,20 @@ def launch(argv: list[str], nproc: int, *, cwd: str | None = None, env: dict | N
     """Run ``argv`` (``[script, *args]``, or ``["-m", module, *args]``) on ``nproc`` ranks as
     ``torchrun --standalone --nproc-per-node=nproc`` would; ``(exit code, output of every rank)``.
 
-    ``env``: variables set on top of this process's environment (and ``OMP_NUM_THREADS=1``,
-    ``PYTHONWARNINGS=ignore``) before anything is imported, such as ``TRITON_INTERPRET``: each
-    distinct ``env`` has its own server. Raises :class:`LaunchError` when the launch outlives
-    ``timeout`` seconds (its ranks are ended); the default is under pytest-timeout's 600 s, so
-    that the launch's own error, with the ranks' output, is the one reported."""
+    The ranks get this process's environment at the call, with ``OMP_NUM_THREADS=1``,
+    ``PYTHONWARNINGS=ignore`` and ``env``. ``env`` is for the variables read at import time
+    (``TRITON_INTERPRET``): each distinct ``env`` has its own server, which imports with it.
+    Raises :class:`LaunchError` when the launch outlives ``timeout`` seconds (its ranks are
+    ended); the default is under pytest-timeout's 600 s, so that the launch's own error, with
+    the ranks' output, is the one reported."""
     key = tuple(sorted((env or {}).items()))
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **dict(key)}
     server = _SERVERS.get(key)
     if server is None or not server.alive():
-        server = _SERVERS[key] = _Server(
-            {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **dict(key)})
+        server = _SERVERS[key] = _Server(environ)
     with tempfile.TemporaryDirectory() as logs:
-        req = {"argv": argv, "nproc": nproc, "cwd": cwd or os.getcwd(), "logs": logs,
+        req = {"argv": argv, "nproc": nproc, "cwd": os.path.abspath(cwd or os.getcwd()),
+               "logs": logs, "environ": environ,
                "run_id": str(uuid.uuid4())}
         try:
             reply = server.request(req, timeout)
@@ -128,7 +144,18 @@ def _rank(req: dict, rank: int, port_fd: int) -> None:
     if not port:  # the agent died before its store was up
         os._exit(1)
     os.close(port_fd)
+    os.close(_PROTOCOL_FD)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     nproc = req["nproc"]
+    os.environ.clear()
+    os.environ.update(req["environ"])
+    import torch
+
+    torch.seed()  # a fresh process's generators are seeded at random, each its own
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
@@ -142,6 +169,7 @@ def _rank(req: dict, rank: int, port_fd: int) -> None:
                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.close(log)
     os.chdir(req["cwd"])
     import runpy
 
@@ -163,6 +191,11 @@ def _rank(req: dict, rank: int, port_fd: int) -> None:
     except BaseException:  # noqa: BLE001 - reported in the rank's log, as torchrun's child does
         traceback.print_exc()
         code = 1
+    import atexit
+    import threading
+
+    threading._shutdown()  # what the interpreter's exit does: join non-daemon threads
+    atexit._run_exitfuncs()  # and run the exit handlers (a file left open is not flushed)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -194,6 +227,10 @@ def _agent(req: dict) -> int:
         pid, status = os.wait()
         running.discard(pid)
         code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            with open(os.path.join(req["logs"], "agent.log"), "a") as f:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+                f.write(f"rank {pids.index(pid)} (pid {pid}) exited with {how}\n")
         if code != 0 and rc == 0:
             rc = code if code > 0 else 1
             for other in running:  # as torchrun: one failed rank ends the launch
@@ -210,17 +247,23 @@ def _agent(req: dict) -> int:
     return rc
 
 
+_PROTOCOL_FD = -1
+
+
 def _serve() -> None:
+    global _PROTOCOL_FD
     import importlib
 
+    _PROTOCOL_FD = os.dup(1)
+    protocol = os.fdopen(_PROTOCOL_FD, "w")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # nothing but replies on the protocol's stream, whatever an import prints
+    os.close(null)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:  # a leg without it: its scripts import what they can
             pass
-    protocol = os.fdopen(os.dup(1), "w")
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)  # nothing but replies on the protocol's stream
     for line in sys.stdin:
         req = json.loads(line)
         if os.path.isdir("/proc/self/task") and len(os.listdir("/proc/self/task")) > 1:
@@ -232,6 +275,7 @@ def _serve() -> None:
             reply = {"rc": _fork_agent(req)}
         protocol.write(json.dumps(reply) + "\n")
         protocol.flush()
+    os._exit(0)  # the client is gone; skip the seconds of torch's finalization
 
 
 def _fork_agent(req: dict) -> int:
@@ -244,7 +288,17 @@ def _fork_agent(req: dict) -> int:
                 traceback.print_exc(file=f)
             code = 1
         os._exit(code)
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([0, pidfd], [], [])
+    if pidfd not in ready:
+        # stdin readable mid-launch: the client closed it (it sends nothing while it waits):
+        # it died (SIGTERM, SIGKILL, pytest-timeout's thread method). End the launch and the
+        # server, which nothing would end otherwise (a session of its own).
+        _kill_session(os.getpid(), but=os.getpid())
+        os._exit(1)
+    os.close(pidfd)
     _, status = os.waitpid(pid, 0)
+    _kill_session(os.getpid(), but=os.getpid())  # what the ranks left running, as torchrun
     return os.waitstatus_to_exitcode(status)
 
 

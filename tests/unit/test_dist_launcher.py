@@ -6,8 +6,10 @@ hold it to torchrun's contract with ``dist/launcher_probe.py``: each rank sees t
 ``torchrun --standalone`` gives it (the same names; the same values but for the port, the run id
 and the error file's path), runs as ``__main__`` with its arguments and its folder first on
 ``sys.path``, and reaches the others over gloo through the agent's store; nothing a launch leaves
-in its processes is seen by the next; a rank that fails ends the launch with its traceback; a
-launch that outlives its timeout is ended with its ranks, and the next one starts a new server.
+in its processes is seen by the next, while each launch reads the caller's environment of the
+moment, seeds its ranks at random, gives them an empty stdin, runs their exit handlers and ends
+what they left running; a rank that fails ends the launch with its traceback; a launch that
+outlives its timeout is ended with its ranks, and the next one starts a new server.
 """
 
 from __future__ import annotations
@@ -71,12 +73,21 @@ def test_ranks_get_what_torchrun_gives_them(tmp_path):
         assert a["sum"] == b["sum"] == 1.0  # 0 + 1 over gloo
 
 
-def test_a_launch_sees_nothing_an_earlier_one_left(tmp_path):
+def test_a_launch_sees_nothing_an_earlier_one_left(tmp_path, monkeypatch):
+    seeds = []
     for i in range(2):
         (tmp_path / str(i)).mkdir()
-        rc, log = launch([PROBE, "--out", str(tmp_path / str(i))], 2)
+        monkeypatch.setenv("LAUNCHER_PROBE_VAR", str(i))  # after the server started
+        rc, log = launch([PROBE, "--out", str(tmp_path / str(i)), "--leave-child"], 2)
         assert rc == 0, log
-        assert not any(r["mark_seen"] for r in _reports(tmp_path / str(i)))
+        reports = _reports(tmp_path / str(i))
+        assert not any(r["mark_seen"] for r in reports)
+        assert [r["var"] for r in reports] == [str(i)] * 2
+        assert [r["stdin"] for r in reports] == ["", ""]
+        assert all((tmp_path / str(i) / f"atexit{r}").exists() for r in range(2))
+        assert not [r["sleep_pid"] for r in reports if _running(r["sleep_pid"])]
+        seeds += [r["seed"] for r in reports]
+    assert len(set(seeds)) == 4, seeds  # as fresh processes: each rank its own random seed
 
 
 def test_a_failing_rank_ends_the_launch_with_its_traceback(tmp_path):

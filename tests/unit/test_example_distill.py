@@ -33,7 +33,7 @@ TINY = ["--tp", "2", "--num-layers", "1", "--hidden-size", "64", "--num-attentio
 
 def _distill(out: str, *flags: str) -> dict:
     rc, log = launch(["-m", "examples.gsm8k", "distill", *TINY, "--out", out, *flags], 2,
-                     cwd=ROOT, timeout=600)
+                     cwd=ROOT, timeout=180)  # three launches in pytest-timeout's 600 s
     assert rc == 0, log[-9000:]
     with open(os.path.join(out, "distill.json")) as f:
         return json.load(f)

@@ -1,16 +1,21 @@
 """A torchrun script that reports what its rank was given; run by tests/unit/test_dist_launcher.py.
 
 ``--out DIR``: each rank writes ``DIR/rank<r>.json`` with its torchrun variables, ``__name__``,
-``sys.argv``, ``sys.path[0]``, whether a mark left by an earlier launch is visible, and the sum of
-the ranks over a gloo all-reduce. ``--fail-rank R``: rank R raises after the process group is
-up, while the others wait in a barrier. ``--hang``: every rank writes its pid, then sleeps.
+``sys.argv``, ``sys.path[0]``, whether a mark left by an earlier launch is visible, the sum of
+the ranks over a gloo all-reduce, its torch seed, ``LAUNCHER_PROBE_VAR`` and what stdin reads;
+at exit it writes ``DIR/atexit<r>``. ``--leave-child``: it also starts a ``sleep`` that it
+leaves running and reports its pid. ``--fail-rank
+R``: rank R raises after the process group is up, while the others wait in a barrier.
+``--hang``: every rank writes its pid, then sleeps.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -30,6 +35,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--leave-child", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     if args.hang:
@@ -51,6 +57,13 @@ if __name__ == "__main__":
         "sum": total.item(),
     }
     torch._launcher_probe_mark = True  # a later launch must not see it
+    report["seed"] = str(torch.initial_seed())
+    report["var"] = os.environ.get("LAUNCHER_PROBE_VAR")
+    report["stdin"] = sys.stdin.read()
+    if args.leave_child:
+        report["sleep_pid"] = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL).pid
+    atexit.register(lambda: open(os.path.join(args.out, f"atexit{rank}"), "w").close())
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
