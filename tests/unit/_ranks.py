@@ -83,16 +83,33 @@ class _Server:
 
 
 def _kill_session(sid: int, but: int | None = None) -> None:
-    """SIGKILL every process of session ``sid`` (the server's) but ``but``."""
+    """SIGKILL every process of session ``sid`` (the server's) but ``but``, and wait (up to a
+    minute) until each has ended: a signalled process takes a moment to."""
+    killed = []
+    for pid, stat in _processes():
+        if pid != but and int(stat[3]) == sid and stat[0] != "Z":
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+    deadline = time.monotonic() + 60
+    while killed and time.monotonic() < deadline:
+        live = {pid for pid, stat in _processes() if stat[0] != "Z"}
+        killed = [pid for pid in killed if pid in live]
+        if killed:
+            time.sleep(0.01)
+
+
+def _processes():
+    """``(pid, stat fields after the command name)`` of every process (Linux ``/proc``)."""
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == but:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
-                    os.kill(int(entry), signal.SIGKILL)
-        except (OSError, IndexError, ValueError):
-            pass
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    yield int(entry), f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                pass
 
 
 _SERVERS: dict[tuple, _Server] = {}

@@ -85,7 +85,7 @@ def test_a_launch_sees_nothing_an_earlier_one_left(tmp_path, monkeypatch):
         assert [r["var"] for r in reports] == [str(i)] * 2
         assert [r["stdin"] for r in reports] == ["", ""]
         assert all((tmp_path / str(i) / f"atexit{r}").exists() for r in range(2))
-        assert not [r["sleep_pid"] for r in reports if _running(r["sleep_pid"])]
+        assert not [r["sleep_pid"] for r in reports if _running(r["sleep_pid"])]  # ended
         seeds += [r["seed"] for r in reports]
     assert len(set(seeds)) == 4, seeds  # as fresh processes: each rank its own random seed
 
