@@ -59,8 +59,6 @@ FRAMEWORK = Framework(name="AReaL", distribution="areal",
                       install_hint="pip install 'areal==1.0.4'", tested=TESTED,
                       definitions=DEFINITIONS, consumers=CONSUMERS, optional=ENGINES,
                       error=UnsupportedArealError, options=areal_ops.OPTIONS)
-# remove(): restore every original binding (the options back to their defaults); returns
-# the names restored.
 remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 

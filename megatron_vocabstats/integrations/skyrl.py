@@ -47,8 +47,6 @@ FRAMEWORK = Framework(name="SkyRL", distribution="skyrl",
                       install_hint="pip install 'skyrl[megatron]==0.3.*'", tested=TESTED,
                       definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSkyRLError,
                       options=skyrl_ops.OPTIONS)
-# remove(): restore every original binding (the options back to their defaults); returns
-# the names restored.
 remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 

@@ -72,8 +72,6 @@ FRAMEWORK = Framework(
     install_hint="a checkout of THUDM/slime installed with pip install -e .", tested=TESTED,
     definitions=DEFINITIONS, consumers=CONSUMERS, error=UnsupportedSlimeError,
     options=slime_ops.OPTIONS)
-# remove(): restore every original binding (the options back to their defaults); returns
-# the names restored.
 remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 

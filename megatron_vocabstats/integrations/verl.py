@@ -68,8 +68,6 @@ class UnsupportedVerlError(UnsupportedFrameworkError):
 FRAMEWORK = Framework(name="verl", distribution="verl", install_hint="pip install 'verl==0.9.*'",
                       tested=TESTED, definitions=DEFINITIONS, consumers=CONSUMERS,
                       error=UnsupportedVerlError, options=verl_ops.OPTIONS)
-# remove(): restore every original binding (the options back to their defaults); returns
-# the names restored.
 remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 

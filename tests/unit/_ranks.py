@@ -37,8 +37,9 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # What every rank of the launched scripts imports and a fresh process takes seconds to import.
-# Nothing here may apply a patch or decorate a Triton kernel: a script sets TRITON_INTERPRET
-# before the package's kernels are decorated.
+# Nothing here may apply a patch or decorate one of the package's Triton kernels. (Megatron
+# imports triton: a launch that needs TRITON_INTERPRET passes it as ``env``, which its server
+# imports with.)
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -95,10 +96,18 @@ def _kill_session(sid: int, but: int | None = None) -> None:
                 pass
     deadline = time.monotonic() + 60
     while killed and time.monotonic() < deadline:
-        live = {pid for pid, stat in _processes() if stat[0] != "Z"}
-        killed = [pid for pid in killed if pid in live]
+        killed = [pid for pid in killed if running(pid)]
         if killed:
             time.sleep(0.01)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _processes():
