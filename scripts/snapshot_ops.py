@@ -511,7 +511,7 @@ def same(a, b):
 def compare(dir_a, dir_b, quiet=False) -> int:
     files = sorted(f for f in set(os.listdir(dir_a)) | set(os.listdir(dir_b))
                    if f.startswith("rank") and f.endswith(".pt"))
-    n_cases = n_entries = n_diff = 0
+    n_cases = n_entries = n_diff = n_added = 0
     for f in files:
         paths = [os.path.join(d, f) for d in (dir_a, dir_b)]
         if not all(map(os.path.exists, paths)):
@@ -525,13 +525,18 @@ def compare(dir_a, dir_b, quiet=False) -> int:
                 print(f"MISSING {f}:{case} (only in {dir_a if case in a else dir_b})")
                 n_diff += 1
                 continue
-            keys = list(dict.fromkeys([*a[case], *b[case]]))
+            # A result field that B added and leaves None (an optional output not asked for)
+            # is not a difference in value.
+            added = [k for k in b[case] if k not in a[case] and b[case][k] == "None"]
+            n_added += len(added)
+            keys = [k for k in dict.fromkeys([*a[case], *b[case]]) if k not in added]
             bad = [k for k in keys if k not in a[case] or k not in b[case] or not same(a[case][k], b[case][k])]
             n_entries, n_diff = n_entries + len(keys), n_diff + len(bad)
             if bad or not quiet:
                 print(f"{'DIFF' if bad else 'ok  '} {f}:{case} ({len(keys)} entries)"
                       + (f": {', '.join(bad)}" if bad else ""))
-    print(f"snapshot: {n_cases} cases, {n_entries} tensors, {n_diff} differ")
+    print(f"snapshot: {n_cases} cases, {n_entries} tensors, {n_diff} differ"
+          + (f" ({n_added} added result fields, None in {dir_b})" if n_added else ""))
     return 1 if n_diff or not files else 0
 
 

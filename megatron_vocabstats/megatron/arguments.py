@@ -19,8 +19,8 @@ import functools
 import logging
 import warnings
 
-from ..ops.kernels import KERNEL_CHOICES, resolve_kernel
-from ..ops.options import BATCH_INVARIANT_NAMES, ENTROPY_MODES
+from ..ops.kernels import resolve_kernel
+from ..ops.options import BATCH_INVARIANT_NAMES, ENTROPY_MODES, KERNEL_CHOICES
 from ..rollout import ROLLOUT_LEVELS, RolloutCorrection
 from . import compat, settings
 from .flag_types import FLAG_TYPES, OPTIONAL_FLAGS, ROLLOUT_FLAGS

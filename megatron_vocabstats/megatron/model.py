@@ -107,15 +107,14 @@ def fused_stats(logits: DeferredLogits, labels: torch.Tensor, cfg: settings.Plug
     """The fused op's statistics ``[s, b]`` of the deferred ``logits`` for ``labels [b, s]``,
     with the settings' options, the logit scale as temperature and the layer's tp group,
     sequence parallelism and ``main_grad`` fusion (:meth:`.head.DeferredLogits.op_kwargs`).
-    ``argmax``: ``(VocabStats, argmax [s, b])`` (``return_argmax``); ``kernel`` overrides the
-    settings' backend."""
+    ``argmax``: also ``VocabStats.argmax [s, b]``; ``kernel`` overrides the settings' backend."""
     from ..ops.stats.from_hidden import linear_vocab_parallel_stats
 
     layer = logits.op_kwargs()
     options = replace(cfg.stats_options(fused=True), temperature=layer.pop("temperature"),
                       **({} if kernel is None else {"kernel": kernel}))
     return linear_vocab_parallel_stats(logits.hidden, logits.weight,
-                                       labels.transpose(0, 1).contiguous(), return_argmax=argmax,
+                                       labels.transpose(0, 1).contiguous(), argmax=argmax,
                                        **options.op_kwargs(**layer))
 
 

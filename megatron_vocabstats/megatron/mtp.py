@@ -13,7 +13,7 @@ attaches ``mtp_loss_scaling_factor / D`` times it to the main hidden states thro
 ``MTPLossAutoScaler`` (divided by the depth's token count, or rescaled to the main loss's count
 under ``calculate_per_token_loss``). :func:`make_process_mtp_loss` replaces it: with
 ``lm_head_chunk_size > 0`` every depth's loss comes from its hidden states through the fused op,
-without logits, and the acceptance counts from the op's ``return_argmax`` (the vocab-parallel
+without logits, and the acceptance counts from the op's ``argmax`` output (the vocab-parallel
 argmax, exact, nothing gathered); the rolling (Megatron's ``roll_tensor``: context parallelism
 and packed sequences included), masking, scaling, ``mtp_detach_heads``, MuP's logit scale and the
 logging are Megatron's, detected per release. Unfused, Megatron's own runs. Either way the
@@ -94,7 +94,7 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
     forward pre-hooks and hooks run: :func:`.head.deferred_call`); ``scale_logits_fn`` (MuP) is
     applied to the deferred logits (a logit scale). Logs each depth's loss and, on releases
     that log them, its acceptance counts ``sum(argmax == label and mask)`` and ``sum(mask)``
-    (argmax from the op's ``return_argmax``; the same as Megatron's from its logits up to ties
+    (the op's ``argmax`` output; the same as Megatron's from its logits up to ties
     between logits the fused chunks round differently). The statistics go to
     ``module.last_mtp_vocab_stats``.
     """
@@ -130,7 +130,6 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
         if scale_logits_fn is not None:
             logits = scale_logits_fn(logits)
         stats = fused_stats(logits, labels, cfg, argmax=acceptance, kernel=kernel)
-        stats, top1 = stats if acceptance else (stats, None)
         per_depth.append(detached_bs(stats))
         loss = mask * per_token_loss(stats, cfg).transpose(0, 1).contiguous()
         if is_training:
@@ -139,7 +138,7 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
             if acceptance:
                 with torch.no_grad():
                     valid = mask.bool()
-                    correct = ((top1.transpose(0, 1) == labels) & valid).sum().float()
+                    correct = ((stats.argmax.transpose(0, 1) == labels) & valid).sum().float()
                 helper.save_metrics_to_tracker(logged, correct, valid.sum().float(), depth,
                                                depths, avg_group=group)
             else:

@@ -13,14 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
-from ..ops.kernels import KERNEL_CHOICES
-from ..ops.options import (
-    ENTROPY_MODES,
-    check_batch_invariant,
-    check_bool,
-    check_choice,
-    check_number,
-)
+from ..ops.options import KERNEL_CHOICES, check_bool, check_choice, check_number, check_option
 from ..ops.sampling.from_logits import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection, correction_bounds
 
@@ -113,12 +106,11 @@ class PluginSettings:
                            ("vocab_size", dict(integer=True, low=1, high=top, none_ok=True)),
                            ("token_alignment", dict(integer=True, low=1, high=top)),
                            ("entropy_coef", {}),
-                           ("label_smoothing", dict(low=0.0, high=1.0, high_open=True)),
                            ("rollout_temperature", dict(low=0.0, low_open=True))):
             object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
-        check_batch_invariant(self.batch_invariant)
+        for name in ("label_smoothing", "batch_invariant", "entropy"):  # the ops' own checks
+            object.__setattr__(self, name, check_option(name, getattr(self, name)))
         check_choice("kernel", self.kernel, KERNEL_CHOICES)
-        check_choice("entropy", self.entropy, ENTROPY_MODES)
         if self.entropy_coef != 0.0 and self.entropy != "grad":
             raise ValueError(
                 f"entropy_coef={self.entropy_coef} needs entropy='grad' (got {self.entropy!r}): "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -22,14 +23,7 @@ import torch.distributed as dist
 
 from ..mcore import megatron_tp_size
 from . import _comm
-from ._argtypes import INT64_RANGE as _INT64
-from ._argtypes import (
-    InputTypeError,
-    check_bool,
-    check_choice,
-    check_int64,
-    check_number,
-)
+from ._argtypes import InputTypeError, check_int64
 from ._layout import check_contiguous, shard_layout
 from ._replicated import identical_shards
 from .agreement import (
@@ -42,17 +36,16 @@ from .agreement import (
 )
 from .agreement import agree_field as _agree_field
 from .agreement import target_checksum as _target_checksum
-from .kernels import KERNELS, resolve_kernel
+from .kernels import resolve_kernel
 from .options import (
-    BATCH_INVARIANT_MODES,
-    ENTROPY_MODES,
-    IGNORE_INDEX,
+    LAYOUT_OPTIONS,
     LOGITS_DTYPES,
-    MIN_TEMPERATURE,
+    STATS_OPTIONS,
+    Option,
     StatsConfig,
     auto_chunk_size,
+    batch_invariant_mode,
 )
-from .options import batch_invariant_mode as _batch_invariant_mode
 
 __all__ = [
     "LogitsSpec",
@@ -113,13 +106,10 @@ def first_order_backward(op: str):
     return wrap
 
 
-def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, entropy="grad",
-                 temperature=1.0, ignore_index=IGNORE_INDEX, label_smoothing=0.0, validate=True,
-                 batch_invariant=False, vocab_start=None, kernel="torch") -> StatsConfig:
+def _check_local(logits, target, tp_group, options: dict) -> StatsConfig:
     """This rank's checks of :func:`checked_config` (no collective); ``logits`` a tensor or a
-    normalised :class:`LogitsSpec`. The one declaration of the options' defaults (those of
-    :func:`~megatron_vocabstats.vocab_parallel_stats`): the wrappers pass on what they are
-    given (``**options``)."""
+    normalised :class:`LogitsSpec`, ``options`` keywords of :data:`STATS_OPTIONS` (the others
+    take their declared defaults)."""
     if not isinstance(logits, (torch.Tensor, LogitsSpec)):
         raise InputTypeError(f"logits must be a tensor [..., V/tp], got {type(logits).__name__}")
     if len(logits.shape) < 1:
@@ -129,7 +119,6 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
     if logits.shape[-1] == 0:
         raise ValueError(f"logits: the vocabulary dimension (last) is empty (shape "
                          f"{tuple(logits.shape)}): every rank must hold a non-empty shard")
-    validate = check_bool("validate", validate)
     if target is not None:
         if not isinstance(target, torch.Tensor):
             raise InputTypeError("target must be a tensor of integer token ids, got "
@@ -144,18 +133,13 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
             )
         if target.device != logits.device:
             raise ValueError(f"target is on {target.device} but logits on {logits.device}")
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(logits.shape[-1], logits.device)
-    chunk_size = check_number("chunk_size", chunk_size, integer=True, low=1, high=_INT64[1],
-                              none_ok=True)
-    check_choice("entropy", entropy, ENTROPY_MODES)
-    # (the logits and their gradient are scaled by 1/temperature in fp32: below the minimum
-    # that overflows)
-    temperature = check_number("temperature", temperature, low=MIN_TEMPERATURE)
-    label_smoothing = check_number("label_smoothing", label_smoothing, low=0.0, high=1.0,
-                                   high_open=True)
-    ignore_index = check_number("ignore_index", ignore_index, integer=True, low=_INT64[0],
-                                high=_INT64[1])
+    values = {name: options.get(name, option.default) for name, option in STATS_OPTIONS.items()}
+    for name, option in STATS_OPTIONS.items():
+        if option.check is not None:
+            values[name] = option.check(name, values[name])
+    if values["chunk_size"] is None:
+        values["chunk_size"] = auto_chunk_size(logits.shape[-1], logits.device)
+    vocab_size, vocab_start = (values.pop(name) for name in LAYOUT_OPTIONS)
     rank, tp = _comm.group_rank_size(tp_group)
     if tp_group is None and vocab_size is None and vocab_start is None:
         _check_no_missing_group(logits.shape[-1])
@@ -169,19 +153,13 @@ def _check_local(logits, target, tp_group, *, vocab_size=None, chunk_size=None, 
         raise
     if tp == 1 and not layout.even:
         check_contiguous([layout.vocab_start], [layout.width], layout.vocab_size)
-    batch_invariant = _batch_invariant_mode(batch_invariant, logits.shape[-1], tp, layout.even)
-    cfg = StatsConfig(
-        batch_invariant=batch_invariant,
-        # Callers without a Triton backend (top-k, sampling ops) leave the default: torch.
-        kernel=resolve_kernel(kernel, logits.device),
-        layout=layout,
-        chunk_size=chunk_size,
-        entropy=entropy,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        validate=validate,
-    )
+    values["batch_invariant"] = batch_invariant_mode(values["batch_invariant"],
+                                                     logits.shape[-1], tp, layout.even)
+    values["kernel"] = resolve_kernel(values["kernel"], logits.device)
+    if values["argmax"] and values["kernel"] != "torch":
+        raise ValueError(f"argmax=True is computed by the torch statistics only; the resolved "
+                         f"kernel is {values['kernel']!r}: pass kernel='torch'")
+    cfg = StatsConfig(layout=layout, **values)
     if host_checks_enabled(cfg.validate, logits.device) and target is not None:
         bad = (target != cfg.ignore_index) & ((target < 0) | (target >= cfg.layout.vocab_size))
         if bool(bad.any()):
@@ -219,17 +197,24 @@ def _check_no_missing_group(width: int) -> None:
             "if they really hold the whole vocabulary")
 
 
+def option_field(label: str, option: Option) -> tuple[Field, Callable[[object], int]]:
+    """The agreement column of a declared option: its :class:`Field` and the encoding of its
+    checked value as an int64 (see :class:`~.options.Option`)."""
+    if option.kind == "choice":
+        return Field(label, show=option.choices.__getitem__), option.choices.index
+    if option.kind == "float":
+        return Field(label, show=bits_float), float_bits
+    return Field(label, show=bool if option.kind == "bool" else int), int
+
+
+_AGREED = tuple((name, *option_field(option.agree, option))
+                for name, option in STATS_OPTIONS.items() if option.agree)
 _AGREEMENT = (
     Field("vocab_start", show=lambda given: "given" if given else None),
     Field("logits shard width"), Field("token count"), Field("vocab_size"),
     Field("logits dtype", show=LOGITS_DTYPES.__getitem__),
     Field("target (token ids)", checksum=True),
-    Field("entropy mode", show=ENTROPY_MODES.__getitem__),
-    Field("ignore_index"),
-    Field("temperature", show=bits_float),
-    Field("label_smoothing", show=bits_float),
-    Field("batch_invariant", show=BATCH_INVARIANT_MODES.__getitem__),
-    Field("kernel (resolved)", show=KERNELS.__getitem__),
+    *(field for _, field, _ in _AGREED),
 )
 
 
@@ -244,12 +229,7 @@ def _agreement_row(logits, target, cfg: StatsConfig, agree) -> list[int]:
         layout.vocab_size,
         LOGITS_DTYPES.index(logits.dtype),
         _target_checksum(target),
-        ENTROPY_MODES.index(cfg.entropy),
-        cfg.ignore_index,
-        float_bits(cfg.temperature),
-        float_bits(cfg.label_smoothing),
-        BATCH_INVARIANT_MODES.index(cfg.batch_invariant),
-        KERNELS.index(cfg.kernel),
+        *(encode(getattr(cfg, name)) for name, _, encode in _AGREED),
         *(check_int64(_agree_field(entry).name, entry[1]()) for entry in agree),
     ]
     return [*row, _first_row_sample(logits, layout.width), layout.vocab_start, layout.width]
@@ -310,7 +290,7 @@ def checked_config(logits, target, tp_group: dist.ProcessGroup | None, *,
         hint="every tensor-parallel rank must pass the same tokens, targets and options, and "
         "its own equal-width vocabulary shard")
     checks.fail(local_error)
-    cfg = checks.run(lambda: _check_local(logits, target, tp_group, **options),
+    cfg = checks.run(lambda: _check_local(logits, target, tp_group, options),
                      row=lambda cfg: _agreement_row(logits, target, cfg, agree))
     table = checks.finish()
     if table is None:

@@ -9,15 +9,16 @@ and the cross-rank agreement go through the core checks' one exchange
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from . import _comm
 from ._argtypes import bool_error
-from ._checks import LogitsSpec, checked_config
+from ._checks import LogitsSpec, checked_config, option_field
 from .agreement import Field, tensor_checksum
 from .engine.linear import LinearStatsConfig, auto_linear_chunk_size
-from .options import LOGITS_DTYPES
+from .options import LINEAR_HEAD_OPTIONS, LOGITS_DTYPES, STATS_OPTIONS
 
 
 def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:
@@ -32,10 +33,12 @@ def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:
     return (lead[0] * tp, *lead[1:]) if sp else lead
 
 
-def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence_parallel,
-                   tp: int, entropy, accumulate_into_main_grad,
-                   partial_hidden_grad=False) -> ValueError | None:
-    """The first problem with the arguments the core op's checks do not see, or None."""
+def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, tp: int, entropy,
+                   argmax, head: dict) -> ValueError | None:
+    """The first problem with the arguments the core op's checks do not see, or None; ``head``:
+    the values of :data:`~.options.LINEAR_HEAD_OPTIONS`."""
+    sequence_parallel, accumulate_into_main_grad, partial_hidden_grad = (
+        head["sequence_parallel"], head["accumulate_into_main_grad"], head["partial_hidden_grad"])
     if not isinstance(hidden, torch.Tensor):
         return ValueError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
     if hidden.dim() < (2 if sequence_parallel else 1):
@@ -85,9 +88,10 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
             return ValueError("entropy='grad' cannot be combined with grad_weights (the "
                               "forward-gradient mode serves log-prob losses only): pass "
                               "entropy='off' or 'metric'")
-    for name, value in (("sequence_parallel", sequence_parallel),
-                        ("partial_hidden_grad", partial_hidden_grad),
-                        ("accumulate_into_main_grad", accumulate_into_main_grad)):
+        if argmax is True:
+            return ValueError("argmax=True cannot be combined with grad_weights (the "
+                              "forward-gradient mode merges its statistics chunk by chunk)")
+    for name, value in head.items():
         if (error := bool_error(name, value)) is not None:
             return error
     if partial_hidden_grad and sequence_parallel:
@@ -104,6 +108,10 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, sequence
     return None
 
 
+_HEAD = tuple((name, *option_field(option.agree, option))
+              for name, option in LINEAR_HEAD_OPTIONS.items())
+
+
 def first_device(*candidates) -> torch.device:
     """The device of the first tensor among ``candidates`` (CPU if none is a tensor)."""
     for x in candidates:
@@ -117,42 +125,33 @@ def _gradients(code: int) -> str:
 
 
 def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
-                          sequence_parallel: bool = False,
-                          accumulate_into_main_grad: bool = False,
-                          partial_hidden_grad: bool = False, chunk_size=None,
                           local_error: ValueError | None = None, agree: tuple = (),
-                          argmax: bool = False, differentiable: bool = True,
-                          **options) -> LinearStatsConfig:
-    """Validate one call: the fused op's own arguments, then the core op's checks
-    (``_checks.checked_config``) on the shape, dtype and device of the logits it will compute.
+                          differentiable: bool = True, **options) -> LinearStatsConfig:
+    """Validate one call: the fused op's own arguments and options
+    (:data:`~.options.LINEAR_HEAD_OPTIONS`), then the core op's checks
+    (``_checks.checked_config``, the other ``options``) on the shape, dtype and device of the
+    logits it will compute.
 
     Under ``validate`` and tp > 1 a problem on one rank raises on every rank, and the ranks must
-    agree on every option that changes the collectives or the gradients, then on the caller's
-    ``agree`` entries, all in the core op's one tiny all-gather: the hidden size H (the width
-    of the sequence-parallel all-gather and of the dX reduction), ``sequence_parallel``, whether
-    ``grad_weights`` is given (and its values), ``accumulate_into_main_grad``, which gradients
-    backward makes (``hidden`` and ``weight`` under grad mode and ``requires_grad``: the dX
-    all-reduce or reduce-scatter, and whether backward runs at all; ``differentiable=False`` for
-    an op without backward), ``partial_hidden_grad``, ``return_argmax`` (it widens the
-    statistics' all-gather) and, in the forward-gradient mode (one all-gather per chunk), the
-    chunk size. ``argmax``: the ``return_argmax`` of ``linear_vocab_parallel_stats`` (a bool;
-    not with ``grad_weights``).
+    agree, in the core op's one all-gather, on every option and input that changes the
+    collectives or the gradients: the hidden size H, the head's options, ``grad_weights`` (given,
+    and its values), which gradients backward makes (``hidden`` and ``weight`` under grad mode
+    and ``requires_grad``; ``differentiable=False`` for an op without backward), in the
+    forward-gradient mode the chunk size, then the caller's ``agree`` entries.
     """
+    head = {name: options.pop(name, option.default)
+            for name, option in LINEAR_HEAD_OPTIONS.items()}
+    chunk_size = options.pop("chunk_size", None)
     _, tp = _comm.group_rank_size(tp_group)
-    lead = lead_shape(hidden, sequence_parallel, tp)
-    problem = linear_problem(hidden, weight, target, grad_weights, lead_shape=lead,
-                             sequence_parallel=sequence_parallel, tp=tp,
-                             entropy=options["entropy"],
-                             accumulate_into_main_grad=accumulate_into_main_grad,
-                             partial_hidden_grad=partial_hidden_grad)
+    lead = lead_shape(hidden, head["sequence_parallel"], tp)
+    problem = linear_problem(hidden, weight, target, grad_weights, lead_shape=lead, tp=tp,
+                             entropy=options.get("entropy", STATS_OPTIONS["entropy"].default),
+                             argmax=options.get("argmax"), head=head)
     if problem is None and local_error is not None:
         problem = local_error
     auto = chunk_size is None and problem is None
-    if problem is None:
-        problem = _argmax_problem(argmax, grad_weights)
     if problem is None:  # numpy's bool_ taken as a Python bool from here on
-        sequence_parallel, accumulate_into_main_grad, partial_hidden_grad, argmax = map(
-            bool, (sequence_parallel, accumulate_into_main_grad, partial_hidden_grad, argmax))
+        head = {name: bool(value) for name, value in head.items()}
     grad_on = differentiable and torch.is_grad_enabled()
     grad_hidden = grad_on and isinstance(hidden, torch.Tensor) and hidden.requires_grad
     grad_weight = grad_on and isinstance(weight, torch.Tensor) and weight.requires_grad
@@ -166,14 +165,11 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
     else:  # the core checks' cross-rank exchange makes this rank's problem raise everywhere
         logits = LogitsSpec((0,), torch.float32, first_device(hidden, weight, target))
     agree = (("hidden size H (hidden's last dimension)", lambda: hidden.shape[-1]),
-             ("sequence_parallel", lambda: int(sequence_parallel), bool),
+             *((field, functools.partial(encode, head[name])) for name, field, encode in _HEAD),
              ("grad_weights", lambda: int(grad_weights is not None),
               lambda given: "tensor" if given else None),
              (Field("grad_weights values", checksum=True),
               lambda: -1 if grad_weights is None else tensor_checksum(grad_weights)),
-             ("accumulate_into_main_grad", lambda: int(accumulate_into_main_grad), bool),
-             ("return_argmax", lambda: int(argmax is True), bool),
-             ("partial_hidden_grad", lambda: int(partial_hidden_grad is True), bool),
              ("gradients asked (hidden, weight: grad mode and requires_grad)",
               lambda: 2 * grad_hidden + grad_weight, _gradients),
              ("chunk_size in the forward-gradient mode (one all-gather per chunk; pass one "
@@ -182,28 +178,9 @@ def checked_linear_config(hidden, weight, target, grad_weights, tp_group, *,
              *agree)
     stats = checked_config(logits, target, tp_group, chunk_size=chunk_size, local_error=problem,
                            agree=agree, **options)
-    if argmax and stats.kernel != "torch":  # the resolved kernel is agreed: every rank raises
-        raise ValueError(f"return_argmax=True is computed by the torch statistics only; the "
-                         f"resolved kernel is {stats.kernel!r}: pass kernel='torch'")
     if auto and stats.kernel == "triton" and hidden.device.type != "cpu":
         stats = dataclasses.replace(stats, chunk_size=auto_linear_chunk_size(
             weight.shape[0], hidden.device, tiles=True, itemsize=hidden.element_size()))
-    return LinearStatsConfig(
-        stats=stats,
-        sequence_parallel=sequence_parallel and tp > 1,
-        accumulate_into_main_grad=accumulate_into_main_grad,
-        forward_grad=forward_grad,
-        grad_hidden=grad_hidden,
-        grad_weight=grad_weight,
-        argmax=argmax,
-        partial_hidden_grad=partial_hidden_grad,
-    )
-
-
-def _argmax_problem(argmax, grad_weights) -> ValueError | None:
-    if (error := bool_error("return_argmax", argmax)) is not None:
-        return error
-    if argmax and grad_weights is not None:
-        return ValueError("return_argmax=True cannot be combined with grad_weights (the "
-                          "forward-gradient mode merges its statistics chunk by chunk)")
-    return None
+    return LinearStatsConfig(stats=stats, forward_grad=forward_grad, grad_hidden=grad_hidden,
+                             grad_weight=grad_weight,
+                             **{**head, "sequence_parallel": head["sequence_parallel"] and tp > 1})

@@ -9,12 +9,16 @@ What each option means: ``docs/options.md``.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Annotated, TypedDict, get_type_hints
 
 import torch
 
 from ._argtypes import (  # noqa: F401 - public here
+    INT64_RANGE,
     _shown,
     bool_error,
     check_bool,
@@ -33,6 +37,10 @@ LOGP_MIN = -1.0e4
 IGNORE_INDEX = -100
 
 ENTROPY_MODES = ("off", "metric", "grad")
+# The backends of the core statistics (``StatsConfig.kernel``, resolved) and the values the ops
+# accept (``"auto"`` picks one: ``ops.kernels.resolve_kernel``).
+KERNELS = ("torch", "triton")
+KERNEL_CHOICES = ("auto", *KERNELS)
 # Values of ``batch_invariant``: off, batch-invariant, batch- and tensor-parallel-invariant.
 BATCH_INVARIANT_MODES = (False, True, "tp")
 # The flag's spellings (--vocab-stats-batch-invariant off|batch|tp) are accepted as well.
@@ -87,90 +95,180 @@ def batch_invariant_mode(value, width: int, tp: int, even: bool = True):
     return value
 
 
-def check_keywords(op: str, options: dict, allowed: type) -> None:
-    """``TypeError`` (as Python's own for an undeclared keyword) naming the first keyword of
-    ``options`` that the ``TypedDict`` ``allowed`` does not declare, and the ones it does: the
-    check of the wrappers that take ``**options: Unpack[allowed]``."""
-    declared = allowed.__optional_keys__ | allowed.__required_keys__
-    # (a loop, not keys() - set: torch 2.11's dynamo cannot trace a set difference of dict keys)
-    unknown = sorted(key for key in options if key not in declared)
-    if unknown:
-        takes = ", ".join(sorted(declared))
-        raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r} (its "
-                        f"options: {takes})")
+@dataclass(frozen=True, slots=True)
+class Option:
+    """The one declaration of an op keyword, written where its keyword set declares it
+    (``name: Annotated[type, Option(...)]``) and read by the signature (:func:`takes_options`),
+    the checks and the cross-rank agreement (``_checks``) and :class:`StatsConfig`.
+
+    ``check(name, value)`` returns the value normalised or raises naming ``name`` (None: checked
+    with the call's tensors, by ``_checks``). ``agree``: the label under which the ranks of
+    ``tp_group`` must agree on the checked value (None: not compared as an option); ``kind``
+    how it is exchanged: ``"int"``, ``"bool"``, ``"float"`` (by its bits) or ``"choice"`` (its
+    index in ``choices``).
+    """
+
+    default: object
+    check: Callable[[str, object], object] | None = None
+    agree: str | None = None
+    kind: str = "int"
+    choices: tuple = ()
+
+
+def _choice(choices: tuple) -> Callable[[str, object], object]:
+    def check(name, value):
+        check_choice(name, value, choices)
+        return value
+    return check
+
+
+_COUNT = functools.partial(check_number, integer=True, low=1, high=INT64_RANGE[1], none_ok=True)
 
 
 class ShardKwargs(TypedDict, total=False):
-    """The keywords every op takes besides its tensors and ``tp_group``, each stated in full
-    once in ``docs/options.md``: ``vocab_size`` (int | None, the real V),
-    ``vocab_start`` (int | None, global id of local column 0 for uneven shards), ``chunk_size``
-    (int | None, tokens per fp32 chunk; None = auto) and ``validate`` (bool, default True: the
-    host-side checks and their cross-rank agreement). The wrappers take them as
-    ``**options: Unpack[...]`` and pass them on unchanged; the one place that declares their
-    defaults and checks them is ``ops._checks.checked_config``."""
+    """The keywords every op takes besides its tensors and ``tp_group`` (``docs/options.md``
+    states each): the real V, the first global id of an uneven shard, tokens per fp32 chunk
+    (None: auto) and the host-side checks with their cross-rank agreement."""
 
-    vocab_size: int | None
-    vocab_start: int | None
-    chunk_size: int | None
-    validate: bool
+    vocab_size: Annotated[int | None, Option(None)]
+    vocab_start: Annotated[int | None, Option(None)]
+    chunk_size: Annotated[int | None, Option(None, _COUNT)]
+    validate: Annotated[bool, Option(True, check_bool)]
 
 
 class ScaledKwargs(ShardKwargs, total=False):
-    """:class:`ShardKwargs` and ``temperature`` (float > 0, default 1: logits are divided by
-    it)."""
+    """:class:`ShardKwargs` and ``temperature`` (logits are divided by it)."""
 
-    temperature: float
+    temperature: Annotated[float, Option(1.0, functools.partial(check_number,
+                                                                low=MIN_TEMPERATURE),
+                                         "temperature", "float")]
 
 
 class TargetKwargs(ScaledKwargs, total=False):
-    """:class:`ScaledKwargs` and ``ignore_index`` (int, default :data:`IGNORE_INDEX`)."""
+    """:class:`ScaledKwargs` and ``ignore_index`` (targets holding it are not scored)."""
 
-    ignore_index: int
+    ignore_index: Annotated[int, Option(IGNORE_INDEX, functools.partial(
+        check_number, integer=True, low=INT64_RANGE[0], high=INT64_RANGE[1]), "ignore_index")]
 
 
 class StatsKwargs(TargetKwargs, total=False):
-    """The options of the per-token statistics: :class:`TargetKwargs`, ``label_smoothing``
-    (float in [0, 1), default 0) and ``batch_invariant`` (False, True or ``"tp"``)."""
+    """:class:`TargetKwargs`, ``label_smoothing`` (in [0, 1)) and ``batch_invariant``."""
 
-    label_smoothing: float
-    batch_invariant: bool | str
+    label_smoothing: Annotated[float, Option(0.0, functools.partial(
+        check_number, low=0.0, high=1.0, high_open=True), "label_smoothing", "float")]
+    batch_invariant: Annotated[bool | str, Option(
+        False, lambda name, value: check_batch_invariant(value), "batch_invariant", "choice",
+        BATCH_INVARIANT_MODES)]
 
 
 class VocabStatsKwargs(StatsKwargs, total=False):
-    """:class:`StatsKwargs` and ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``: the backend of
-    the core statistics and gradient per chunk, see ``ops.kernels.resolve_kernel``); the
-    keywords of :func:`~megatron_vocabstats.vocab_parallel_stats`,
-    :func:`~megatron_vocabstats.linear_vocab_parallel_stats` and their wrappers."""
+    """:class:`StatsKwargs` and ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``: the backend
+    of the statistics and their gradient, resolved by ``ops.kernels.resolve_kernel``; the ranks
+    compare the resolved one): the keywords of the ops' wrappers (log-probs, entropy,
+    cross-entropy)."""
 
-    kernel: str
+    kernel: Annotated[str, Option("auto", None, "kernel (resolved)", "choice", KERNELS)]
+
+
+class OutputKwargs(TypedDict, total=False):
+    """Which outputs of :class:`~megatron_vocabstats.VocabStats` are computed: ``entropy``
+    (``"off"``: None, ``"metric"``: no gradient, ``"grad"``) and ``argmax`` (the global id of
+    each row's largest logit; torch kernel only)."""
+
+    entropy: Annotated[str, Option("grad", _choice(ENTROPY_MODES), "entropy mode", "choice",
+                                   ENTROPY_MODES)]
+    argmax: Annotated[bool, Option(False, check_bool, "argmax", "bool")]
+
+
+class StatsOpKwargs(VocabStatsKwargs, OutputKwargs, total=False):
+    """The keywords of :func:`~megatron_vocabstats.vocab_parallel_stats`: every option of
+    :class:`StatsConfig`."""
 
 
 class LinearHeadKwargs(TypedDict, total=False):
     """The fused LM head's own keywords (see
-    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`): ``sequence_parallel`` (bool,
-    ``hidden`` is this rank's sequence shard), ``accumulate_into_main_grad`` (bool, dW added
-    into ``weight.main_grad``) and ``partial_hidden_grad`` (bool, dX left unsummed over tp)."""
+    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`): ``hidden`` is this rank's
+    sequence shard, dW is added into ``weight.main_grad``, dX is left unsummed over tp."""
 
-    sequence_parallel: bool
-    accumulate_into_main_grad: bool
-    partial_hidden_grad: bool
+    sequence_parallel: Annotated[bool, Option(False, check_bool, "sequence_parallel", "bool")]
+    accumulate_into_main_grad: Annotated[bool, Option(False, check_bool,
+                                                      "accumulate_into_main_grad", "bool")]
+    partial_hidden_grad: Annotated[bool, Option(False, check_bool, "partial_hidden_grad",
+                                                "bool")]
 
 
 class LinearStatsKwargs(VocabStatsKwargs, LinearHeadKwargs, total=False):
-    """:class:`VocabStatsKwargs` and :class:`LinearHeadKwargs`."""
+    """:class:`VocabStatsKwargs` and :class:`LinearHeadKwargs`: the fused cross-entropy's."""
+
+
+class LinearStatsOpKwargs(StatsOpKwargs, LinearHeadKwargs, total=False):
+    """The keywords of :func:`~megatron_vocabstats.linear_vocab_parallel_stats`."""
+
+
+def declared(kwargs: type) -> dict[str, Option]:
+    """The :class:`Option` of each keyword of the ``TypedDict`` ``kwargs``, in declaration order
+    (bases first)."""
+    hints = get_type_hints(kwargs, include_extras=True)
+    return {name: next(m for m in hint.__metadata__ if isinstance(m, Option))
+            for name, hint in hints.items()}
+
+
+# The options of the core statistics (:class:`StatsConfig`) and of the fused LM head.
+STATS_OPTIONS = declared(StatsOpKwargs)
+LINEAR_HEAD_OPTIONS = declared(LinearHeadKwargs)
+# The options that define the shard layout (``StatsConfig.layout``) rather than a field.
+LAYOUT_OPTIONS = ("vocab_size", "vocab_start")
+
+
+def check_option(name: str, value):
+    """``value`` checked and normalised by the declared check of option ``name`` (unchanged if
+    the option is checked with the call's tensors)."""
+    option = STATS_OPTIONS.get(name) or LINEAR_HEAD_OPTIONS[name]
+    return value if option.check is None else option.check(name, value)
+
+
+def takes_options(op):
+    """Decorator of an op ``op(..., **options: Unpack[K])``: its signature (``help``,
+    ``inspect.signature``) lists K's keywords with their declared defaults, and a keyword K
+    does not declare raises ``TypeError`` as Python's own does, naming the ones it does."""
+    kwargs = eval(op.__annotations__["options"], op.__globals__).__args__[0]  # Unpack[K]
+    options = {**STATS_OPTIONS, **LINEAR_HEAD_OPTIONS}
+    signature = inspect.signature(op)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    taken = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
+    hints = get_type_hints(kwargs, include_extras=True)
+    names = [name for name in hints if name not in taken]
+    allowed = frozenset(taken | set(names))
+    listed = ", ".join(sorted(names))
+
+    @functools.wraps(op)
+    def checked(*args, **kwargs):
+        unknown = [key for key in kwargs if key not in allowed]
+        if unknown:
+            raise TypeError(f"{op.__name__}() got an unexpected keyword argument "
+                            f"{unknown[0]!r} (its options: {listed})")
+        return op(*args, **kwargs)
+
+    checked.__signature__ = signature.replace(parameters=[*params, *(
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=options[name].default,
+                          annotation=hints[name].__origin__) for name in names)])
+    return checked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsConfig:
-    """Options of one call, validated; passed to the autograd Function as a single argument."""
+    """The options of one call (:data:`STATS_OPTIONS`, a field each but ``vocab_size`` and
+    ``vocab_start``, which make ``layout``), checked and resolved: ``chunk_size`` an int,
+    ``kernel`` the backend (``"torch"`` or ``"triton"``). Passed to the autograd Function as
+    one argument."""
 
     layout: ShardLayout
     chunk_size: int
-    entropy: str
+    validate: bool
     temperature: float
     ignore_index: int
     label_smoothing: float
-    validate: bool
-    batch_invariant: bool | str = False
-    # The core statistics' backend, resolved (``kernels.resolve_kernel``): "torch" or "triton".
-    kernel: str = "torch"
+    batch_invariant: bool | str
+    kernel: str
+    entropy: str
+    argmax: bool

@@ -92,7 +92,7 @@ def _graph_step(op: str, *inputs):
     else:
         st = vocab_parallel_stats(*dense, target, **options)
     objective = (st.logprobs * w_lp + st.entropy * w_h).sum()
-    return (*st, *torch.autograd.grad(objective, dense))
+    return (*st[:3], *torch.autograd.grad(objective, dense))
 
 
 def _to_device(inputs):

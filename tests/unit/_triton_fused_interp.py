@@ -83,7 +83,7 @@ def test_rows_do_not_depend_on_the_batch(batch_invariant, tiles):
     full = linear_vocab_parallel_stats(hidden, weight, target, **opts)
     for rows in (slice(3, 26), slice(17, 18)):
         part = linear_vocab_parallel_stats(hidden[rows], weight, target[rows], **opts)
-        for a, b in zip(full, part):
+        for a, b in zip(full[:3], part[:3]):
             assert torch.equal(a[rows], b)
 
 
@@ -94,7 +94,7 @@ def _run(hidden, weight, target, **opts):
         weight.detach().requires_grad_())
     st = linear_vocab_parallel_stats(h, w, target, chunk_size=8, **opts)
     (st.logprobs.sum() + st.entropy.sum()).backward()
-    return (*st, h.grad, w.grad)
+    return (*st[:3], h.grad, w.grad)
 
 
 def test_strided_inputs_equal_contiguous(tiles):

@@ -160,7 +160,7 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(batch_invariant):
     full = vocab_parallel_stats(x, target, **opts)
     for rows, chunk in ((slice(5, 9), 3), (slice(7, 8), 1)):
         part = vocab_parallel_stats(x[rows], target[rows], chunk_size=chunk, **opts)
-        for a, b in zip(full, part):
+        for a, b in zip(full[:3], part[:3]):
             assert torch.equal(a[rows], b)
 
 
@@ -192,7 +192,7 @@ def test_strided_logits_equal_contiguous(layout):
         leaf.requires_grad_()
         st = vocab_parallel_stats(leaf, target, label_smoothing=0.1, kernel="triton")
         (st.logprobs.sum() + st.entropy.sum()).backward()
-        results.append((*st, leaf.grad))
+        results.append((*st[:3], leaf.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -286,7 +286,7 @@ def test_nan_statistics_are_the_torch_paths(per_block):
     assert bool(ours[_math.STAT_MAX, [0, 1, 3]].isnan().any(-1).all())
     st = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="triton")
     ref = vocab_parallel_stats(x, torch.tensor([7, 1, 2, 3, 4]), validate=False, kernel="torch")
-    for a, b in zip(st, ref):
+    for a, b in zip(st[:3], ref[:3]):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (a, b)
 
 

@@ -142,7 +142,7 @@ def test_tp1_modes_agree_and_label_smoothing_is_invariant():
                              vocab_size=990)
     one = vocab_parallel_stats(rows[4:5], target[4:5], batch_invariant=True,
                                label_smoothing=0.1, vocab_size=990, chunk_size=1)
-    for x, y in zip(a, b):
+    for x, y in zip(a[:3], b[:3]):
         assert torch.equal(x, y)
     assert torch.equal(one.logprobs[0], a.logprobs[4])
     lp, ent, _ = reference_stats(rows.double(), target, vocab_size=990, label_smoothing=0.1)
@@ -241,7 +241,7 @@ def test_tp_mode_merges_in_bounded_passes_with_the_same_bits(monkeypatch):
     assert sum(s[-1] for s in merges) == 300
     one_pass = vocab_parallel_stats(logits, target, batch_invariant="tp", chunk_size=300,
                                     label_smoothing=0.1)
-    for a, b in zip(st, one_pass):
+    for a, b in zip(st[:3], one_pass[:3]):
         assert torch.equal(a, b)
 
 
@@ -269,7 +269,7 @@ def test_empty_batch(mode):
     target = torch.zeros(0, dtype=torch.long)
     for st in (vocab_parallel_stats(logits, target, batch_invariant=mode),
                linear_vocab_parallel_stats(hidden, weight, target, batch_invariant=mode)):
-        assert all(t.shape == (0,) for t in st)
+        assert all(t.shape == (0,) for t in st[:3])
         (st.logprobs.sum() + st.entropy.sum()).backward()
     assert logits.grad.shape == (0, 300) and hidden.grad.shape == (0, 8)
 

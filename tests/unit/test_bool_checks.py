@@ -90,7 +90,7 @@ CONSUMERS = {
                               "batch_invariant", T),
     **{f"linear.{name}": ((lambda v, name=name: _linear(**{name: v})), name, good)
        for name, good in (("sequence_parallel", F), ("accumulate_into_main_grad", F),
-                          ("partial_hidden_grad", T), ("return_argmax", T))},
+                          ("partial_hidden_grad", T), ("argmax", T))},
     "StatsOptions.validate": (lambda v: mv.StatsOptions(validate=v), "validate", T),
     "sft_loss.validate": (lambda v: mv.sft_loss(LOGITS, TARGET, MASK, validate=v), "validate",
                           T),

@@ -63,7 +63,7 @@ def test_equals_unfused_op_on_the_same_logits(dtype, chunk):
     theirs = vocab_parallel_stats(logits, target, chunk_size=7, **opts)
     (theirs.logprobs * w_lp + theirs.entropy * w_h).sum().backward()
     g = logits.grad
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours[:3], theirs[:3]):
         assert torch.equal(a, b)
     assert torch.equal(h_leaf.grad, _chunked_logits(g, weight.T, chunk))
     dw = sum(g[i:i + chunk].float().T @ hidden[i:i + chunk].float()
@@ -244,7 +244,7 @@ def test_auto_chunk_size():
     hidden, weight, target = make_problem(1)
     default = linear_vocab_parallel_stats(hidden, weight, target, vocab_size=101)
     chunked = linear_vocab_parallel_stats(hidden, weight, target, vocab_size=101, chunk_size=2)
-    for a, b in zip(default, chunked):
+    for a, b in zip(default[:3], chunked[:3]):
         assert_close(a, b, rtol=1e-6, atol=1e-6, what="auto vs explicit chunk")
 
 
@@ -278,9 +278,9 @@ def _bad(**changes):
         (_bad(chunk_size=0), "chunk_size"),
         (_bad(temperature=-1.0), "temperature"),
         (_bad(target=lambda t: t + 200), "target holds id"),
-        (_bad(return_argmax=1), "return_argmax must be a bool"),
-        (_bad(return_argmax=True, grad_weights=torch.ones(5, 3), entropy="off"),
-         "return_argmax=True cannot be combined with grad_weights"),
+        (_bad(argmax=1), "argmax must be a bool"),
+        (_bad(argmax=True, grad_weights=torch.ones(5, 3), entropy="off"),
+         "argmax=True cannot be combined with grad_weights"),
     ],
     ids=["hidden_size", "hidden_size_0", "dtype_mismatch", "dtype", "weight_1d", "weight_3d",
          "hidden_not_tensor", "target_shape", "float_target", "grad_weights_shape",
@@ -293,12 +293,12 @@ def test_bad_input_raises_value_error(call, match):
         call()
 
 
-def test_return_argmax_refused_by_the_triton_statistics(monkeypatch):
+def test_argmax_refused_by_the_triton_statistics(monkeypatch):
     """The argmax row is the torch statistics' own: a kernel resolving to "triton" is refused
     with the argument named (checked with the resolution stubbed: no triton needed)."""
     from megatron_vocabstats.ops import _checks
 
     monkeypatch.setattr(_checks, "resolve_kernel", lambda kernel, device: "triton")
-    with pytest.raises(ValueError, match="return_argmax=True is computed by the torch"):
-        _bad(return_argmax=True)()
+    with pytest.raises(ValueError, match="argmax=True is computed by the torch"):
+        _bad(argmax=True)()
 

@@ -301,7 +301,7 @@ def test_non_contiguous_and_expanded_logits_equal_contiguous():
     st_t = vocab_parallel_stats(leaf_t.t(), target, chunk_size=2)  # transposed view
     (st_t.logprobs.sum() + st_t.entropy.sum()).backward()
     st_c, grad_c = _stats_and_grad(base.t().contiguous(), target, chunk_size=2)
-    for a, b in zip(st_t, st_c):
+    for a, b in zip(st_t[:3], st_c[:3]):
         assert torch.equal(a, b)
     assert torch.equal(leaf_t.grad.t(), grad_c)
 
@@ -309,14 +309,14 @@ def test_non_contiguous_and_expanded_logits_equal_contiguous():
     st_e = vocab_parallel_stats(row.expand(5, 16), target)
     (st_e.logprobs.sum() + st_e.entropy.sum()).backward()
     st_r, grad_r = _stats_and_grad(row.detach().expand(5, 16).contiguous(), target)
-    assert all(torch.equal(a, b) for a, b in zip(st_e, st_r))
+    assert all(torch.equal(a, b) for a, b in zip(st_e[:3], st_r[:3]))
     assert torch.allclose(row.grad, grad_r.sum(0, keepdim=True), rtol=1e-6, atol=1e-7)
 
 
 def test_empty_token_dimension_forward_and_backward():
     leaf = torch.randn(0, 3, 8, requires_grad=True)
     st = vocab_parallel_stats(leaf, torch.zeros(0, 3, dtype=torch.long), label_smoothing=0.1)
-    assert all(t.shape == (0, 3) for t in st)
+    assert all(t.shape == (0, 3) for t in st[:3]) and st.argmax is None
     (st.logprobs.sum() + st.entropy.sum()).backward()
     assert leaf.grad.shape == leaf.shape
 

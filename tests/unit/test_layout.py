@@ -158,22 +158,27 @@ def test_layout_document_names_every_module():
 
 
 def test_one_options_object():
-    # StatsOptions (losses, Megatron settings) carries the ops' keywords under their own names:
-    # every field is a key of the ops' keyword set (or the op's own ``entropy``), and every key of
-    # that set is declared once, with its default, by the ops' checks.
+    # Each option is declared once (ops.options: a keyword set's Annotated Option): the checked
+    # config has a field per core option (vocab_size and vocab_start make its layout),
+    # StatsOptions (losses, Megatron settings) carries a subset under the same names, and each
+    # op's signature lists its keyword set with the declared defaults.
     import dataclasses
     import inspect
 
-    from megatron_vocabstats import StatsOptions
-    from megatron_vocabstats.ops import _checks
-    from megatron_vocabstats.ops.options import VocabStatsKwargs as StatsKwargs
+    import megatron_vocabstats as mv
+    from megatron_vocabstats.ops import options
 
-    keys = set(StatsKwargs.__annotations__) | {
-        k for base in StatsKwargs.__mro__ for k in getattr(base, "__annotations__", {})}
-    fields = {f.name for f in dataclasses.fields(StatsOptions)}
-    assert fields <= keys | {"entropy"}, fields - keys
-    declared = set(inspect.signature(_checks._check_local).parameters)
-    assert keys <= declared, keys - declared
+    core = set(options.STATS_OPTIONS)
+    config = {f.name for f in dataclasses.fields(options.StatsConfig)}
+    assert config == core - set(options.LAYOUT_OPTIONS) | {"layout"}
+    assert {f.name for f in dataclasses.fields(mv.StatsOptions)} <= core
+    declared = {**options.STATS_OPTIONS, **options.LINEAR_HEAD_OPTIONS}
+    for op in (mv.vocab_parallel_stats, mv.linear_vocab_parallel_stats, mv.vocab_parallel_topk,
+               mv.vocab_parallel_sampling_logprobs, mv.linear_vocab_parallel_cross_entropy):
+        for param in inspect.signature(op).parameters.values():
+            if param.name in declared and param.kind is param.KEYWORD_ONLY:
+                assert param.default == declared[param.name].default, (op, param)
+    assert "argmax" in inspect.signature(mv.vocab_parallel_stats).parameters
 
 
 @pytest.mark.parametrize("call, bad", [

@@ -223,7 +223,7 @@ def test_verl_linear_ce_outputs():
     logp = torch.log_softmax(hidden @ weight.T / temperature, -1)   # verl: logits * (1/T)
     lp_ref = logp.gather(-1, labels[:, None])[:, 0]
     ent_ref = -(logp.exp() * logp).sum(-1)
-    logprobs, entropy, _ = linear_vocab_parallel_stats(hidden.float(), weight.float(), labels,
+    logprobs, entropy, *_ = linear_vocab_parallel_stats(hidden.float(), weight.float(), labels,
                                                        temperature=temperature)
     _close(logprobs, lp_ref, what="logprobs (reduction 'none')")
     _close(entropy, ent_ref, what="entropy")

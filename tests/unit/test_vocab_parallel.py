@@ -76,7 +76,7 @@ def test_chunked_equals_unchunked_bitwise(shape):
         leaf = logits.clone().requires_grad_()
         st = vocab_parallel_stats(leaf, target, chunk_size=chunk, label_smoothing=0.05)
         (st.logprobs * 2.0 - st.entropy).sum().backward()
-        results.append((*st, leaf.grad))
+        results.append((*st[:3], leaf.grad))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
@@ -294,7 +294,7 @@ def test_nan_logit_away_from_the_target_gives_nan_without_validate(batch_invaria
     logits[1, 7] = float("nan")
     st = vocab_parallel_stats(logits, torch.tensor([0, 3, 5]), validate=False,
                               batch_invariant=batch_invariant)
-    for value in st:
+    for value in st[:3]:
         assert math.isnan(value[1].item()) and torch.isfinite(value[[0, 2]]).all()
     with pytest.raises(ValueError, match="logits"):
         vocab_parallel_stats(logits, torch.tensor([0, 3, 5]), batch_invariant=batch_invariant)

@@ -51,7 +51,7 @@ class TritonBackend(Backend):
                     blocks=False, argmax=False):
         from ..kernels import triton_stats  # imports triton: only once the backend was chosen
 
-        if argmax:  # the ops refuse it first, naming the argument (fused_linear.return_argmax)
+        if argmax:  # the ops refuse it first, naming the argument (argmax=True)
             raise NotImplementedError("the Triton statistics have no argmax row")
         del batch_invariant
         return triton_stats.TritonShardStats(layout, entropy, zsum, temperature, blocks)

@@ -13,8 +13,16 @@ from __future__ import annotations
 import torch
 
 from .. import _comm
-from .._layout import BLOCK, local_target_index, padded_width, target_in_range
-from .._math import NUM_STATS, MergedStats, load_chunk, real_columns, rebase_zsum_
+from .._layout import BLOCK, local_target_index, merge_first_max, padded_width, target_in_range
+from .._math import (
+    NUM_STATS,
+    STAT_ARGMAX,
+    STAT_MAX,
+    MergedStats,
+    load_chunk,
+    real_columns,
+    rebase_zsum_,
+)
 from ..options import StatsConfig
 from ..workspace import WORKSPACE
 from .backends import backend_of, grad_backend
@@ -124,6 +132,14 @@ def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_t
         for start in range(0, num_tokens, step):
             rebase_zsum_(gathered[..., start:start + step], counts, cfg.layout.vocab_size)
     return gathered
+
+
+def row_argmax(parts: torch.Tensor, cfg: StatsConfig, shape) -> torch.Tensor | None:
+    """Each row's global argmax id (int64, viewed as ``shape``) from the gathered statistics of
+    :func:`gathered_stats` (made with ``argmax=cfg.argmax``); None unless ``cfg.argmax``."""
+    if not cfg.argmax:
+        return None
+    return merge_first_max(parts[:, STAT_MAX], parts[:, STAT_ARGMAX]).view(shape)
 
 
 def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:

@@ -67,8 +67,8 @@ class LinearStatsConfig:
 
     ``stats``: the core op's options (layout, chunk size, entropy mode, ...). ``grad_hidden`` /
     ``grad_weight``: which input gradients are produced. ``forward_grad``: gradients computed in
-    forward for the upstream gradient ``c * grad_weights`` (see ``grad_weights``). ``argmax``:
-    also the global id of each row's largest logit (``return_argmax``). ``partial_hidden_grad``:
+    forward for the upstream gradient ``c * grad_weights`` (see ``grad_weights``).
+    ``partial_hidden_grad``:
     ``dX`` is left as this rank's share, not summed over the shards.
     """
 
@@ -78,7 +78,6 @@ class LinearStatsConfig:
     forward_grad: bool
     grad_hidden: bool
     grad_weight: bool
-    argmax: bool = False
     partial_hidden_grad: bool = False
 
 

@@ -16,6 +16,7 @@ import os
 import torch
 
 from .._argtypes import check_choice
+from ..options import KERNEL_CHOICES, KERNELS
 
 # Columns per block of the unfused Triton kernels: a power of two, at most this many (fewer for
 # narrow shards) and MAX_BLOCK_BYTES of logits: 4 KiB per program and step in flight.
@@ -53,9 +54,6 @@ def block_columns(width: int, itemsize: int = 2, max_block: int = MAX_BLOCK_N) -
     return max(16, min(cap, 1 << (max(width, 1) - 1).bit_length()))
 
 
-# Resolved backends (``StatsConfig.kernel``) and the values the ops accept.
-KERNELS = ("torch", "triton")
-KERNEL_CHOICES = ("auto", *KERNELS)
 # Forces the backend of kernel="auto" (for tests and A/B runs): "torch" or "triton".
 KERNEL_ENV = "VOCABSTATS_KERNEL"
 # Whether "auto" takes Triton for CUDA logits. Off until the kernels have passed the GPU parity

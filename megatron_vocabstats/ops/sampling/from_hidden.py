@@ -16,7 +16,7 @@ from ..engine.chunks import flatten_target
 from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
 from ..engine.recompute import recompute_backward
 from ..hidden_checks import checked_linear_config
-from ..options import TargetKwargs, check_keywords
+from ..options import TargetKwargs, takes_options
 from ..workspace import untracked
 from .from_logits import SamplingLogprobs, sampler_config
 from .search import (
@@ -62,6 +62,7 @@ class _LinearSamplingLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+@takes_options
 def linear_vocab_parallel_sampling_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -94,7 +95,6 @@ def linear_vocab_parallel_sampling_logprobs(
     in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's chunk buffers,
     chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
     """
-    check_keywords("linear_vocab_parallel_sampling_logprobs", options, TargetKwargs)
     def check(_logits, target_, group, **kwargs):
         return checked_linear_config(hidden, weight, target_, None, group,
                                      sequence_parallel=sequence_parallel,

@@ -23,7 +23,7 @@ from .._argtypes import check_number
 from .._checks import checked_config, first_order_backward
 from ..agreement import bits_float, float_bits
 from ..engine.chunks import flatten_target, logits_chunks, logits_grad
-from ..options import TargetKwargs, check_keywords
+from ..options import TargetKwargs, takes_options
 from ..workspace import untracked
 from .search import (
     SampledGrad,
@@ -112,13 +112,14 @@ def sampler_config(logits, target, tp_group, *, top_k, top_p, min_p, local_error
                 bits_float),
                ("min_p", lambda: float_bits(-1.0 if min_p is None else float(min_p)),
                 bits_float)),
-        entropy="off", label_smoothing=0.0, **options)
+        entropy="off", kernel="torch", **options)
     return SamplerConfig(stats=getattr(stats, "stats", stats),
                          top_k=None if top_k is None else int(top_k),
                          top_p=None if top_p is None else float(top_p),
                          min_p=None if min_p is None else float(min_p)), stats
 
 
+@takes_options
 def vocab_parallel_sampling_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -174,7 +175,6 @@ def vocab_parallel_sampling_logprobs(
         TypeError: a filter of the wrong Python type (``InputTypeError``, also a ``ValueError``).
         RuntimeError: on double backward.
     """
-    check_keywords("vocab_parallel_sampling_logprobs", options, TargetKwargs)
     cfg, _ = sampler_config(logits, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
                             **options)
     return SamplingLogprobs(*_SamplingLogprobs.apply(logits, target, cfg, tp_group))

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from .._checks import check_finite, first_order_backward
 from .._grad import finite_lse, grad_coefficients
-from .._layout import merge_first_max
-from .._math import STAT_ARGMAX, STAT_MAX, merge_stats
+from .._math import merge_stats
 from ..agreement import host_checks_enabled
 from ..engine.backends import backend_of
 from ..engine.chunks import (
@@ -31,6 +30,7 @@ from ..engine.chunks import (
     function_outputs,
     gathered_stats,
     merge_tokens_per_pass,
+    row_argmax,
     targets_in_range,
 )
 from ..engine.kernel import StatsGrad
@@ -43,7 +43,7 @@ from ..engine.linear import (
 )
 from ..engine.recompute import forward_with_grads, recompute_backward, scaled_forward_grads
 from ..hidden_checks import checked_linear_config
-from ..options import LinearStatsKwargs, StatsKwargs, check_keywords
+from ..options import LinearStatsKwargs, LinearStatsOpKwargs, takes_options
 from ..workspace import untracked
 from .from_logits import VocabStats
 
@@ -84,11 +84,10 @@ class _LinearVocabParallelStats(torch.autograd.Function):
                                       tiles=tiles, tile_rows=hidden2d.shape[0])
                 parts = gathered_stats(chunks, hidden2d.shape[0], sc, tp_group,
                                        has_target=has_target, device=hidden.device,
-                                       argmax=cfg.argmax)
+                                       argmax=sc.argmax)
                 merged = merge(parts, valid, in_range=targets_in_range(target1d, sc),
                                tokens_per_pass=merge_tokens_per_pass(sc, parts.shape[0]))
-                if cfg.argmax:
-                    argmax = merge_first_max(parts[:, STAT_MAX], parts[:, STAT_ARGMAX])
+                argmax = row_argmax(parts, sc, total_shape[:-1])
         finally:
             if bufs is not None:
                 bufs.release()
@@ -108,7 +107,7 @@ class _LinearVocabParallelStats(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, target, lse,
                                   entropy if sc.entropy == "grad" else None, merged.lse_lo)
-        return logprobs, entropy, lse, None if argmax is None else argmax.view(total_shape[:-1])
+        return logprobs, entropy, lse, argmax
 
     @staticmethod
     @first_order_backward("linear_vocab_parallel_stats")
@@ -135,21 +134,16 @@ def _recomputed_grads(ctx, grad_logprobs, grad_entropy):
                               grad)
 
 
+@takes_options
 def linear_vocab_parallel_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor | None,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    entropy: str = "grad",
     grad_weights: torch.Tensor | None = None,
-    accumulate_into_main_grad: bool = False,
-    partial_hidden_grad: bool = False,
-    kernel: str = "auto",
-    return_argmax: bool = False,
-    **options: Unpack[StatsKwargs],
-) -> VocabStats | tuple[VocabStats, torch.Tensor]:
+    **options: Unpack[LinearStatsOpKwargs],
+) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp of ``hidden @ W.T`` without the logits.
 
     Reference semantics (one process; ``W`` the full output weight, the shards of ``tp_group``
@@ -176,24 +170,21 @@ def linear_vocab_parallel_stats(
             (gradients add up).
         target: int64 global token ids shaped like the (gathered) leading shape of ``hidden``,
             or None for entropy and logsumexp only.
-        tp_group, entropy, kernel, **options: as for :func:`vocab_parallel_stats`
-            (:class:`~.options.StatsKwargs`); ``chunk_size`` and ``batch_invariant`` also
-            shape the GEMMs here.
+        tp_group, **options: as for :func:`vocab_parallel_stats`
+            (:class:`~.options.LinearStatsOpKwargs`); ``chunk_size`` and ``batch_invariant``
+            also shape the GEMMs here; ``argmax`` not with ``grad_weights``.
         sequence_parallel: ``hidden`` is the local sequence shard (gathered inside, its
             gradient reduce-scattered); ignored for tp = 1.
         grad_weights: per-token weights ``w`` whose upstream gradient is ``c * w``: the
             gradients are computed in forward (forward-gradient mode; entropy not "grad").
         accumulate_into_main_grad: add the fp32 weight gradient into ``weight.main_grad``.
         partial_hidden_grad: return this rank's share of ``dX``, not summed over ``tp_group``.
-        return_argmax: also return each row's global argmax id (int64; torch kernel only).
 
         Each option is stated once, with its checks and costs, in ``docs/options.md``.
 
     Returns:
-        :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp)``, fp32,
-        shaped like ``target``, bitwise identical on every rank of ``tp_group``; with
-        ``return_argmax`` the tuple ``(VocabStats, argmax)``, ``argmax`` int64 of that shape,
-        not differentiable.
+        :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp, argmax)``,
+        shaped like ``target``, bitwise identical on every rank of ``tp_group``.
 
     Communication: forward, one all-gather of ``[5, T]`` fp32 statistics (per chunk with
     ``grad_weights``), a few int64 with ``validate``, the sequence-parallel gather of ``hidden``.
@@ -212,18 +203,12 @@ def linear_vocab_parallel_stats(
             option or requested gradient that differs across ranks.
         RuntimeError: a second backward through one forward with ``grad_weights``.
     """
-    check_keywords("linear_vocab_parallel_stats", options, StatsKwargs)
-    cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group,
-                                sequence_parallel=sequence_parallel,
-                                accumulate_into_main_grad=accumulate_into_main_grad,
-                                partial_hidden_grad=partial_hidden_grad,
-                                entropy=entropy, kernel=kernel, argmax=return_argmax,
-                                **options)
-    *stats, argmax = _LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
-                                                     tp_group)
-    return (VocabStats(*stats), argmax) if return_argmax else VocabStats(*stats)
+    cfg = checked_linear_config(hidden, weight, target, grad_weights, tp_group, **options)
+    return VocabStats(*_LinearVocabParallelStats.apply(hidden, weight, target, grad_weights, cfg,
+                                                       tp_group))
 
 
+@takes_options
 def linear_vocab_parallel_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -245,7 +230,6 @@ def linear_vocab_parallel_cross_entropy(
     (:class:`~megatron_vocabstats.ops.options.LinearStatsKwargs`), errors and communication
     apply.
     """
-    check_keywords("linear_vocab_parallel_cross_entropy", options, LinearStatsKwargs)
     stats = linear_vocab_parallel_stats(hidden, weight, target, tp_group=tp_group,
                                         entropy="off", grad_weights=loss_weights, **options)
     return 0.0 - stats.logprobs  # +0.0, not -0.0, at ignored positions

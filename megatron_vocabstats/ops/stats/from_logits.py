@@ -27,10 +27,11 @@ from ..engine.chunks import (
     logits_chunks,
     logits_grad,
     merge_tokens_per_pass,
+    row_argmax,
     targets_in_range,
 )
 from ..engine.kernel import StatsGrad
-from ..options import StatsConfig, VocabStatsKwargs, check_keywords
+from ..options import StatsConfig, StatsOpKwargs, VocabStatsKwargs, takes_options
 from ..workspace import untracked
 
 __all__ = [
@@ -43,17 +44,20 @@ __all__ = [
 
 
 class VocabStats(NamedTuple):
-    """Per-token statistics, each fp32 and shaped like ``target``.
+    """Per-token statistics, each shaped like ``target`` (the logits' leading shape).
 
-    ``logprobs``: log p(target) in nats (with label smoothing: ``sum_j q_j log p_j``, see
-    :func:`vocab_parallel_stats`); ``None`` when no target was given.
-    ``entropy``: ``-sum_j p_j log p_j`` in nats; ``None`` when ``entropy="off"``.
-    ``logsumexp``: ``log sum_j exp(z_j)`` over the real vocabulary; never differentiable.
+    ``logprobs``: fp32 log p(target) in nats (with label smoothing ``sum_j q_j log p_j``, see
+    :func:`vocab_parallel_stats`); None when no target was given.
+    ``entropy``: fp32 ``-sum_j p_j log p_j`` in nats; None when ``entropy="off"``.
+    ``logsumexp``: fp32 ``log sum_j exp(z_j)`` over the real vocabulary; never differentiable.
+    ``argmax``: int64 global id of the row's largest logit (the first on ties); None unless
+    ``argmax=True``; never differentiable.
     """
 
     logprobs: torch.Tensor | None
     entropy: torch.Tensor | None
     logsumexp: torch.Tensor
+    argmax: torch.Tensor | None = None
 
 
 def _flatten(logits, target, cfg: StatsConfig):
@@ -69,7 +73,7 @@ class _VocabParallelStats(torch.autograd.Function):
         chunks = logits_chunks(logits2d, target1d, valid, cfg, padded=True,
                                upcast=not backend_of(cfg).tiles)
         parts = gathered_stats(chunks, logits2d.shape[0], cfg, tp_group,
-                               has_target=has_target, device=logits.device)
+                               has_target=has_target, device=logits.device, argmax=cfg.argmax)
         merged = merge_stats(parts, valid, vocab_size=cfg.layout.vocab_size,
                              label_smoothing=cfg.label_smoothing if has_target else 0.0,
                              entropy=cfg.entropy != "off", has_target=has_target,
@@ -83,11 +87,11 @@ class _VocabParallelStats(torch.autograd.Function):
         ctx.cfg = cfg
         ctx.save_for_backward(logits, target, lse, entropy if cfg.entropy == "grad" else None,
                               merged.lse_lo)
-        return logprobs, entropy, lse
+        return logprobs, entropy, lse, row_argmax(parts, cfg, logits.shape[:-1])
 
     @staticmethod
     @first_order_backward("vocab_parallel_stats")
-    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_argmax):
         logits, target, lse, ent, lse_lo = ctx.saved_tensors
         cfg: StatsConfig = ctx.cfg
         logits2d, target1d, valid = _flatten(logits, target, cfg)
@@ -103,21 +107,13 @@ class _VocabParallelStats(torch.autograd.Function):
         return grad_logits.view(logits.shape), None, None, None
 
 
+@takes_options
 def vocab_parallel_stats(
     logits: torch.Tensor,
     target: torch.Tensor | None,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    vocab_size: int | None = None,
-    vocab_start: int | None = None,
-    chunk_size: int | None = None,
-    entropy: str = "grad",
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    validate: bool = True,
-    batch_invariant: bool | str = False,
-    kernel: str = "auto",
+    **options: Unpack[StatsOpKwargs],
 ) -> VocabStats:
     """Exact per-token log-probs, entropy and logsumexp from vocab-parallel logits.
 
@@ -150,11 +146,12 @@ def vocab_parallel_stats(
         validate: the checks that read values on the host, and the cross-rank agreement.
         batch_invariant: ``False``, ``True`` (bitwise per row) or ``"tp"`` (also across tp).
         kernel: ``"auto"``, ``"torch"`` or ``"triton"``.
+        argmax: also each row's global argmax id (``VocabStats.argmax``; torch kernel only).
 
         Each option is stated once, with its checks and costs, in ``docs/options.md``.
 
     Returns:
-        :class:`VocabStats` ``(logprobs, entropy, logsumexp)``, fp32 tensors shaped like
+        :class:`VocabStats` ``(logprobs, entropy, logsumexp, argmax)``, shaped like
         ``logits.shape[:-1]``, identical on every rank of ``tp_group``.
 
     Communication: one all-gather of ``[5, T]`` fp32 in forward (plus one of 5 int64 when
@@ -175,24 +172,11 @@ def vocab_parallel_stats(
             fp32 after the temperature (reported as a too small ``temperature``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
-    cfg = checked_config(
-        logits,
-        target,
-        tp_group,
-        vocab_size=vocab_size,
-        vocab_start=vocab_start,
-        chunk_size=chunk_size,
-        entropy=entropy,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        validate=validate,
-        batch_invariant=batch_invariant,
-        kernel=kernel,
-    )
+    cfg = checked_config(logits, target, tp_group, **options)
     return VocabStats(*_VocabParallelStats.apply(logits, target, cfg, tp_group))
 
 
+@takes_options
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -206,11 +190,11 @@ def vocab_parallel_logprobs(
     (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), shapes, errors and communication
     (see :func:`vocab_parallel_stats`). Ignored positions give 0.
     """
-    check_keywords("vocab_parallel_logprobs", options, VocabStatsKwargs)
     return vocab_parallel_stats(logits, target, tp_group=tp_group, entropy="off",
                                 **options).logprobs
 
 
+@takes_options
 def vocab_parallel_entropy(
     logits: torch.Tensor,
     *,
@@ -226,7 +210,6 @@ def vocab_parallel_entropy(
     Keywords (:class:`~megatron_vocabstats.ops.options.VocabStatsKwargs`), errors and communication
     as in :func:`vocab_parallel_stats` (no target).
     """
-    check_keywords("vocab_parallel_entropy", options, VocabStatsKwargs)
     differentiable = check_bool("differentiable", differentiable)
     return vocab_parallel_stats(logits, None, tp_group=tp_group,
                                 entropy="grad" if differentiable else "metric",
@@ -245,6 +228,7 @@ def _check_megatron_ready() -> None:
             "pass tp_group (or vocab_size for logits that hold the whole vocabulary)")
 
 
+@takes_options
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -269,7 +253,6 @@ def vocab_parallel_cross_entropy(
 
     Raises: as :func:`vocab_parallel_stats`.
     """
-    check_keywords("vocab_parallel_cross_entropy", options, VocabStatsKwargs)
     if tp_group is None:
         tp_group = default_tp_group()
         if tp_group is None and options.get("vocab_size") is None:

@@ -118,6 +118,6 @@ def picked_config(logits, indices, mask, tp_group, *, vocab_size=None, validate=
             problem = exc
     cfg = checked_config(logits, None, tp_group, local_error=problem,
                          agree=agreement(lambda: indices.shape[-1], indices, mask),
-                         vocab_size=vocab_size, entropy="off", ignore_index=-100,
-                         label_smoothing=0.0, validate=validate, **options)
+                         vocab_size=vocab_size, entropy="off", kernel="torch",
+                         validate=validate, **options)
     return cfg, valid_rows(mask, logits.numel() // cfg.layout.width, logits.device)

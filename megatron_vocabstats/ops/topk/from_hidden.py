@@ -23,7 +23,7 @@ from ..agreement import host_checks_enabled
 from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
 from ..engine.recompute import recompute_backward
 from ..hidden_checks import checked_linear_config, lead_shape
-from ..options import ScaledKwargs, check_keywords
+from ..options import ScaledKwargs, takes_options
 from ..workspace import untracked
 from .checks import agreement, index_problem, k_problem, real_vocab, valid_rows
 from .math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
@@ -31,7 +31,7 @@ from .math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_
 
 def _linear_config(hidden, weight, tp_group, **options) -> LinearStatsConfig:
     return checked_linear_config(hidden, weight, None, None, tp_group, entropy="off",
-                                 ignore_index=-100, label_smoothing=0.0, **options)
+                                 kernel="torch", **options)
 
 
 class _LinearTopKLogprobs(torch.autograd.Function):
@@ -67,6 +67,7 @@ class _LinearTopKLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+@takes_options
 def linear_vocab_parallel_topk_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -123,7 +124,6 @@ def linear_vocab_parallel_topk_logprobs(
             ``indices``/``mask``; under ``validate`` and tp > 1 on every rank, including ``k``,
             ``indices`` or ``mask`` that differ across the ranks.
     """
-    check_keywords("linear_vocab_parallel_topk_logprobs", options, ScaledKwargs)
     lead = lead_shape(hidden, sequence_parallel, _comm.group_rank_size(tp_group)[1])
     problem = None
     if lead is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
@@ -138,6 +138,7 @@ def linear_vocab_parallel_topk_logprobs(
     return _LinearTopKLogprobs.apply(hidden, weight, indices, valid, cfg, tp_group)
 
 
+@takes_options
 def linear_vocab_parallel_topk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -158,7 +159,6 @@ def linear_vocab_parallel_topk(
     ``linear_vocab_parallel_stats`` raises; under ``validate`` and tp > 1 on every rank,
     including a ``k`` that differs across the ranks.
     """
-    check_keywords("linear_vocab_parallel_topk", options, ScaledKwargs)
     problem = None
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         vocab = real_vocab(weight.shape[0], tp_group, options.get("vocab_size"))

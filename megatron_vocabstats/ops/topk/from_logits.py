@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import _comm
 from .._checks import checked_config, first_order_backward
 from ..engine.chunks import logits_chunks, logits_grad
-from ..options import ScaledKwargs, ShardKwargs, StatsConfig, check_keywords
+from ..options import ScaledKwargs, ShardKwargs, StatsConfig, takes_options
 from ..workspace import untracked
 from .checks import (
     agreement,
@@ -73,6 +73,7 @@ class TopKLogits(NamedTuple):
 # Teacher: top-k
 
 
+@takes_options
 def vocab_parallel_topk(
     logits: torch.Tensor,
     k: int,
@@ -124,7 +125,6 @@ def vocab_parallel_topk(
             for the logits and options (NaN or +inf logits included, with ``validate``); under
             ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
     """
-    check_keywords("vocab_parallel_topk", options, ScaledKwargs)
     return _topk(logits, k, tp_group, normalize=True, **options)
 
 
@@ -133,8 +133,8 @@ def _topk(logits, k, tp_group, *, normalize: bool, vocab_size=None, **options) -
     vocab = real_vocab(width, tp_group, vocab_size)
     problem = k_problem(k, vocab) if vocab is not None else None
     stats_cfg = checked_config(logits, None, tp_group, local_error=problem, agree=agreement(k),
-                               vocab_size=vocab_size, entropy="off", ignore_index=-100,
-                               label_smoothing=0.0, **options)
+                               vocab_size=vocab_size, entropy="off", kernel="torch",
+                               **options)
     k = int(k)  # (checked: an integral number, numpy's included)
     cfg = TopKConfig(stats=stats_cfg, k=k, normalize=normalize)
     logits2d = untracked(logits).detach().reshape(-1, stats_cfg.layout.width)
@@ -145,6 +145,7 @@ def _topk(logits, k, tp_group, *, normalize: bool, vocab_size=None, **options) -
     return TopK(top.logprobs.view(shape), top.indices.view(shape))
 
 
+@takes_options
 def vocab_parallel_topk_logits(
     logits: torch.Tensor,
     k: int,
@@ -168,7 +169,6 @@ def vocab_parallel_topk_logits(
         :class:`TopKLogits` ``(logits fp32 [..., k], indices int64 [..., k])``, equal on every
         rank.
     """
-    check_keywords("vocab_parallel_topk_logits", options, ShardKwargs)
     return TopKLogits(*_topk(logits, k, tp_group, normalize=False, temperature=1.0, **options))
 
 
@@ -200,6 +200,7 @@ class _TopKLogprobs(torch.autograd.Function):
         return grad_logits.view(logits.shape), None, None, None, None
 
 
+@takes_options
 def vocab_parallel_topk_logprobs(
     logits: torch.Tensor,
     indices: torch.Tensor,
@@ -253,7 +254,6 @@ def vocab_parallel_topk_logprobs(
             ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
-    check_keywords("vocab_parallel_topk_logprobs", options, ScaledKwargs)
     cfg, valid = picked_config(logits, indices, mask, tp_group, **options)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
 
@@ -293,6 +293,7 @@ class _GatherLogits(torch.autograd.Function):
         return grad_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None, None, None
 
 
+@takes_options
 def vocab_parallel_gather_logits(
     logits: torch.Tensor,
     indices: torch.Tensor,
@@ -330,6 +331,5 @@ def vocab_parallel_gather_logits(
             range with ``validate``, and what ``vocab_parallel_stats`` raises for the logits);
             under ``validate`` and tp > 1 on every rank. RuntimeError on double backward.
     """
-    check_keywords("vocab_parallel_gather_logits", options, ShardKwargs)
     cfg, valid = picked_config(logits, indices, mask, tp_group, temperature=1.0, **options)
     return _GatherLogits.apply(logits, indices, valid, cfg, tp_group)

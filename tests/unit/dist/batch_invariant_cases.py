@@ -87,7 +87,7 @@ def batch_mode_rows_are_invariant_under_tp(group):
             part = vocab_parallel_stats(shard[rows], target[rows], tp_group=group,
                                         vocab_size=VOCAB, batch_invariant=mode, chunk_size=chunk)
             at = 11 - rows.start
-            for a, b in zip(part, whole):
+            for a, b in zip(part[:3], whole[:3]):
                 assert torch.equal(a[at], b[11]), f"mode {mode}, rows {rows}"
 
 
@@ -103,14 +103,14 @@ def fused_op_rows_are_invariant_under_tp(group):
     for rows, chunk in ((slice(20, 21), 1), (slice(14, 22), 3), (slice(3, 37), None)):
         part = linear_vocab_parallel_stats(hidden[rows], weight, target[rows], chunk_size=chunk,
                                            **opts)
-        for a, b in zip(part, whole):
+        for a, b in zip(part[:3], whole[:3]):
             assert torch.equal(a[20 - rows.start], b[20]), f"rows {rows}"
     # Sequence parallel: this rank's shard of the sequence, gathered inside.
     local = hidden[:36].view(tp, 36 // tp, 24)[rank] if 36 % tp == 0 else None
     if local is not None:
         sp = linear_vocab_parallel_stats(local.unsqueeze(1), weight, target[:36].view(36, 1),
                                          sequence_parallel=True, chunk_size=5, **opts)
-        for a, b in zip(sp, whole):
+        for a, b in zip(sp[:3], whole[:3]):
             assert torch.equal(a.view(-1), b[:36]), "sequence parallel"
 
 

@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Cases, main, needs_tp2  # noqa: E402
-
-from _reference import reference_stats  # noqa: E402
-from megatron_vocabstats import profiling  # noqa: E402
-from megatron_vocabstats.ops import _comm  # noqa: E402
-from megatron_vocabstats.ops.stats.from_hidden import (  # noqa: E402
+from _harness import Cases, main, needs_tp2
+from _reference import reference_stats
+from megatron_vocabstats import profiling
+from megatron_vocabstats.ops import _comm
+from megatron_vocabstats.ops.stats.from_hidden import (
     linear_vocab_parallel_cross_entropy,
     linear_vocab_parallel_stats,
 )
+from megatron_vocabstats.ops.stats.from_logits import vocab_parallel_stats
 
 CASES = Cases()
 
@@ -321,7 +321,7 @@ def collective_budget(group):
 @CASES.register
 def ranks_agree_bitwise(group):
     st, _, _ = run_and_check(group, dtype=torch.bfloat16, sequence_parallel=True)
-    for t in st:
+    for t in st[:3]:
         table = [torch.empty_like(t) for _ in range(rank_size(group)[1])]
         dist.all_gather(table, t.contiguous(), group=group)
         assert all(torch.equal(table[0], x) for x in table), "ranks returned different values"
@@ -429,7 +429,7 @@ def options_differing_across_ranks_raise_everywhere(group):
         ("grad_weights", lambda given: "tensor" if given else None,
          dict(grad_weights=torch.ones(target.shape) if first else None)),
         ("accumulate_into_main_grad", bool, dict(accumulate_into_main_grad=first)),
-        ("return_argmax", bool, dict(return_argmax=first)),
+        ("argmax", bool, dict(argmax=first)),
         ("partial_hidden_grad", bool, dict(partial_hidden_grad=first)),
     ]
     for field, show, options in cases:
@@ -449,8 +449,8 @@ def options_differing_across_ranks_raise_everywhere(group):
 
 
 @CASES.register
-def return_argmax_is_torch_argmax_of_the_full_logits(group):
-    """``return_argmax``: the global id of each row's largest logit equals ``torch.argmax`` of
+def argmax_is_torch_argmax_of_the_full_logits(group):
+    """``argmax=True``: the global id of each row's largest logit equals ``torch.argmax`` of
     the full float64 logits (ties to the lowest id, padding beyond ``vocab_size`` never wins), on
     every rank, for even shards, sequence parallelism and the per-block mode "tp". Hidden states
     and weights are small integers, so every logit is an exact integer in any summation order
@@ -471,16 +471,22 @@ def return_argmax_is_torch_argmax_of_the_full_logits(group):
     for options in (dict(), dict(sequence_parallel=True), dict(batch_invariant="tp")):
         h = shard_rows(hidden, rank, tp) if options.get("sequence_parallel") else hidden
         h = h.clone().requires_grad_()
-        st, argmax = linear_vocab_parallel_stats(
+        st = linear_vocab_parallel_stats(
             h, shard_rows(weight, rank, tp), target, tp_group=group, vocab_size=vocab,
-            chunk_size=5, kernel="torch", return_argmax=True, **options)
-        assert argmax.dtype == torch.int64 and not argmax.requires_grad
-        assert torch.equal(argmax, expected), f"{options}: argmax differs"
+            chunk_size=5, kernel="torch", argmax=True, **options)
+        assert st.argmax.dtype == torch.int64 and not st.argmax.requires_grad
+        assert torch.equal(st.argmax, expected), f"{options}: argmax differs"
         plain = linear_vocab_parallel_stats(h, shard_rows(weight, rank, tp), target,
                                             tp_group=group, vocab_size=vocab, chunk_size=5,
                                             kernel="torch", **options)
-        for a, b in zip(st, plain):  # the statistics are untouched by the extra row
+        assert plain.argmax is None
+        for a, b in zip(st[:3], plain[:3]):  # the statistics are untouched by the extra row
             assert a is None and b is None or torch.equal(a, b)
+        if not options.get("sequence_parallel"):  # the unfused op from the same logits
+            logits = hidden @ shard_rows(weight, rank, tp).T
+            unfused = vocab_parallel_stats(logits, target, tp_group=group, vocab_size=vocab,
+                                           chunk_size=5, argmax=True, **options)
+            assert torch.equal(unfused.argmax, expected), f"{options}: unfused argmax differs"
         st.logprobs.sum().backward()
 
 

@@ -184,7 +184,8 @@ def chunked_equals_unchunked_bitwise(group):
 @CASES.register
 def ranks_agree_bitwise(group):
     _, shard, target = make_case(group, vocab=101)
-    st = vocab_parallel_stats(shard, target, tp_group=group, vocab_size=101, chunk_size=4)
+    st = vocab_parallel_stats(shard, target, tp_group=group, vocab_size=101, chunk_size=4,
+                              argmax=True)
     for t in st:
         table = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         dist.all_gather(table, t.contiguous(), group=group)
