@@ -1,11 +1,5 @@
-"""Rebinding a framework's own functions to the ops: resolve and signature-check every binding,
-then replace all of them or none, and restore them on request.
-
-A framework integration (``integrations/verl.py`` and its siblings) declares a
-:class:`Framework`: where the framework defines each replaced function, which of its modules
-bind those names at import, and the replacement functions (whose parameter names must equal the
-originals'). :meth:`Framework.apply` checks everything before it patches anything and logs one
-line on rank 0; :meth:`Framework.remove` restores every original.
+"""Rebinding a framework's own functions to the ops (:class:`Framework`): resolve and
+signature-check every binding, then replace all of them or none; restore on request.
 """
 
 from __future__ import annotations
@@ -74,22 +68,21 @@ class Framework:
 
     Attributes:
         name: the framework as users call it ("verl", "slime", ...), used in every message.
-        distribution: its installed distribution's name (for its version), None where it ships
-            no installable package (its version is then read by ``version_of``).
+        distribution: its distribution's name (for its version); None where it ships no
+            package, then ``version_of`` reads the version (None if absent).
         install_hint: what to run when it is missing.
-        tested: the releases (major.minor) the replacements were written against.
+        tested: the releases (major.minor) the replacements were written against; another
+            release whose names and signatures match is patched with a WARNING.
         definitions: ``{module: {name: replacement}}``, where the framework defines each
             replaced function; the replacement's parameter names must be the original's.
         consumers: ``{module: (name, ...)}``, modules that bind a defined name at import; their
             binding must be the defining module's object.
-        optional: consumer modules that are skipped (with one INFO line) when importing them
-            fails for a missing third-party module, e.g. an engine whose backend is not
-            installed: such a module cannot be in use. A missing module of the framework itself
-            still raises.
-        version_of: reads the version where there is no distribution (returns None if absent).
+        optional: consumer modules skipped (one INFO line) when their import fails for a missing
+            third-party module (an engine whose backend is not installed cannot run); a missing
+            module of the framework itself still raises.
+        version_of: see ``distribution``.
         error: the exception raised (a subclass of :class:`UnsupportedFrameworkError`).
-        options: the integration's ``_options.IntegrationOptions``: :meth:`apply` validates
-            and configures with it, :meth:`remove` resets it.
+        options: the integration's ``_options.IntegrationOptions``.
     """
 
     name: str
@@ -186,14 +179,11 @@ class Framework:
         return targets
 
     def apply(self, options: Mapping[str, object], before: Callable[[], None] | None = None):
-        """Validate ``options`` (an integration's ``apply(**options)``) with :attr:`options`,
-        then replace every binding (all or none); returns the validated ``PluginSettings``,
-        now in force. Once every binding is resolved and checked, before any is patched:
-        ``before()`` runs and the settings are configured. Logs one line on rank 0 when it
-        patched anything, a WARNING if torch is outside the tested range (frameworks' loggers
-        often show only warnings). Raises ``ValueError``/``TypeError`` for an unknown or
-        invalid option and :attr:`error` for a framework whose bindings moved, before anything
-        is patched."""
+        """Validate ``options`` with :attr:`options`, then replace every binding (all or
+        none); returns the validated ``PluginSettings``, now in force. ``before()`` runs once
+        every binding is checked, before any is patched. Logs one line on rank 0 when it patched
+        anything (a WARNING if torch is outside the tested range). Raises ``ValueError`` /
+        ``TypeError`` for a bad option and :attr:`error` for moved bindings, before any patch."""
         settings = self.options.configured(**options)
         targets = self.targets()
         if before is not None:
@@ -215,8 +205,7 @@ class Framework:
         return settings
 
     def remove(self) -> list[str]:
-        """Restore every original binding (the options back to their defaults); returns the
-        names restored."""
+        """Restore every original binding and the default options; returns the names restored."""
         restored = self.patcher.remove_all()
         if self.options is not None:
             self.options.reset()
@@ -225,8 +214,8 @@ class Framework:
         return restored
 
     def original(self, module_name: str, name: str) -> Callable:
-        """The framework's own ``module_name.name`` (unwrapped if replaced): what a replacement
-        calls for the cases it leaves to the framework. Imports the module."""
+        """The framework's own ``module_name.name`` (unwrapped if replaced), for the cases a
+        replacement leaves to the framework. Imports the module."""
         return _original(getattr(importlib.import_module(module_name), name))
 
     def is_applied(self) -> bool:

@@ -1,10 +1,7 @@
-"""The options an integration's ``apply(**options)`` takes, and its once-per-name notes: one
-:class:`IntegrationOptions` per framework (``verl_ops``, ``nemo_rl_ops``, ...).
-
-The options are fields of ``PluginSettings`` with the same meaning and checks (``vocab_size``,
-``logprobs_chunk_size``, ``lm_head_chunk_size``, ``validate``, ``batch_invariant``, ``kernel``);
-the notes are the conventions in which a replacement differs from the framework's function,
-logged once per name on rank 0 (logger ``megatron_vocabstats``, WARNING) at its first call.
+"""The options an integration's ``apply(**options)`` takes, and its notes: the conventions in
+which a replacement differs from the framework's function, logged once per name on rank 0
+(logger ``megatron_vocabstats``, WARNING) at its first call. One :class:`IntegrationOptions`
+per framework.
 """
 
 from __future__ import annotations
@@ -41,8 +38,8 @@ class IntegrationOptions:
         self.noted: set[str] = set()
 
     def configured(self, **options) -> PluginSettings:
-        """``options`` (names in :attr:`names`) validated as ``PluginSettings`` fields; raises
-        ``ValueError`` for an unknown name, ``TypeError``/``ValueError`` for a bad value."""
+        """``options`` validated as ``PluginSettings`` fields; raises ``ValueError`` for a name
+        not in :attr:`names`, ``TypeError``/``ValueError`` for a bad value."""
         unknown = sorted(set(options) - set(self.names))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} of the {self.framework} integration; "

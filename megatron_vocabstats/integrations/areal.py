@@ -1,21 +1,9 @@
 """``import megatron_vocabstats.integrations.areal``: AReaL's engines compute their log-probs and
-entropy with the ops.
+entropy with the ops (:mod:`.areal_ops`), rebound wherever AReaL defines or imports
+``gather_logprobs`` and ``gather_logprobs_entropy`` (docs/integrations.md, "AReaL").
 
-Importing this module calls :func:`apply`, which replaces ``gather_logprobs`` and
-``gather_logprobs_entropy`` where AReaL defines them (``areal.utils.functional.vocab_parallel``)
-and in every module that binds them at import: ``areal.utils.functional`` (its package, which
-re-exports them), ``areal.models.tree_attn.functional`` (tree training) and the Megatron, FSDP
-and Archon engines (``areal.engine.megatron_engine``, ``areal.engine.fsdp_engine``,
-``areal.experimental.engine.archon_engine``), with the functions of :mod:`.areal_ops` (AReaL's
-signatures and conventions; the differences are logged once). An engine whose backend is not
-installed (importing it fails on a missing third-party module) is skipped with one INFO line: it
-cannot run. Every replacement carries the marker of ``megatron._patching`` and ``__wrapped__``
-(AReaL's original): applying twice patches once, :func:`remove` restores every original, and a
-failure patches nothing. In a multi-process job every training process must import it (for
-example at the top of the training script, before the engine is built).
-
-Raises :class:`UnsupportedArealError` (an ``ImportError``) when AReaL is missing, or a module,
-a name or a signature above moved or changed (read from AReaL 1.0.4); then nothing is patched.
+Importing calls :func:`apply`; every training process must import it (e.g. at the top of the
+training script, before the engine is built).
 """
 
 from __future__ import annotations
@@ -27,7 +15,6 @@ from ._framework import Framework, UnsupportedFrameworkError
 __all__ = ["UnsupportedArealError", "apply", "remove", "is_applied", "patched_names",
            "DEFINITIONS", "CONSUMERS", "TESTED"]
 
-# The AReaL releases whose names and conventions areal_ops was written against (major.minor).
 TESTED = ("1.0",)
 
 _NAMES = ("gather_logprobs", "gather_logprobs_entropy")
@@ -37,7 +24,6 @@ DEFINITIONS = {
         "gather_logprobs_entropy": areal_ops.gather_logprobs_entropy,
     },
 }
-# AReaL's modules that bind both names at import (``from ... import``).
 CONSUMERS = {
     "areal.utils.functional": _NAMES,
     "areal.models.tree_attn.functional": _NAMES,
@@ -51,8 +37,7 @@ ENGINES = ("areal.engine.megatron_engine", "areal.engine.fsdp_engine",
 
 
 class UnsupportedArealError(UnsupportedFrameworkError):
-    """AReaL is missing, or its modules, names or signatures are not the ones this integration
-    replaces; nothing was patched."""
+    """AReaL is missing or its bindings moved; nothing was patched."""
 
 
 FRAMEWORK = Framework(name="AReaL", distribution="areal",
@@ -63,13 +48,13 @@ remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAM
 
 
 def apply(**options) -> PluginSettings:
-    """Replace AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` (module docstring)
-    with the ops.
+    """Replace AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` with the ops; returns
+    the options in force.
 
-    ``options`` (``areal_ops.OPTIONS.names``, fields of ``PluginSettings`` with their meaning):
-    ``logprobs_chunk_size`` (tokens per fp32 chunk, None = auto), ``validate`` (the ops'
-    host-side checks, default True), ``batch_invariant`` and ``kernel``. Idempotent: what is
-    patched stays; the given options replace the current ones. Returns the options in force.
+    ``options``: ``logprobs_chunk_size``, ``validate``, ``batch_invariant``, ``kernel``
+    (``PluginSettings`` fields). AReaL always normalises over the W·tp columns and has no fused
+    head, so ``vocab_size`` and ``lm_head_chunk_size`` are not taken. Idempotent: a second call
+    only replaces the options.
 
     Raises:
         UnsupportedArealError: AReaL missing or its names moved (nothing is patched then).

@@ -1,26 +1,7 @@
-"""AReaL's vocab-parallel log-prob and entropy functions, computed by the ops: the replacements
-that :mod:`megatron_vocabstats.integrations.areal` binds in AReaL's modules.
-
-What AReaL 1.0.4 computes (read from the wheel ``areal-1.0.4``,
-``areal/utils/functional/vocab_parallel.py``):
-
-- ``gather_logprobs(logits, labels, temperature=1.0, tp_group=None, chunk_size=1024)``: fp32
-  ``log p(label)`` of ``logits.float() / temperature`` (a new fp32 copy), shaped like
-  ``labels``; ``logits`` ``[..., W]``, labels global ids. With a ``tp_group`` of more than one
-  rank, rank r holds global columns ``[r W, (r + 1) W)`` and the softmax runs over all ``W tp``
-  columns, ``chunk_size`` rows of dim 0 at a time (one autograd Function per chunk, each saving
-  its fp32 softmax); otherwise a log-softmax of the whole row.
-- ``gather_logprobs_entropy(...)``: the same and ``H = -sum p log p`` in nats, fp32, both
-  differentiable (the entropy's gradient flows into the logits).
-- An id outside ``[0, W tp)`` under tensor parallelism gives ``max - logsumexp`` (the row's
-  largest tempered logit minus its logsumexp) and the logits gradient ``-p g``; without tensor
-  parallelism it is an indexing error. An empty dim 0 fails an assertion.
-
-The replacements keep all of that, except: the chunking is the op's (``chunk_size`` is checked
-and not used; the values do not depend on it), an id outside the vocabulary gives
-``max - logsumexp`` at tp = 1 too, and a ``-inf``-masked column contributes 0 to the entropy
-(AReaL's gives NaN: ``0 * -inf``). The first call of each logs that once (rank 0, logger
-``megatron_vocabstats``, WARNING).
+"""AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` on the ops: the replacements that
+:mod:`megatron_vocabstats.integrations.areal` binds, with AReaL's signatures and conventions as
+read from the ``areal-1.0.4`` wheel (``areal/utils/functional/vocab_parallel.py``). Conventions
+and differences (:data:`NOTES`, logged once per function): docs/integrations.md, "AReaL".
 """
 
 from __future__ import annotations
@@ -33,10 +14,6 @@ import torch.distributed as dist
 from ..ops import vocab_parallel_stats
 from ..ops.options import check_number
 from ._options import IntegrationOptions
-
-# The options apply() takes (fields of PluginSettings, same meaning and checks): AReaL always
-# normalises over the W*tp columns and has no fused head, so vocab_size and lm_head_chunk_size
-# do not apply.
 
 _DIFFERENCES = (
     "runs on vocab_parallel_stats, without an fp32 copy of the logits or a saved softmax. "
@@ -118,16 +95,16 @@ def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
 
     Args:
         logits: ``[..., W]`` bf16/fp16/fp32, this rank's vocabulary shard (rank r of
-            ``tp_group``: global ids ``[r W, (r + 1) W)``), or the whole vocabulary without
+            ``tp_group`` holds ids ``[r W, (r + 1) W)``), or the whole vocabulary without
             ``tp_group``. Never modified. Dim 0 must not be empty.
         labels: integer global token ids shaped ``logits.shape[:-1]``.
-        temperature: a real number > 0; the logits are divided by it.
+        temperature: > 0; the logits are divided by it.
         tp_group: the tensor-parallel group; None or a one-rank group: no tensor parallelism.
-        chunk_size: a positive int, accepted and not used (the op chunks).
+        chunk_size: a positive int, checked and not used (the op chunks).
 
     Returns:
         fp32 ``log p(labels)`` in nats, shaped like ``labels``, differentiable; an id outside
-        ``[0, W tp)`` gives ``max - logsumexp`` (AReaL's rule).
+        ``[0, W tp)`` gives ``max - logsumexp`` (AReaL's rule, here at tp = 1 too).
 
     Raises:
         ValueError: naming the argument (``labels``, ``logits``, ``chunk_size``,

@@ -1,31 +1,10 @@
 """``import megatron_vocabstats.integrations.nemo_rl``: NeMo-RL's Megatron policy computes its
-log-probs, distillation top-k and entropy with the ops.
+log-probs, distillation top-k and entropy with the ops (:mod:`.nemo_rl_ops`), rebound in
+``nemo_rl.distributed.model_utils`` and the modules that import them (read at
+NVIDIA-NeMo/RL ``7ea279a``, NeMo-RL 0.6; docs/integrations.md, "NeMo-RL").
 
-Importing this module calls :func:`apply`, which replaces, in NeMo-RL's own modules, every
-binding its Megatron training and loss code reads of these functions of
-``nemo_rl.distributed.model_utils`` (read at NVIDIA-NeMo/RL ``7ea279a``, NeMo-RL 0.6):
-
-- ``get_next_token_logprobs_from_logits`` (bound in ``nemo_rl.algorithms.loss.utils``: the
-  loss input of every log-prob loss), ``from_parallel_logits_to_logprobs`` (bound in
-  ``nemo_rl.models.megatron.train``: the log-prob post-processor) and
-  ``from_parallel_logits_to_logprobs_packed_sequences`` (both modules: sequence packing), which
-  run ``DistributedLogprob`` / ``ChunkedDistributedLogprob``;
-- ``get_distillation_topk_logprobs_from_logits`` (``loss.utils``: the student's top-k
-  log-probs and ``H_all``, ``ChunkedDistributedGatherLogprob`` and
-  ``ChunkedDistributedEntropy``) and ``distributed_vocab_topk`` (``train``: the teacher's
-  top-k);
-- ``from_parallel_hidden_states_to_logprobs`` (the fused path: NeMo-RL's patched
-  ``GPTModel.forward`` calls it through the module, ``ChunkedDistributedHiddenStatesToLogprobs``),
-  computed by the fused head ``linear_vocab_parallel_stats``;
-
-with the functions of :mod:`.nemo_rl_ops` (NeMo-RL's signatures and conventions; the
-differences are logged once). Top-k/top-p sampling, DTensor and single-device logits stay
-NeMo-RL's. Every replacement carries ``__wrapped__`` (NeMo-RL's original): applying twice
-patches once, :func:`remove` restores every original, and a failure patches nothing. In a Ray
-job every worker process that builds the Megatron policy must import it.
-
-Raises :class:`UnsupportedNemoRLError` (an ``ImportError``) when NeMo-RL is missing, or a module,
-a name or a signature above moved or changed; then nothing is patched.
+Importing calls :func:`apply`; in a Ray job every worker process that builds the Megatron
+policy must import it.
 """
 
 from __future__ import annotations
@@ -42,7 +21,6 @@ from ._framework import Framework, UnsupportedFrameworkError
 __all__ = ["UnsupportedNemoRLError", "apply", "remove", "is_applied", "patched_names",
            "DEFINITIONS", "CONSUMERS", "TESTED", "nemo_rl_version"]
 
-# The NeMo-RL releases whose names and conventions nemo_rl_ops was written against.
 TESTED = ("0.6",)
 
 MODEL_UTILS = "nemo_rl.distributed.model_utils"
@@ -56,7 +34,6 @@ DEFINITIONS = {
         "from_parallel_hidden_states_to_logprobs",
     )},
 }
-# NeMo-RL's modules that bind those names at import (``from ... import``).
 CONSUMERS = {
     "nemo_rl.algorithms.loss.utils": (
         "from_parallel_logits_to_logprobs_packed_sequences",
@@ -68,8 +45,7 @@ CONSUMERS = {
 
 
 class UnsupportedNemoRLError(UnsupportedFrameworkError):
-    """NeMo-RL is missing, or its modules, names or signatures are not the ones this
-    integration replaces; nothing was patched."""
+    """NeMo-RL is missing or its bindings moved; nothing was patched."""
 
 
 def nemo_rl_version() -> str | None:
@@ -97,13 +73,11 @@ is_applied, patched_names = FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def apply(**options) -> PluginSettings:
-    """Replace NeMo-RL's log-prob, top-k and entropy functions (module docstring) with the ops.
+    """Replace NeMo-RL's log-prob, top-k and entropy functions with the ops; returns the options
+    in force.
 
-    ``options`` (fields of ``PluginSettings``, as for the verl integration): ``vocab_size`` (the
-    real V: padding columns get zero probability; default None, NeMo-RL's W·tp columns),
-    ``logprobs_chunk_size``, ``lm_head_chunk_size`` (tokens per chunk, None/0 = auto),
-    ``validate`` (default True), ``batch_invariant`` and ``kernel``. Idempotent; the given
-    options replace the current ones. Returns the options in force.
+    ``options``: fields of ``PluginSettings``, as for :func:`.verl.apply` (chunk sizes None/0 =
+    auto). Idempotent: a second call only replaces the options.
 
     Raises:
         UnsupportedNemoRLError: NeMo-RL missing or its names moved (nothing is patched then).

@@ -1,18 +1,9 @@
-"""NeMo-RL's vocab-parallel log-prob, entropy and top-k functions, computed by the ops: the
-replacements that :mod:`megatron_vocabstats.integrations.nemo_rl` binds in NeMo-RL's modules.
-
-Each function takes the arguments of the NeMo-RL function it replaces (read at NVIDIA-NeMo/RL
-``7ea279a``, ``nemo_rl/distributed/model_utils.py``) and returns what that one returns: fp32
-log-probs ``[B, S-1]`` of the ids rolled left by one (the last position dropped), the padded
-vocabulary of W·tp columns as the normaliser, ``vocab_start_index = rank * W``, ids outside
-``[0, W·tp)`` giving 0, context parallelism as NeMo-RL lays it out (load-balanced chunks ``r`` and
-``2cp-1-r`` of the sequence, or of every packed sequence; the gathered result's gradient
-all-reduced over cp, as its ``AllGatherCPTensor`` does), ``H_all = sum p log p`` (the negated
-entropy, with a gradient), top-k logits in fp32. Temperature is NeMo-RL's caller's business (it
-divides the logits in place before these functions), so it is left as is. The cases a
-replacement does not take over (top-k/top-p sampling, DTensor and single-device logits) go to
-NeMo-RL's own function, unchanged. The first call of each logs once (rank 0, logger
-``megatron_vocabstats``, WARNING) how it differs.
+"""NeMo-RL's vocab-parallel log-prob, entropy and top-k functions on the ops: the replacements
+that :mod:`megatron_vocabstats.integrations.nemo_rl` binds, with NeMo-RL's signatures and
+conventions as read at NVIDIA-NeMo/RL ``7ea279a`` (``nemo_rl/distributed/model_utils.py``).
+What a replacement does not take over (top-k/top-p sampling, DTensor and single-device logits)
+goes to NeMo-RL's own function. Conventions and differences (:data:`NOTES`, logged once):
+docs/integrations.md, "NeMo-RL".
 """
 
 from __future__ import annotations
@@ -148,10 +139,9 @@ def _logprobs(logits, target, tp_group, inference_only):
 def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_index,
                                      vocab_end_index, tp_group, inference_only=False,
                                      cp_group=None, chunk_size=None, sampling_params=None):
-    """NeMo-RL's ``from_parallel_logits_to_logprobs``: fp32 ``log p(target[:, t+1])`` ``[B,
-    S-1]`` from this rank's logits ``[B, S/cp, W]`` (``S`` the length of the unshifted
-    ``target [B, S]``; with cp the ids are padded, split as NeMo-RL's load balancing splits the
-    sequence, and the result gathered back). ``inference_only``: no graph. Errors: as
+    """NeMo-RL's ``from_parallel_logits_to_logprobs``: fp32 ``log p(target[:, t+1])``
+    ``[B, S-1]`` from this rank's logits ``[B, S/cp, W]``, ``target [B, S]`` unshifted; ids
+    outside ``[0, W·tp)`` give 0. ``inference_only``: no graph. Errors: as
     :func:`~megatron_vocabstats.vocab_parallel_stats` (``ValueError`` naming the argument)."""
     if _sampling(sampling_params):
         return _fallback("from_parallel_logits_to_logprobs")(
@@ -341,11 +331,11 @@ def from_parallel_hidden_states_to_logprobs(tensor_parallel_hidden_states, outpu
                                             runtime_gather_output, target, vocab_start_index,
                                             vocab_end_index, tp_group, inference_only=False,
                                             cp_group=None, chunk_size=None):
-    """NeMo-RL's ``from_parallel_hidden_states_to_logprobs`` on the fused head: fp32 ``[b,
-    s-1]`` log-probs of ``target [b, s]`` rolled left by one, from this rank's hidden states
-    ``[s/tp, b, H]`` (sequence parallel; ``[s, b, H]`` at tp 1) and output-layer shard ``[W,
-    H]``. Backward: the hidden states' gradient for this rank's shard (reduce-scattered, as
-    NeMo-RL's), the weight's in its dtype. No context parallelism (NeMo-RL: neither)."""
+    """NeMo-RL's ``from_parallel_hidden_states_to_logprobs`` on the fused head: fp32
+    ``[b, s-1]`` log-probs of ``target [b, s]`` rolled left by one, from this rank's hidden states
+    ``[s/tp, b, H]`` (``[s, b, H]`` at tp 1) and output-layer shard ``[W, H]``. Backward: this
+    rank's shard of the hidden states' gradient, the weight's in its dtype. ``cp_group`` of more
+    than one rank raises ``ValueError`` (NeMo-RL: not supported either)."""
     if _size(cp_group) > 1:
         raise ValueError("cp_group: context parallelism is not supported with the fused "
                          "log-probs from hidden states (NeMo-RL: the same)")

@@ -1,23 +1,9 @@
 """``import megatron_vocabstats.integrations.skyrl``: SkyRL's Megatron backend computes its
-log-probs and entropy with the ops.
+log-probs and entropy with the ops (:mod:`.skyrl_ops`), rebound in ``model_utils`` and in the
+Megatron model wrapper that imports them (docs/integrations.md, "SkyRL").
 
-Importing this module calls :func:`apply`, which replaces the eight functions of
-``skyrl.backends.skyrl_train.distributed.megatron.model_utils`` that SkyRL's
-``workers.megatron.megatron_model_wrapper`` imports (there and in that module):
-``from_parallel_logits_to_logprobs[_packed_sequences]`` and
-``vocab_parallel_entropy[_packed_sequences]`` (the unfused path) and
-``from_parallel_hidden_to_logprobs[_packed_sequences]``,
-``_fused_vocab_parallel_entropy_from_hidden`` and
-``from_parallel_hidden_to_entropy_packed_sequences`` (``trainer.fused_lm_head_logprob=true``:
-the LM head fused into the statistics), with the functions of :mod:`.skyrl_ops` (SkyRL's
-signatures and conventions; the differences are logged once). SkyRL's own CP and packing
-helpers (:data:`.skyrl_ops.HELPERS`) are resolved first and kept. Applying twice patches once,
-:func:`remove` restores every original, and a failure patches nothing. In a Ray job every
-worker process must import it (e.g. in a ``sitecustomize`` on the workers' path).
-
-Raises :class:`UnsupportedSkyRLError` (an ``ImportError``) when SkyRL is missing, or a module, a
-name or a signature above moved or changed (a release other than the one this was written for,
-SkyRL 0.3; tested with 0.3.0); then nothing is patched.
+Importing calls :func:`apply`; in a Ray job every worker process must import it (e.g. in a
+``sitecustomize`` on the workers' path).
 """
 
 from __future__ import annotations
@@ -39,8 +25,7 @@ CONSUMERS = {WRAPPER: NAMES}
 
 
 class UnsupportedSkyRLError(UnsupportedFrameworkError):
-    """SkyRL is missing, or its modules, names or signatures are not the ones this integration
-    replaces; nothing was patched."""
+    """SkyRL is missing or its bindings moved; nothing was patched."""
 
 
 FRAMEWORK = Framework(name="SkyRL", distribution="skyrl",
@@ -69,18 +54,14 @@ def _helpers() -> dict:
 
 
 def apply(**options) -> PluginSettings:
-    """Replace SkyRL's log-prob and entropy functions (module docstring) with the ops.
+    """Replace SkyRL's log-prob and entropy functions with the ops; returns the options in force.
 
-    ``options`` (``skyrl_ops.OPTIONS.names``, fields of ``PluginSettings`` with their meaning):
-    ``vocab_size`` (the real V: padding columns get zero probability and ids at or above it
-    give 0; default None, SkyRL's W·tp columns), ``logprobs_chunk_size`` (tokens per fp32
-    chunk of the unfused op, None = auto), ``lm_head_chunk_size`` (tokens per chunk of the
-    fused head, 0 = auto), ``validate`` (default True), ``batch_invariant`` and ``kernel``.
-    Idempotent: what is patched stays; the given options replace the current ones. Returns the
-    options in force.
+    ``options``: fields of ``PluginSettings``, as for :func:`.verl.apply`; with ``vocab_size``
+    ids at or above it give 0. SkyRL's own CP and packing helpers (``skyrl_ops.HELPERS``) are
+    resolved before anything is patched. Idempotent: a second call only replaces the options.
 
     Raises:
-        UnsupportedSkyRLError: SkyRL missing or its names moved (nothing is patched then).
+        UnsupportedSkyRLError: SkyRL missing, or its names or helpers moved (nothing is patched).
         ValueError, TypeError: an unknown or invalid option (nothing is patched then).
     """
     return FRAMEWORK.apply(options, before=lambda: skyrl_ops.set_helpers(_helpers()))

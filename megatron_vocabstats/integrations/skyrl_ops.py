@@ -1,35 +1,9 @@
-"""SkyRL's Megatron log-prob and entropy functions, computed by the ops: the replacements that
-:mod:`megatron_vocabstats.integrations.skyrl` binds in SkyRL's modules.
-
-Each function takes the arguments of the SkyRL function it replaces and returns what that one
-returns (shape, dtype, layout). What SkyRL 0.3 computes (read from the wheel ``skyrl==0.3.0``,
-``skyrl/backends/skyrl_train/distributed/megatron/model_utils.py``; the same at NovaSky-AI/SkyRL
-``a956457``):
-
-- ``from_parallel_logits_to_logprobs(vocab_parallel_logits [B, S/cp, W], target [B, S], ...)``:
-  the targets rolled left by one (the next token), padded to ``S/cp * cp`` and split for context
-  parallelism (chunks ``r`` and ``2cp-1-r``), fp32 ``log p`` over the ``W * tp`` columns, the CP
-  shards gathered back, the padding and the last position dropped: fp32 ``[B, S - 1]``. An id
-  outside ``[vocab_start_index, vocab_end_index)`` of every rank gives 0;
-- ``..._packed_sequences(logits [1, T/cp, W], target [1, T], cu_seqlens_padded, unpacked_seqlen,
-  ...)``: the same per packed sequence (rolled within each sequence), scattered back to fp32
-  ``[B, unpacked_seqlen - 1]`` by ``attention_mask``, ``sub_seq_lengths`` or the padded
-  sequence offsets, zeros elsewhere;
-- ``from_parallel_hidden_to_logprobs[_packed_sequences]``: the same from the decoder's hidden
-  states ``[B, S, H]`` (gathered over sequence parallelism by SkyRL's output processor, whose
-  backward reduce-scatters: ``d hidden`` is this rank's share) and the weight shard ``[W, H]``,
-  the logits rounded to the weight's dtype, ``temperature`` applied to the weight;
-- ``vocab_parallel_entropy(logits [..., W])``: entropy in the logits' dtype on Megatron's
-  tensor-parallel group, with a gradient; ``vocab_parallel_entropy_packed_sequences``: the mean
-  over action tokens of that, ``(metric, term for the loss)``;
-- ``_fused_vocab_parallel_entropy_from_hidden(hidden [B, S, H], weight, tp_group, ...)``: fp32
-  ``[B, S]`` entropy without a correct gradient (a metric; its all-reduces are outside
-  autograd), and ``from_parallel_hidden_to_entropy_packed_sequences`` on it.
-
-Kept as SkyRL's own code: the CP split and gather and the packed index helpers (the private
-functions of ``model_utils`` listed in :data:`HELPERS`, resolved by ``skyrl.apply``), and the two
-packed entropy functions whole (their per-token entropy is the replaced name they look up in
-``model_utils``). The differences are logged once per function (:data:`NOTES`).
+"""SkyRL's Megatron log-prob and entropy functions on the ops: the replacements that
+:mod:`megatron_vocabstats.integrations.skyrl` binds, with SkyRL's signatures and conventions as
+read from the ``skyrl==0.3.0`` wheel
+(``skyrl/backends/skyrl_train/distributed/megatron/model_utils.py``). SkyRL's CP split/gather and
+packed-index helpers and its two packed entropy functions (:data:`HELPERS`) stay SkyRL's code.
+Conventions and differences (:data:`NOTES`, logged once): docs/integrations.md, "SkyRL".
 """
 
 from __future__ import annotations
@@ -175,9 +149,8 @@ def _unpadded(row_fn, target, local_len, cp_group):
 
 def _packed(row_fn, target, cu_seqlens_padded, unpacked_seqlen, cp_group, attention_mask,
             sub_seq_lengths):
-    """SkyRL's packed layout: each sequence's targets rolled within it, this CP rank's tokens
-    (SkyRL's load-balanced split), ``row_fn(targets [1, T/cp])``, the CP shards gathered, then
-    scattered back to ``[B, unpacked_seqlen - 1]`` (zeros where no next token is known)."""
+    """SkyRL's packed layout around ``row_fn(targets [1, T/cp])``: targets rolled within each
+    sequence and split over cp, results gathered and scattered to ``[B, unpacked_seqlen - 1]``."""
     indices = _helper("_packed_sequence_indices")
     target = target.squeeze(0)
     total, device = target.shape[0], target.device
@@ -217,9 +190,9 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_
                                      vocab_end_index, tp_group, inference_only=False,
                                      cp_group=None, chunk_size=None):
     """SkyRL's ``from_parallel_logits_to_logprobs``: fp32 ``[B, S - 1]`` log-probs of the next
-    token of ``target [B, S]`` from this rank's shard ``[B, S/cp, W]`` (module docstring).
-    ``inference_only``: computed without autograd. Raises ``ValueError`` naming the argument
-    for bad input (:func:`~megatron_vocabstats.vocab_parallel_stats`)."""
+    token of ``target [B, S]`` from this rank's shard ``[B, S/cp, W]``; an id outside the
+    vocabulary gives 0. ``inference_only``: computed without autograd. Raises ``ValueError``
+    naming the argument (:func:`~megatron_vocabstats.vocab_parallel_stats`)."""
     del chunk_size
     OPTIONS.note_once("from_parallel_logits_to_logprobs")
     return _unpadded(lambda t: _logits_core(vocab_parallel_logits, t, vocab_start_index,
@@ -231,8 +204,8 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         vocab_parallel_logits, target, cu_seqlens_padded, unpacked_seqlen, vocab_start_index,
         vocab_end_index, group, inference_only=False, cp_group=None, chunk_size=None,
         attention_mask=None, sub_seq_lengths=None):
-    """SkyRL's packed variant: ``vocab_parallel_logits [1, T/cp, W]``, ``target [1, T]``;
-    fp32 ``[B, unpacked_seqlen - 1]`` (module docstring)."""
+    """SkyRL's packed variant: ``vocab_parallel_logits [1, T/cp, W]``, ``target [1, T]``; fp32
+    ``[B, unpacked_seqlen - 1]``, zeros where no next token is known."""
     del chunk_size
     OPTIONS.note_once("from_parallel_logits_to_logprobs_packed_sequences")
     logits = vocab_parallel_logits.squeeze(0).unsqueeze(0)
@@ -298,9 +271,8 @@ def vocab_parallel_entropy_packed_sequences(vocab_parallel_logits, cu_seqlens_pa
 def _fused_vocab_parallel_entropy_from_hidden(hidden, lm_head_weight, tp_group, chunk_size=None,
                                               temperature=1.0):
     """SkyRL's fused per-token entropy: fp32 ``[B, S]`` of ``hidden [B, S, H] @
-    lm_head_weight.T / temperature``. With gradients enabled (SkyRL's ``use_entropy_loss``) it
-    is differentiable: ``d hidden`` this rank's share (SkyRL's sequence-parallel gather sums
-    it), the weight shard's gradient; otherwise a metric (nothing saved)."""
+    lm_head_weight.T / temperature``. With gradients enabled (SkyRL's ``use_entropy_loss``)
+    differentiable, ``d hidden`` this rank's share; otherwise a metric (nothing saved)."""
     del chunk_size
     OPTIONS.note_once("_fused_vocab_parallel_entropy_from_hidden")
     mode = "grad" if torch.is_grad_enabled() else "metric"

@@ -1,22 +1,8 @@
 """``import megatron_vocabstats.integrations.slime``, or slime's own hook
 ``--custom-megatron-init-path megatron_vocabstats.integrations.slime.apply``: slime's Megatron
-trainer computes its log-probs and entropy with the ops.
-
-Applying replaces ``calculate_log_probs_and_entropy`` where slime defines it
-(``slime.utils.ppo_utils``) and where its Megatron loss binds it at import
-(``slime.backends.megatron_utils.loss``, whose ``get_log_probs_and_entropy`` calls it once per
-packed row, for the policy loss, the log-prob recompute and the reference model) with
-:func:`.slime_ops.calculate_log_probs_and_entropy` (slime's signature and conventions; the
-differences are logged once). Names read at THUDM/slime ``624b824`` (slime 0.3.1). Every
-replacement carries the marker of ``megatron._patching`` and ``__wrapped__`` (slime's original):
-applying twice patches once, :func:`remove` restores, and a failure patches nothing.
-
-slime's hook runs ``load_function(path)(args)`` in every Megatron actor process after Megatron's
-initialisation (``slime/backends/megatron_utils/initialize.py``), so :func:`apply` takes slime's
-``args`` as an optional first argument (not read).
-
-Raises :class:`UnsupportedSlimeError` (an ``ImportError``) when slime is missing, or a module,
-the name or its signature moved; then nothing is patched.
+trainer computes its log-probs and entropy with the ops (:mod:`.slime_ops`), rebound where slime
+defines and binds ``calculate_log_probs_and_entropy`` (read at THUDM/slime ``624b824``, slime
+0.3.1; docs/integrations.md, "slime").
 """
 
 from __future__ import annotations
@@ -33,7 +19,6 @@ from ._framework import Framework, UnsupportedFrameworkError
 __all__ = ["UnsupportedSlimeError", "apply", "remove", "is_applied", "patched_names",
            "DEFINITIONS", "CONSUMERS", "TESTED", "slime_version"]
 
-# The slime releases whose names and conventions slime_ops was written against (major.minor).
 TESTED = ("0.3",)
 
 DEFINITIONS = {
@@ -41,15 +26,13 @@ DEFINITIONS = {
         "calculate_log_probs_and_entropy": slime_ops.calculate_log_probs_and_entropy,
     },
 }
-# slime's Megatron loss binds the name at import (``from slime.utils.ppo_utils import ...``).
 CONSUMERS = {
     "slime.backends.megatron_utils.loss": ("calculate_log_probs_and_entropy",),
 }
 
 
 class UnsupportedSlimeError(UnsupportedFrameworkError):
-    """slime is missing, or its modules, names or signatures are not the ones this integration
-    replaces; nothing was patched."""
+    """slime is missing or its bindings moved; nothing was patched."""
 
 
 def slime_version() -> str | None:
@@ -76,16 +59,13 @@ remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAM
 
 
 def apply(args=None, /, **options) -> PluginSettings:
-    """Replace slime's ``calculate_log_probs_and_entropy`` (module docstring) with the ops.
+    """Replace slime's ``calculate_log_probs_and_entropy`` with the ops; returns the options in
+    force.
 
-    ``args``: what slime's ``--custom-megatron-init-path`` hook passes (its argument namespace;
-    not read). ``options`` (fields of ``PluginSettings``, as for the verl integration):
-    ``vocab_size`` (the real V: padding columns get zero probability and ids ``>= vocab_size``
-    count as outside the vocabulary; default None, slime's W·tp columns),
-    ``logprobs_chunk_size`` (tokens per fp32 chunk, None = auto), ``validate`` (default True),
-    ``batch_invariant`` and ``kernel`` (``lm_head_chunk_size`` is accepted and unused: slime has
-    no fused path). Idempotent; the given options replace the current ones. Returns the options
-    in force.
+    ``args``: the namespace slime's hook passes (``load_function(path)(args)``); not read.
+    ``options``: fields of ``PluginSettings``, as for :func:`.verl.apply`; with ``vocab_size`` an
+    id ``>= vocab_size`` counts as outside the vocabulary; ``lm_head_chunk_size`` is accepted and
+    unused (slime has no fused path). Idempotent: a second call only replaces the options.
 
     Raises:
         UnsupportedSlimeError: slime missing or its names moved (nothing is patched then).

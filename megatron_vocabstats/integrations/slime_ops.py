@@ -1,21 +1,7 @@
-"""slime's ``calculate_log_probs_and_entropy``, computed by the ops: the replacement that
-:mod:`megatron_vocabstats.integrations.slime` binds in slime's modules.
-
-What slime computes (read at THUDM/slime ``624b824``, ``slime/utils/ppo_utils.py``; slime's
-caller ``slime/backends/megatron_utils/loss.py:get_log_probs_and_entropy`` passes one packed row
-of Megatron's fp32 logits ``[T, W]``, already divided by ``rollout_temperature`` and with the
-targets already shifted, one id per position):
-
-- ``log_prob`` ``[T, 1]`` fp32: ``z_t - logZ`` over the W·tp columns of the shards (padding
-  included). An id outside every shard (negative, or ``>= W·tp``) gives ``max z - logZ`` with the
-  gradient ``-p``: never an error.
-- ``entropy`` ``[T]`` fp32 ``+H`` in nats when ``with_entropy`` (else None); differentiable only
-  when ``with_entropy_grad`` too.
-- ``log_prob_keep_mask`` (bool ``[T, W]``, this shard's columns; top-p replay): the log-prob is
-  normalised over the kept columns plus the target's own column; the entropy over all of them.
-- An empty row (``T = 0``): ``[0]`` tensors in the logits' dtype.
-- ``tp_group`` None: the default group once torch.distributed is initialised, else no tensor
-  parallelism; ``chunk_size > 0`` splits the tokens (the values do not depend on it).
+"""slime's ``calculate_log_probs_and_entropy`` on the ops: the replacement that
+:mod:`megatron_vocabstats.integrations.slime` binds, with slime's conventions as read at
+THUDM/slime ``624b824`` (``slime/utils/ppo_utils.py``). Conventions and differences
+(:data:`NOTES`, logged once): docs/integrations.md, "slime".
 """
 
 from __future__ import annotations
@@ -81,10 +67,9 @@ def _peak(z, start, limit, group):
 
 
 def _outside(z, tokens, start, limit, group):
-    """slime's rule for ids outside ``[0, limit)``: ``max z - logZ`` with gradient ``-p``. Returns
-    the targets to score (each such id replaced by the row's argmax, whose log-prob is
-    ``max z - logZ``) and a correction to add: zero, whose gradient ``-1`` at the argmax column
-    (on the rank holding it) cancels the argmax's one-hot. None when every id is inside."""
+    """slime's rule for ids outside ``[0, limit)``, ``max z - logZ`` with gradient ``-p``: returns
+    the targets (each such id replaced by the row's argmax) and a zero correction whose gradient
+    cancels the argmax's one-hot on the rank holding it; None for it when every id is inside."""
     outside = (tokens < 0) | (tokens >= limit)
     count = outside.sum()
     if group is not None and dist.get_world_size(group) > 1:
@@ -101,13 +86,14 @@ def _outside(z, tokens, start, limit, group):
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy: bool = False,
                                     chunk_size: int = -1, log_prob_keep_mask=None,
                                     with_entropy_grad: bool = True):
-    """slime's ``calculate_log_probs_and_entropy`` (module docstring) on
+    """slime's ``calculate_log_probs_and_entropy`` on
     :func:`~megatron_vocabstats.vocab_parallel_stats`.
 
     Args:
         logits: this rank's shard ``[T, W]`` of one packed row (rank r holds ids
             ``[r W, (r+1) W)``), bf16/fp16/fp32; never modified.
-        tokens: integer global ids ``[T]`` (already shifted by slime's caller).
+        tokens: integer global ids ``[T]`` (already shifted by slime's caller); an id outside
+            every shard gives ``max z - logZ`` with gradient ``-p`` (slime's rule).
         tp_group: the tensor-parallel group; None: the default group if torch.distributed is
             initialised, else none (slime's rule).
         with_entropy: also return the entropy; ``with_entropy_grad``: make it differentiable.

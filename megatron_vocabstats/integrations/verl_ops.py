@@ -1,25 +1,8 @@
-"""verl's vocab-parallel log-prob and entropy functions, computed by the ops: the replacements
-that :mod:`megatron_vocabstats.integrations.verl` binds in verl's modules.
-
-Each function takes the arguments of the verl function it replaces and returns what that one
-returns (sign, dtype, shape). The first call of each logs once (rank 0, logger
-``megatron_vocabstats``, WARNING) the conventions in which it differs. What verl 0.9 computes
-(read from the wheel verl-0.9.1: ``verl/utils/megatron/tensor_parallel.py``,
-``verl/utils/kernel/linear_cross_entropy.py`` and ``kernels.py``):
-
-- ``vocab_parallel_log_probs_from_logits(logits, labels)``: minus Megatron's
-  ``tensor_parallel.vocab_parallel_cross_entropy`` on Megatron's tensor-parallel group: fp32
-  ``log p(label)`` shaped like ``labels``, normalised over the W·tp columns of the shards;
-- ``vocab_parallel_entropy(vocab_parallel_logits)``: ``+H`` in nats, in the logits' dtype,
-  shaped like ``logits.shape[:-1]``;
-- ``vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048)``: the same in
-  fp32, ``chunk_size`` positions of dim 1 at a time;
-- ``linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
-  dist_process_group=None)``: the LM head ``hidden @ weight.T`` (``weight`` this rank's shard
-  ``[W, H]``) times ``1 / temperature`` and its statistics in Triton kernels (CUDA only), fp32
-  ``(logprobs, entropy)`` over the flattened tokens (``logprobs`` summed or averaged with
-  ``reduction="sum" | "mean"``); its backward returns this rank's share of ``d_hidden``, which
-  the caller sums over tp (the backward of its sequence-parallel gather).
+"""verl's vocab-parallel log-prob and entropy functions on the ops: the replacements that
+:mod:`megatron_vocabstats.integrations.verl` binds. Each takes the arguments of verl's function
+and returns what it returns (sign, dtype, shape), as read from the verl 0.9.1 wheel
+(``verl/utils/megatron/tensor_parallel.py``, ``verl/utils/kernel/linear_cross_entropy.py``).
+Conventions and differences (:data:`NOTES`, logged once per function): docs/verl.md.
 """
 
 from __future__ import annotations
@@ -74,8 +57,7 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     """verl's ``vocab_parallel_log_probs_from_logits``: fp32 ``log p(labels)`` in nats, shaped
     like ``labels`` (int64 global ids), from this rank's logits shard ``[..., W]`` on Megatron's
     tensor-parallel group (none when ``parallel_state`` is not initialised). Method and errors:
-    :func:`~megatron_vocabstats.vocab_parallel_stats` (``ValueError`` naming the argument for bad
-    input)."""
+    :func:`~megatron_vocabstats.vocab_parallel_stats` (``ValueError`` naming the argument)."""
     _note_once("vocab_parallel_log_probs_from_logits")
     return vocab_parallel_stats(logits, labels, **_unfused("off")).logprobs
 
@@ -106,19 +88,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     :func:`~megatron_vocabstats.linear_vocab_parallel_stats`.
 
     Args:
-        hidden: ``[..., H]`` bf16/fp16/fp32 hidden states, the whole sequence on every rank of
-            ``dist_process_group`` (verl gathers a sequence-parallel shard first); flattened to
-            ``[N, H]``.
+        hidden: ``[..., H]`` bf16/fp16/fp32, the whole sequence on every rank of
+            ``dist_process_group``; flattened to ``[N, H]``.
         weight: this rank's shard ``[W, H]`` of the output layer, dtype and device of ``hidden``.
-        labels: int64 global ids, ``N`` of them in any shape (flattened as verl does).
-        temperature: a real number > 0; the logits are divided by it.
+        labels: int64 global ids, ``N`` of them in any shape.
+        temperature: > 0; the logits are divided by it.
         reduction: ``"none"``, or ``"sum"`` / ``"mean"`` of the log-probs over the ``N`` tokens.
         dist_process_group: the tensor-parallel group, None for no tensor parallelism.
 
     Returns:
-        ``(logprobs, entropy)``, fp32: ``logprobs`` ``[N]`` (a 0-d tensor for "sum"/"mean"),
-        ``entropy`` ``[N]``, in nats. Backward: ``d_hidden`` is this rank's share (verl's
-        convention, ``partial_hidden_grad=True``), ``d_weight`` the gradient of the shard.
+        ``(logprobs, entropy)``, fp32 in nats: ``logprobs`` ``[N]`` (0-d for "sum"/"mean"),
+        ``entropy`` ``[N]``. Backward: ``d_hidden`` is this rank's share (verl's convention,
+        ``partial_hidden_grad=True``), ``d_weight`` the gradient of the shard.
 
     Raises:
         ValueError: an unknown ``reduction``, and everything ``linear_vocab_parallel_stats``

@@ -1,19 +1,14 @@
-"""``vocabstats-patch-megatron``: add the plugin's import to a Megatron-LM checkout's script.
+"""``vocabstats-patch-megatron`` (also ``python -m megatron_vocabstats.megatron_lm``): add the
+plugin's import to a Megatron-LM checkout's ``pretrain_gpt.py``.
 
     vocabstats-patch-megatron /path/to/Megatron-LM            # apply the patch of its release
     vocabstats-patch-megatron /path/to/Megatron-LM --check    # only verify; writes nothing
     vocabstats-patch-megatron /path/to/Megatron-LM --insert   # any release or an edited script
     vocabstats-patch-megatron --list                          # the shipped patches and their tags
 
-(also ``python -m megatron_vocabstats.megatron_lm``). The release comes from the checkout's
-``megatron/core/package_info.py`` (``--release`` overrides it); the patch of that release line is
-applied to ``pretrain_gpt.py`` exactly as ``git apply`` would (:func:`.releases.apply_to_text`).
-``--insert`` makes the same change without a patch: the line after the script's first ``import
-torch`` (:func:`.inserter.add_import`). A script that already imports the plugin is left alone.
-
-Exit status: 0 when the script imports the plugin afterwards (or, with ``--check``, would), 1 when
-the patch does not apply (nothing written), 2 for bad input (a path that is not a checkout, a
-release without a shipped patch); messages go to stdout, errors to stderr as ``error: ...``.
+Exit status: 0 when the script imports the plugin afterwards (or, with ``--check``, would), 1
+when the patch does not apply (nothing written), 2 for bad input; errors go to stderr as
+``error: ...``. Details: docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -53,11 +48,8 @@ def _list() -> int:
 
 def run(argv=None) -> tuple[int, str]:
     """The command; returns ``(exit status, message)`` and writes the script unless ``--check``.
-
-    Raises ``ValueError`` for bad input (no checkout path, a path without
-    ``megatron/core/package_info.py`` or ``pretrain_gpt.py``, a release without a shipped patch)
-    and ``OSError`` when the script cannot be read or written.
-    """
+    Raises ``ValueError`` for bad input (no checkout, no ``pretrain_gpt.py``, a release without a
+    shipped patch) and ``OSError`` when the script cannot be read or written."""
     args = _parser().parse_args(argv)
     if args.list:
         return _list(), ""

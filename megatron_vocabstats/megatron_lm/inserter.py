@@ -1,9 +1,6 @@
-"""The plugin's one import line and where it goes in a Megatron-LM training script (any release).
-
-``import megatron_vocabstats.patch`` goes right after the script's first ``import torch`` line:
-every Megatron-LM release's ``pretrain_gpt.py`` has one, and it precedes argument parsing and
-model building. The shipped per-release patches (:mod:`.releases`) are this change made on each
-release's script, so the patches and the inserter cannot disagree.
+"""The plugin's import line and where it goes in a Megatron-LM training script (any release):
+right after the first ``import torch`` line, which every release's ``pretrain_gpt.py`` has before
+argument parsing and model building. The shipped patches (:mod:`.releases`) are this change.
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ def has_import(text: str) -> bool:
 
 def add_import(text: str) -> str:
     """``text`` with :data:`LINE` (after a blank line) following its first ``import torch`` line;
-    unchanged if it already imports the plugin.
-
-    Raises ``ValueError`` when the script has no line that is exactly ``import torch``.
-    """
+    unchanged if it already imports the plugin. Raises ``ValueError`` when no line is exactly
+    ``import torch``."""
     if has_import(text):
         return text
     lines = text.splitlines(keepends=True)

@@ -1,24 +1,11 @@
 """The shipped per-release ``pretrain_gpt.py`` patches: which release each fits, applying one.
 
-Each ``pretrain_gpt.core_v0.NN.patch`` (in the repository's top-level ``patches/``, which a wheel
-installs as ``megatron_lm/patches/``; :func:`patches_dir` finds either) records the Megatron-LM
-release tag (``main`` for a line not yet tagged) and upstream commit it was made from (its first
-lines; ``git apply`` and ``patch`` skip them) and is :func:`.inserter.add_import`'s change of that
-commit's script: one hunk, three lines of context on each side, so it applies exactly (no fuzz).
+Each ``pretrain_gpt.core_v0.NN.patch`` records the Megatron-LM tag and commit it was made from
+(header lines that ``git apply`` skips) and is :func:`.inserter.add_import`'s change of that
+commit's script: one hunk, three lines of context, applied exactly (no fuzz). Maintainers check
+them against a clone holding the tags (``--write`` regenerates them)::
 
-For users: :func:`release_of` reads a checkout's release from ``megatron/core/package_info.py``
-and :func:`apply_to_text` applies a patch to a script the way ``git apply`` does without fuzz
-(the pre-image must match exactly; the hunk may sit at another line). The command line is
-:mod:`.cli` (``vocabstats-patch-megatron``).
-
-For maintainers, against a Megatron-LM clone holding the release tags::
-
-    python -m megatron_vocabstats.megatron_lm.releases /path/to/Megatron-LM          # check all
-    python -m megatron_vocabstats.megatron_lm.releases /path/to/Megatron-LM --write  # regenerate
-
-The check extracts each recorded commit's script into a temporary directory and runs ``git apply
---check`` there; ``--write`` makes each patch from that commit's script with the inserter. Exit
-status 1 when a patch does not apply.
+    python -m megatron_vocabstats.megatron_lm.releases /path/to/Megatron-LM [--write]
 """
 
 from __future__ import annotations
@@ -51,13 +38,9 @@ PACKAGE_INFO = os.path.join("megatron", "core", "package_info.py")
 
 
 def patches_dir() -> str:
-    """The folder of the shipped patches: ``patches/`` next to this module in an installed wheel
-    (pyproject.toml maps the repository's ``patches/`` there), else the repository's top-level
-    ``patches/`` (a source checkout or an editable install, where the module runs from the
-    repository). The one lookup: everything else goes through :func:`patch_path`.
-
-    Raises ``FileNotFoundError`` naming both places when neither exists (a broken install).
-    """
+    """The shipped patches' folder: ``patches/`` next to this module (an installed wheel), else the
+    repository's top-level ``patches/`` (a source checkout or an editable install). Raises
+    ``FileNotFoundError`` naming both when neither exists."""
     installed, source = os.path.join(HERE, "patches"), os.path.join(REPO, "patches")
     if os.path.isdir(installed):
         return installed
@@ -84,8 +67,7 @@ def header(release: str) -> str:
 
 
 def make_patch(release: str, original: str) -> str:
-    """The patch of ``original`` (``pretrain_gpt.py`` of ``release``) that :func:`add_import`
-    makes."""
+    """The patch :func:`add_import` makes of ``original``, ``release``'s ``pretrain_gpt.py``."""
     diff = difflib.unified_diff(original.splitlines(keepends=True),
                                 add_import(original).splitlines(keepends=True),
                                 f"a/{SCRIPT}", f"b/{SCRIPT}", n=3)
@@ -118,12 +100,9 @@ def read_hunk(text: str) -> Hunk:
 
 
 def apply_to_text(patch: str, text: str) -> str:
-    """``text`` with the patch's hunk applied, as ``git apply`` does without fuzz: the pre-image
-    must occur exactly (the occurrence nearest the stated line wins).
-
-    Raises ``ValueError`` when the pre-image does not occur (another release, or an edited
-    script).
-    """
+    """``text`` with the patch's hunk applied as ``git apply`` does without fuzz: the pre-image must
+    occur exactly (the occurrence nearest the stated line wins). Raises ``ValueError`` when it does
+    not (another release, or an edited script)."""
     hunk = read_hunk(patch)
     lines = text.splitlines(keepends=True)
     n = len(hunk.old)
@@ -136,10 +115,8 @@ def apply_to_text(patch: str, text: str) -> str:
 
 
 def release_of(megatron_lm: str) -> str:
-    """``"0.19"`` for a Megatron-LM checkout, read from its ``megatron/core/package_info.py``.
-
-    Raises ``ValueError`` naming the file when it is missing or has no ``MAJOR``/``MINOR``.
-    """
+    """``"0.19"`` for a Megatron-LM checkout, read from its ``megatron/core/package_info.py``;
+    ``ValueError`` naming the file when it is missing or has no ``MAJOR``/``MINOR``."""
     path = os.path.join(megatron_lm, PACKAGE_INFO)
     try:
         with open(path, encoding="utf-8") as f:

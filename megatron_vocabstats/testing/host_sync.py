@@ -1,17 +1,10 @@
-"""Public test utilities: prove that a code path never synchronises with the host.
+"""Public test utilities: prove that a code path never synchronises with the host, as a CUDA
+graph requires. :func:`forbid_host_sync` turns each host read or value-dependent output shape
+into an error, on CPU as on GPU, so a CPU-only unit test can show a hot path is graph-safe.
 
-A CUDA graph replays kernels only; anything that reads a device value on the host (``.item()``,
-``.tolist()``, ``bool(t)`` in an ``if``, ``torch.equal``) or that needs a value to know an output
-shape (``nonzero``, ``masked_select``, ``unique``, ``x[mask]``) either breaks capture or stalls the
-stream. :func:`forbid_host_sync` turns each of those into an immediate error, on CPU as on GPU, so
-a unit test on a CPU-only machine can show that a hot path is graph-safe.
-
-Method: a ``TorchDispatchMode`` inspects every aten op that runs (using the op tags
-``data_dependent_output`` and ``dynamic_output_shape`` that torch itself attaches for
-``torch.compile``), and a ``TorchFunctionMode`` catches the ``Tensor`` methods that copy data to
-Python without going through an aten op (``tolist``, ``numpy``, ``__array__``).
-
-Import it from :mod:`megatron_vocabstats.testing`.
+Method: a ``TorchDispatchMode`` checks every aten op against the tags torch attaches for
+``torch.compile`` (``data_dependent_output``, ``dynamic_output_shape``), and a
+``TorchFunctionMode`` catches the ``Tensor`` methods that copy data to Python without an aten op.
 """
 
 from __future__ import annotations
@@ -113,31 +106,28 @@ class _FunctionGuard(TorchFunctionMode):
 def forbid_host_sync(*, allow: Iterable[str] = ()) -> Iterator[None]:
     """Raise :class:`HostSyncError` on any op inside the block that would synchronise with the host.
 
-    Rejected (on every device, so CPU tests catch what would stall a GPU):
+    Rejected on every device (so CPU tests catch what would stall a GPU):
 
-    * ops that read a value on the host, i.e. torch's ``data_dependent_output`` tag:
-      ``aten._local_scalar_dense`` (behind ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``,
-      ``if t:``, f-strings of 0-d tensors), ``aten.equal`` (``torch.equal``), ``aten.allclose``,
-      and ``aten.is_nonzero``;
+    * ops that read a value on the host (torch's ``data_dependent_output`` tag):
+      ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``, ``if t:``, f-strings
+      of 0-d tensors), ``aten.equal``, ``aten.allclose`` and ``aten.is_nonzero``;
     * ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__array__``;
-    * ops whose output shape depends on values (torch's ``dynamic_output_shape`` tag):
-      ``nonzero``, ``argwhere``, ``masked_select``, ``unique``/``unique_consecutive``,
-      ``bincount``, ``repeat_interleave`` without ``output_size``, and indexing or index-put with
-      a boolean (or uint8) mask; integer-tensor indexing is allowed;
+    * ops whose output shape depends on values (``dynamic_output_shape``): ``nonzero``,
+      ``argwhere``, ``masked_select``, ``unique``/``unique_consecutive``, ``bincount``,
+      ``repeat_interleave`` without ``output_size``, and indexing or index-put with a boolean (or
+      uint8) mask; integer-tensor indexing is allowed;
     * copies from a non-CPU device to the CPU (``.cpu()``, ``.to("cpu")``, ``copy_``).
 
     Args:
         allow: op names to let through, as ``func.name()`` (``"aten::nonzero"``), ``str(func)``
-            (``"aten.nonzero.default"``) or a method name above (``"Tensor.tolist"``). For code
+            (``"aten.nonzero.default"``) or a method name above (``"Tensor.tolist"``), for code
             that syncs on purpose, e.g. a validation branch.
 
     Raises:
         HostSyncError: at the first offending op, naming it.
 
-    Limits: only ops torch runs in this thread (and the autograd threads, which inherit the modes)
-    are seen; syncs inside a C++ kernel or a custom extension that bypass the dispatcher are not.
-    Shapes and Python numbers are free: ``x.shape[0]``, ``range(n)`` over ints, ``torch.tensor``
-    from Python lists all pass.
+    Limits: only ops torch dispatches in this thread (and the autograd threads, which inherit the
+    modes) are seen, not syncs inside a C++ kernel or extension. Shapes and Python numbers are free.
     """
     allowed = frozenset(allow)
     with _DispatchGuard(allowed), _FunctionGuard(allowed):

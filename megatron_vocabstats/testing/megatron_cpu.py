@@ -1,13 +1,5 @@
-"""CPU shims that let Megatron-Core's ``GPTModel`` run without CUDA (tests, CPU examples).
-
-Megatron-Core builds three things on ``cuda`` unconditionally: the global memory buffer that
-tensor/sequence-parallel all-gathers borrow from, the default causal attention mask, and the CUDA
-RNG tracker that model-parallel initialisation forks. :func:`install_cpu_shims` replaces exactly
-those three, on CPU-only machines only; it is a no-op when CUDA is available. Its pipeline
-schedules also create a counter on ``cuda``: run them inside :func:`cuda_factories_on_cpu`.
-:func:`tag_torch_norm_for_sequence_parallel` lets Megatron's torch LayerNorm (used without Apex
-or transformer-engine) run under sequence parallelism, for tests of that layout. None of this is
-part of the plugin's training path, nor applied by ``import megatron_vocabstats.patch``.
+"""CPU shims that let Megatron-Core's ``GPTModel`` run without CUDA, for the tests and the CPU
+examples (docs/megatron.md); not part of the plugin's training path.
 """
 
 from __future__ import annotations
@@ -69,12 +61,9 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
 
 
 def cuda_factories_on_cpu():
-    """A context in which tensor factories asked for ``device="cuda"`` build on the CPU instead.
-
-    Megatron's pipeline schedules create their token counter with ``torch.zeros(...,
-    device="cuda")`` unconditionally; wrap ``get_forward_backward_func()(...)`` in this to run
-    them on a CPU-only machine. A no-op context when CUDA is available.
-    """
+    """A context in which tensor factories asked for ``device="cuda"`` build on the CPU; a no-op
+    with CUDA. Wrap Megatron's pipeline schedules (``get_forward_backward_func()(...)``, whose
+    token counter is made on ``cuda`` unconditionally) in it on a CPU-only machine."""
     return contextlib.nullcontext() if torch.cuda.is_available() else _CudaFactoriesOnCpu()
 
 
@@ -96,12 +85,13 @@ def _cpu_memory_buffer():
 
 
 def install_cpu_shims() -> bool:
-    """Install the three CPU shims if CUDA is absent; returns True if they are (now) installed.
+    """Replace what Megatron-Core builds on ``cuda`` unconditionally (the global memory buffer, the
+    default causal masks, the CUDA RNG tracker) with CPU versions when CUDA is absent; returns
+    True if they are (now) installed.
 
-    Call after ``parallel_state.initialize_model_parallel`` (which creates the global memory
-    buffer) and before building the model. Idempotent; after Megatron's state was torn down and
-    made again (``training.destroy_global_state``, in-process restart) it replaces the new
-    memory buffer too.
+    Call after ``parallel_state.initialize_model_parallel`` (which creates the memory buffer) and
+    before building the model. Idempotent; after Megatron's state was torn down and made again it
+    replaces the new memory buffer too.
     """
     global _INSTALLED
     if torch.cuda.is_available():
@@ -130,17 +120,10 @@ def install_cpu_shims() -> bool:
 
 
 def tag_torch_norm_for_sequence_parallel() -> None:
-    """Test support: Megatron's torch norm (``WrappedTorchNorm``, its LayerNorm without Apex or
-    transformer-engine) under ``sequence_parallel``, tagged as Apex's norm is. Idempotent.
-
-    Megatron asserts ``not config.sequence_parallel`` there because torch's norm parameters lack
-    the ``sequence_parallel`` attribute: under sequence parallelism each tp rank normalises its
-    own sequence shard, so the norm's weight and bias gradients are partial sums, and
-    ``finalize_model_grads`` all-reduces over tp exactly the parameters carrying that attribute
-    (Apex's ``FusedLayerNorm`` sets it from the config). This builds the same torch norm (the
-    assert passed with the flag off during construction only) and sets the attribute the way
-    Apex does; the forward is per token and needs nothing else.
-    """
+    """Test support: let Megatron's torch norm (``WrappedTorchNorm``, used without Apex or
+    transformer-engine) run under ``sequence_parallel``, its parameters tagged
+    ``sequence_parallel`` as Apex's are so that ``finalize_model_grads`` all-reduces their partial
+    gradients over tp (docs/fused-head.md). Idempotent."""
     from megatron.core.transformer import torch_norm
 
     build = torch_norm.WrappedTorchNorm.__new__
