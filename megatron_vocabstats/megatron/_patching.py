@@ -1,8 +1,7 @@
 """Reversible attribute replacement with markers: applying twice is a no-op, removal is exact.
 
-Every replacement carries ``__wrapped__`` (the original) and the :data:`MARKER` attribute, so a
-second application sees that the binding is already ours. :data:`PATCHER` lives here, not in
-``megatron_vocabstats.patch``, so that reloading that module cannot forget what was replaced.
+:data:`PATCHER` lives here, not in ``megatron_vocabstats.patch``, so that reloading that module
+cannot forget what was replaced.
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ class Patcher:
         return getattr(obj, MARKER, False) is True
 
     def replace(self, owner, name: str, make_replacement) -> bool:
-        """Bind ``make_replacement(original)`` as ``owner.name`` unless it is ours already.
-
-        ``original`` is what a call through ``owner.name`` reaches now. Returns True if patched.
-        """
+        """Bind ``make_replacement(original)`` as ``owner.name`` (``original``: what a call through
+        it reaches now) unless it is ours already; True if patched."""
         current = getattr(owner, name)
         if self.is_ours(current):
             return False

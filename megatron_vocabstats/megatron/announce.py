@@ -1,26 +1,8 @@
 """The one log line that says the plugin is on, and how: rank 0, first loss of the run, once.
 
-The patched call sites (:mod:`.model`) call :func:`once` with the module and the settings of the
-call; the first call of the process logs, on global rank 0 only, one ``INFO`` record on the
-``megatron_vocabstats`` logger, which Megatron's training loop prints at its default level (its
-``logging.basicConfig(level=INFO)`` handler on the root logger)::
-
-    megatron-vocabstats 0.1.0 on: fused LM head (chunk 128 tokens), entropy off, kernel auto ->
-    torch, label smoothing 0.0, checks on, batch invariance off; tp 2, cp 1, sequence parallel
-    off; megatron-core 0.19.2
-
-Where :data:`~megatron_vocabstats.ops.kernels.KERNEL_ENV` (``VOCABSTATS_KERNEL``) chose the
-backend of ``kernel="auto"``, the line names it: ``kernel auto -> triton
-(VOCABSTATS_KERNEL=triton)``.
-
-A model config with ``cross_entropy_loss_fusion=True`` (where no Megatron parser ran to refuse
-it with ``--vocab-parallel-stats``, e.g. Megatron-Bridge, whose default it is) adds
-``; supersedes cross_entropy_loss_fusion=True (...)`` to the line: that fused loss does not run.
-Later calls do nothing (never per step); :func:`reset` (``patch.remove()`` and tests) re-arms
-it. The same first call issues the version warnings
-(:func:`megatron_vocabstats.version_check.warn_untested`, with the imported megatron-core): one
-per component outside the supported-versions table, each once per process. :func:`describe`
-gives the same words for a settings object without a model (the GSM8K example prints it).
+An ``INFO`` record on the ``megatron_vocabstats`` logger (the line and its clauses:
+docs/megatron.md#the-import-and-the-flags); the same first call issues the version warnings
+(:func:`megatron_vocabstats.version_check.warn_untested`). :func:`reset` re-arms it.
 """
 
 from __future__ import annotations
@@ -51,8 +33,7 @@ def describe(cfg: settings.PluginSettings, *, fused: bool | None = None,
     """How the patched loss path computes with ``cfg``, in words (no parallel layout).
 
     ``fused``: whether this call takes the fused LM head (None: ``lm_head_chunk_size > 0``);
-    ``device``: the tensors' device, for the backend ``kernel="auto"`` resolves to (None: not
-    resolved).
+    ``device``: where ``kernel="auto"`` is resolved (None: not resolved).
     """
     if not cfg.active:
         return "off (the patched call sites run Megatron's own loss)"
@@ -96,8 +77,7 @@ def layout(module) -> str:
 
 def superseded(module) -> str:
     """``"; supersedes cross_entropy_loss_fusion=True (...)"`` where the module's config asks for
-    Megatron's fused cross-entropy, which the plugin's loss replaces (no Megatron parser ran to
-    refuse the pair: Megatron-Bridge's ``GPTModelProvider`` turns it on by default); else ``""``."""
+    Megatron's fused cross-entropy (Megatron-Bridge's default); else ``""``."""
     config = getattr(module, "config", None)
     if not getattr(config, "cross_entropy_loss_fusion", False):
         return ""

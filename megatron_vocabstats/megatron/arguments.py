@@ -1,15 +1,7 @@
 """The ``--vocab-parallel-stats`` flag family and the config hook run before ``validate_args``.
 
-How the import and the flag combine (the plugin is never half on):
-
-* ``import megatron_vocabstats.patch`` patches the loss call sites, turns the plugin on, adds the
-  flags to Megatron's parser and installs the config hook.
-* If Megatron's own argument parsing runs (``megatron.training``), the hook decides from the
-  flags: with ``--vocab-parallel-stats`` the plugin stays on with the flags' settings; without it
-  the plugin is switched off (the patched call sites run Megatron's original code) and our other
-  flags, if given, draw a warning.
-* Where no Megatron parser is used (Megatron-Core alone, or the 0.16 wheel without
-  ``megatron.training``), the import alone keeps it on; ``patch.apply(...)`` sets options.
+Where Megatron's parser runs, the hook decides from the flags (without ``--vocab-parallel-stats``
+the plugin is off); where none runs, the import alone keeps it on. See docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -34,9 +26,8 @@ BATCH_INVARIANT_FLAG = BATCH_INVARIANT_NAMES
 
 
 def check_flag_values(args) -> None:
-    """Raise ``ValueError`` naming the flag for a value of the family its parser would refuse:
-    a number outside :data:`FLAG_TYPES` or a choice not offered, set without the parser (a YAML
-    config, a script). Flags absent from ``args`` are not checked."""
+    """Raise ``ValueError`` naming the flag for a value its parser would refuse, set without the
+    parser (a YAML config, a script); flags absent from ``args`` are not checked."""
     choices = {"vocab_stats_entropy": ENTROPY_MODES,
                "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG),
                "vocab_stats_kernel": KERNEL_CHOICES,
@@ -134,8 +125,7 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def _rollout_settings(args) -> dict:
-    """The settings fields of the rollout flags in ``args`` (absent flags keep the current
-    settings), with the combinations checked naming the flags."""
+    """The settings of the rollout flags (absent: the current ones), combinations checked."""
     current = settings.current()
     fields = {field: getattr(args, flag) if hasattr(args, flag) else getattr(current, field)
               for flag, field in ROLLOUT_FLAGS.items()}
@@ -185,13 +175,8 @@ def chain_providers(*providers):
 
 
 def _batch_invariant(args):
-    """The ops' ``batch_invariant`` for ``--vocab-stats-batch-invariant``, checked against the run.
-
-    ``tp`` under tensor parallelism needs shards of whole 128-column blocks, which Megatron's
-    padding to ``make_vocab_size_divisible_by * tp`` gives only for a multiple of 128: rejected
-    here, naming the flags, rather than at the first loss call. With the fused LM head a warning
-    says that the logits themselves (GEMMs whose width depends on tp) are not tp-invariant.
-    """
+    """The ops' ``batch_invariant`` for the flag; ``tp`` under tp > 1 needs vocabulary shards of
+    whole 128-column blocks, refused now (naming the flags) rather than at the first loss."""
     mode = BATCH_INVARIANT_FLAG[args.vocab_stats_batch_invariant]
     if mode != "tp":
         return mode
@@ -212,10 +197,8 @@ def _batch_invariant(args):
 
 
 def _check_kernel(kernel) -> None:
-    """``--vocab-stats-kernel`` (or ``VOCABSTATS_KERNEL`` under ``auto``) resolved as the first
-    loss call will resolve it (``ops.kernels.resolve_kernel``, on CUDA where the run has a GPU):
-    ``triton`` without a GPU or the triton package is refused now, naming the flag, not after
-    the model is built."""
+    """Resolve the kernel as the first loss call will, so that an unusable ``triton`` is refused
+    now, naming the flag, not after the model is built."""
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -228,33 +211,23 @@ def _check_kernel(kernel) -> None:
 def config_hook(args) -> settings.PluginSettings:
     """Set the plugin up from Megatron's parsed ``args``; must run before ``validate_args``.
 
-    Without ``--vocab-parallel-stats`` the plugin is switched off (a warning lists our other flags
-    if any were given). The ``--rollout-*`` flags are stored either way (they configure what the
-    user's forward step calls: :meth:`~.settings.PluginSettings.sampler_options` and
-    :meth:`~.settings.PluginSettings.rollout_correction`, not the patched loss). With the switch:
-    rejects contradictions, applies ``--precision-aware-optimizer-bf16``
-    and the FP8 alignment (``make_vocab_size_divisible_by`` made a multiple of 128; the token
-    padding multiple stored as ``args.vocab_stats_token_alignment``), and stores the settings.
+    Without ``--vocab-parallel-stats`` the plugin is switched off (our other flags, if given,
+    draw a warning); the ``--rollout-*`` flags are stored either way. With it: rejects
+    contradictions, applies ``--precision-aware-optimizer-bf16`` and the FP8 alignment
+    (``make_vocab_size_divisible_by`` made a multiple of 128, the token padding multiple stored
+    as ``args.vocab_stats_token_alignment``), and stores the settings.
 
     Raises:
-        ValueError: naming the flag, for a value of the family its parser would refuse
-            (:func:`check_flag_values`: a negative chunk size, a non-finite entropy
-            coefficient, label smoothing outside [0, 1), a rollout temperature <= 0, top-k < 1
-            other than -1, top-p outside (0, 1], min-p outside [0, 1), an unknown choice), whether
-            or not the plugin is on; a Megatron number the hook reads
-            (``--tensor-model-parallel-size``, ``--context-parallel-size``,
-            ``--make-vocab-size-divisible-by``) that is not an int >= 1
-            (:func:`.run_args.megatron_int`); a rollout-correction bound the mode does not take
-            (``--rollout-correction-threshold`` without tis, ``-low``/``-high`` without mis or
-            icepop), icepop at sequence level, a band with low >= high; and naming the flags
-            to change, for our path together with ``--cross-entropy-loss-fusion``, an entropy
-            bonus without ``--vocab-stats-entropy grad``, ``--require-fused-lm-head`` without
-            ``--lm-head-chunk-size``, FP8 without bf16, missing
-            precision-aware-optimizer prerequisites (all of
-            them listed at once), ``--vocab-stats-batch-invariant tp`` under tensor
-            parallelism with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128,
-            or ``--vocab-stats-kernel triton`` (or ``VOCABSTATS_KERNEL=triton``) where it cannot
-            run (no GPU outside Triton's interpreter, no triton package).
+        ValueError: naming the flags: a value the parser would refuse (:func:`check_flag_values`,
+            plugin on or off); a Megatron size the hook reads that is not an int >= 1
+            (:func:`.run_args.megatron_int`); a rollout-correction bound the mode does not take,
+            icepop at sequence level, a band with low >= high; with the switch,
+            ``--cross-entropy-loss-fusion``, an entropy bonus without
+            ``--vocab-stats-entropy grad``, ``--require-fused-lm-head`` without
+            ``--lm-head-chunk-size``, FP8 without bf16, missing precision-aware-optimizer
+            prerequisites (all listed at once), ``--vocab-stats-batch-invariant tp`` under
+            tp > 1 with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128, or a
+            ``triton`` kernel (flag or ``VOCABSTATS_KERNEL``) that cannot run here.
     """
     check_flag_values(args)
     rollout = _rollout_settings(args)
@@ -323,10 +296,9 @@ def _with_our_flags(original):
 def install(patcher) -> list[str]:
     """Wrap Megatron's parser and validators with ``patcher``; returns what was wrapped.
 
-    ``arguments.add_megatron_arguments`` gains our flags; ``validate_args`` in
-    ``arguments`` and, where it is imported by name (0.14-0.17), in ``initialize``, and
-    ``yaml_arguments.validate_yaml`` (the ``--yaml-cfg`` path) run :func:`config_hook` first.
-    Nothing happens where ``megatron.training`` is absent.
+    ``add_megatron_arguments`` gains our flags; ``validate_args`` (in ``arguments`` and, where
+    imported by name, 0.14-0.17, ``initialize``) and ``validate_yaml`` (``--yaml-cfg``) run
+    :func:`config_hook` first. No-op without ``megatron.training``.
     """
     targets = [("arguments", "add_megatron_arguments", _with_our_flags),
                ("arguments", "validate_args", _before_validate),

@@ -1,9 +1,7 @@
 """Feature detection across megatron-core releases, in one place.
 
-Every lookup is lazy: importing this module never imports Megatron, transformer-engine or apex.
-Names are detected with ``hasattr`` / ``inspect.signature``; the version string only appears in
-messages. ``tp_group_of``, ``default_tp_group`` and ``packed_seq_params_class`` live in
-:mod:`megatron_vocabstats.mcore` (below this subpackage, for the losses, packing and ops).
+Lookups are lazy (importing this module imports no Megatron, transformer-engine or apex) and by
+``hasattr`` / ``inspect.signature``; the version string only appears in messages.
 """
 
 from __future__ import annotations
@@ -24,14 +22,10 @@ class UnsupportedMegatronError(ImportError):
 
 
 def megatron_core_release() -> str | None:
-    """The release number of the megatron-core that Python imports (``"0.19.2"``), None when it
-    cannot be imported.
+    """The release of the imported megatron-core (``"0.19.2"``), None if it cannot be imported.
 
-    Read from the imported ``megatron.core.package_info`` (its ``MAJOR.MINOR.PATCH`` and
-    pre-release tag), else ``megatron.core.__version__`` without its ``+local`` part: Megatron
-    appends ``+<git commit>`` to ``__version__`` from whatever git repository holds the installed
-    package, which for a virtual environment inside a clone of another project is that project's
-    commit.
+    From ``megatron.core.package_info``, else ``__version__`` without its ``+local`` part (the
+    commit of whatever git repository holds the installed package, maybe another project's).
     """
     try:
         import megatron.core
@@ -52,13 +46,8 @@ def _in_site_packages(path: str) -> bool:
 
 
 def megatron_core_version() -> str:
-    """The version of the megatron-core that Python imports, with where it comes from.
-
-    ``"0.19.2 (/path/to/megatron/core)"``: the release of :func:`megatron_core_release`, plus
-    Megatron's ``+<commit>`` only for a source checkout (a ``megatron/core`` outside
-    site-packages, e.g. a Megatron-LM clone first on ``sys.path``, whose commit it is).
-    ``"not installed"`` when it cannot be imported.
-    """
+    """``"0.19.2 (/path/to/megatron/core)"``: :func:`megatron_core_release` and where it is, plus
+    ``+<commit>`` for a source checkout outside site-packages; ``"not installed"`` if absent."""
     release = megatron_core_release()
     if release is None:
         return "not installed"
@@ -99,11 +88,8 @@ def gpt_model_class():
 
 
 def hybrid_model_class():
-    """The hybrid (Mamba / attention) model class: ``HybridModel``
-    (``megatron/core/models/hybrid/``, megatron-core 0.18+; its ``MambaModel`` subclass keeps its
-    ``forward``), else the ``MambaModel`` of 0.16-0.17 (``megatron/core/models/mamba/``, the same
-    output layer then ``compute_language_model_loss`` at the end of ``forward``), or None where
-    neither imports (then its fused head is skipped, with that reason in the patch log)."""
+    """The hybrid (Mamba / attention) model class: ``HybridModel`` (0.18+), else the
+    ``MambaModel`` of 0.16-0.17, or None where neither imports (its fused head is then skipped)."""
     for module_name, name in (("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
                               ("megatron.core.models.mamba.mamba_model", "MambaModel")):
         try:
@@ -114,10 +100,8 @@ def hybrid_model_class():
 
 
 def mtp_loss_bindings() -> list:
-    """The modules that bind Megatron's ``process_mtp_loss`` (0.17+): its defining module and
-    the model modules that import it by name (``gpt_model``, ``hybrid_model``, ``mamba_model``
-    of 0.17). Empty before
-    0.17 (0.16 computes the MTP loss inline in ``GPTModel._postprocess``)."""
+    """The modules binding Megatron's ``process_mtp_loss`` (0.17+: its own and the model modules
+    importing it by name); empty before 0.17 (0.16's MTP loss is inline in ``_postprocess``)."""
     bindings = []
     for name in ("megatron.core.transformer.multi_token_prediction",
                  "megatron.core.models.gpt.gpt_model",
@@ -141,9 +125,8 @@ def has_output_processor(model_cls, method: str = "forward") -> bool:
 def training_module(name: str):
     """``megatron.training.<name>``, or None where the wheel has no ``megatron.training`` (< 0.17).
 
-    Raises :class:`UnsupportedMegatronError` when ``megatron.training`` is there but fails to
-    import (a missing dependency such as pydantic): the patch then applies nothing instead of
-    leaving Megatron's parser without our flags.
+    Raises :class:`UnsupportedMegatronError` where it is there but fails to import (a missing
+    dependency), so that the patch applies nothing rather than leave the parser without our flags.
     """
     module_name = f"megatron.training.{name}"
     try:

@@ -1,10 +1,6 @@
-"""The value types of the ``--vocab-parallel-stats`` flag family (argparse ``type`` objects that
-also check values set without the parser) and the tables of the family: :data:`FLAG_TYPES`,
-:data:`OPTIONAL_FLAGS`, :data:`ROLLOUT_FLAGS`.
-
-Every value goes through the package's one checker of number-like options
-(``ops._argtypes.number_problem``, the rule of ``check_number``: Python and numpy numbers,
-never a bool, NaN, +-inf or an out-of-range value, huge ints included).
+"""The value types of the ``--vocab-parallel-stats`` flag family: argparse ``type`` objects that
+also check values set without the parser, by the package's one number rule
+(``ops._argtypes.number_problem``).
 """
 
 from __future__ import annotations
@@ -16,12 +12,9 @@ from ..ops._argtypes import describe_range, number_problem
 
 
 class IntAtLeast:
-    """An argparse ``type``: an integer >= ``minimum``.
-
-    ``IntAtLeast(1)("0")`` raises ``argparse.ArgumentTypeError`` (argparse then exits with status
-    2 and a message naming the flag); :meth:`problem` applies the same test to a value that did
-    not come through the parser (a YAML config, a script) and returns the complaint or None.
-    """
+    """An argparse ``type``: an integer >= ``minimum``, else ``argparse.ArgumentTypeError``.
+    :meth:`problem` tests a value that did not come through the parser (a YAML config, a
+    script) and returns the complaint or None."""
 
     def __init__(self, minimum: int, maximum: int | None = 2**63 - 1):
         self.minimum, self.maximum = minimum, maximum
@@ -47,11 +40,8 @@ class IntAtLeast:
 
 
 class FloatIn:
-    """An argparse ``type``: a finite float in the interval from ``low`` to ``high`` (each bound
-    closed unless ``open_low`` / ``open_high``; infinite bounds mean no bound).
-
-    NaN and infinities are always refused. Errors as :class:`IntAtLeast`.
-    """
+    """An argparse ``type``: a finite float from ``low`` to ``high`` (closed unless ``open_low``
+    / ``open_high``; an infinite bound is none). Errors as :class:`IntAtLeast`."""
 
     def __init__(self, low: float = -math.inf, high: float = math.inf, *,
                  open_low: bool = False, open_high: bool = False):
@@ -82,10 +72,8 @@ class FloatIn:
 
 
 class TopK(IntAtLeast):
-    """An argparse ``type`` for a top-k: an integer >= 1, or -1 (vLLM's "off"), parsed as None.
-
-    Errors as :class:`IntAtLeast`; :meth:`problem` accepts None and -1 as off.
-    """
+    """An argparse ``type`` for a top-k: an integer >= 1, or -1 (vLLM's "off") parsed as None;
+    :meth:`problem` accepts None and -1. Errors as :class:`IntAtLeast`."""
 
     def __init__(self):
         super().__init__(1, maximum=None)  # a k of V or more keeps everything

@@ -1,23 +1,7 @@
-"""The fused LM head's side of the Megatron integration: what stands in for the logits, and when
-the fused head cannot stand in for Megatron's output layer.
-
-* :class:`DeferredLogits`: the inputs of one output-layer call (hidden states, weight, the layer,
-  a logit scale) in place of its logits. Megatron multiplies the logits by MuP's output
-  multiplier (``LanguageModule._scale_logits``), a user may divide them by a temperature; the
-  stand-in records the scale, which the fused op applies as ``temperature = 1 / scale``.
-  Anything else done to it raises, saying how to get real logits.
-* :func:`deferred_output_layer`: for the length of one model forward, ``output_layer(...)``
-  returns a :class:`DeferredLogits` instead of computing the logits, so that Megatron's own
-  ``forward`` (``HybridModel``, ``GPTModel._postprocess`` before 0.18: no hook there) hands it to
-  ``compute_language_model_loss``, which the plugin replaces (:mod:`.model`);
-  :func:`deferred_call`: one such call, for the heads the plugin computes itself (the output
-  layer's forward pre-hooks and hooks run, as on Megatron's own call).
-* :func:`not_fused_reasons` / :func:`fused_or_report`: where the fused head would not reproduce
-  Megatron's output layer (a bias; no tp reduction of the input gradient; a deferred weight
-  gradient; GTP weight sharding; an fp32 logit dtype; Megatron's 'linear' cross-entropy fusion;
-  ModelOpt distillation's capture of the output layer's logits),
-  Megatron's own path runs, and the reason is logged once on rank 0, or raised with
-  ``PluginSettings.require_fused_lm_head`` [--require-fused-lm-head].
+"""The fused LM head's side of the Megatron integration: a stand-in for the logits of a deferred
+output-layer call, and where the fused head would not reproduce Megatron's output layer (then
+Megatron's own path runs, the reason logged once or raised under ``--require-fused-lm-head``).
+See docs/fused-head.md.
 """
 
 from __future__ import annotations
@@ -68,16 +52,12 @@ def _as_scale(factor, op: str) -> float:
 class DeferredLogits:
     """The logits ``scale * (hidden @ weight.T)`` of one output-layer call, not computed.
 
-    ``hidden``: the layer's input ``[s(/tp), b, h]`` (this rank's sequence shard under sequence
-    parallelism); ``weight``: the ``[V/tp, h]`` shard used (the tied embedding or the layer's
-    own); ``layer``: Megatron's ``ColumnParallelLinear`` (its tp group, ``sequence_parallel``
-    and ``gradient_accumulation_fusion`` decide the fused op's collectives and ``main_grad``);
-    ``scale``: the product of the factors the logits were multiplied by and the inverses of those
-    they were divided by (MuP's output multiplier, a temperature). Factors: Python or numpy real
-    numbers, 0-dim real tensors without gradient (``*``, ``/``, ``torch.mul``, ``torch.div``);
-    dividing by 0 raises ``ValueError``. Every other use (arithmetic, indexing, comparisons,
-    attributes such as ``.float()`` or ``.shape``, torch functions) raises ``TypeError`` naming
-    the plugin and how to get real logits, never a silently wrong value.
+    ``hidden``: the layer's input ``[s(/tp), b, h]``; ``weight``: the ``[V/tp, h]`` shard used
+    (the tied embedding or the layer's own); ``layer``: Megatron's ``ColumnParallelLinear``, which
+    decides the op's collectives (:meth:`op_kwargs`); ``scale``: the logit scale (MuP's output
+    multiplier over a temperature). Only ``*`` and ``/`` (or ``torch.mul``, ``torch.div``) by a
+    Python or numpy real number or a 0-dim real tensor without gradient are allowed; dividing by
+    0 raises ``ValueError``, every other use ``TypeError`` saying how to get real logits.
     """
 
     __slots__ = ("hidden", "weight", "layer", "scale")
@@ -121,11 +101,8 @@ class DeferredLogits:
                 f"{tuple(self.weight.shape)}, scale={self.scale})")
 
     def op_kwargs(self) -> dict:
-        """The fused op's keywords that the layer decides (tp group, sequence parallelism,
-        ``main_grad`` fusion) and the temperature ``1 / scale``.
-
-        Raises ``ValueError`` for a scale that is not finite and positive (the op's temperature).
-        """
+        """The fused op's keywords the layer decides (tp group, sequence parallelism, ``main_grad``
+        fusion) and ``temperature = 1 / scale``; ``ValueError`` unless the scale is finite, > 0."""
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"megatron-vocabstats: logit scale {self.scale} (the factors the "
                              f"logits were multiplied by over those they were divided by: MuP's "
@@ -179,11 +156,9 @@ def deferred_output_layer(layer):
 
 def deferred_call(layer, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                   runtime_gather_output=None) -> DeferredLogits:
-    """``layer(hidden, weight=weight, runtime_gather_output=...)`` under
-    :func:`deferred_output_layer`: the layer's forward pre-hooks and forward hooks run as on
-    Megatron's own call (the distributed optimizer's overlapped and Megatron-FSDP's parameter
-    gathers are forward pre-hooks), then its :class:`DeferredLogits` (``hidden [s(/tp), b, h]``,
-    as the pre-hooks left it). Raises ``TypeError`` if a hook replaced them."""
+    """``layer(hidden, weight=weight, ...)`` under :func:`deferred_output_layer`, so that the
+    layer's forward pre-hooks and hooks run as on Megatron's own call (parameter gathers are
+    pre-hooks); returns its :class:`DeferredLogits`, ``TypeError`` if a hook replaced them."""
     with deferred_output_layer(layer):
         logits, _ = layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
     if not isinstance(logits, DeferredLogits):
@@ -194,8 +169,7 @@ def deferred_call(layer, hidden: torch.Tensor, weight: torch.Tensor | None = Non
 
 
 def _is_gtp_shard(weight) -> bool:
-    """True if ``weight`` is a GTP weight-remat shard (megatron-core 0.19+'s ``is_gtp_param``;
-    the tag it reads where that function is missing)."""
+    """Whether ``weight`` is a GTP weight-remat shard (0.19+'s ``is_gtp_param``, else its tag)."""
     if weight is None:
         return False
     try:
@@ -206,10 +180,8 @@ def _is_gtp_shard(weight) -> bool:
 
 
 def _modelopt_capture(output_layer) -> bool:
-    """True if a ModelOpt distillation hook captures ``output_layer``'s outputs: a
-    ``modelopt.torch.distill`` ``DistillationModel`` registers a forward hook on the student's
-    and the teacher's logit layers that keeps each output as ``_intermediate_output`` for its
-    KD loss (Megatron-Bridge's ``distill``)."""
+    """Whether a ModelOpt ``DistillationModel`` forward hook keeps ``output_layer``'s logits
+    (``_intermediate_output``) for its KD loss (docs/integrations.md#megatron-bridge)."""
     if output_layer is None:
         return False
     if "_intermediate_output" in vars(output_layer):
@@ -221,20 +193,12 @@ def _modelopt_capture(output_layer) -> bool:
 
 def not_fused_reasons(output_layer, config, *, deferred: bool = False,
                       weight=None) -> tuple[str, ...]:
-    """Why the fused head would not reproduce ``output_layer`` and its backward contract (empty
-    when it does). MuP's output multiplier is reproduced (a logit scale), so it is no reason.
-    ``deferred``: the head runs through :func:`deferred_output_layer`, inside Megatron's own
-    forward, which then must not need the logits themselves (the config logger writes them).
-    ``weight``: the weight the layer is called with (the tied embedding), if not its own.
+    """Why the fused head would not reproduce ``output_layer`` and its backward (empty: it does);
+    the reasons are the table of docs/fused-head.md#when-the-head-is-not-fused.
 
-    Named, each where this release has it: a bias, ``disable_grad_reduce``, deferred embedding
-    wgrad, GTP weight sharding (the layer's ``gtp_remat_size > 1`` or a GTP-sharded weight:
-    Megatron gathers the shards inside its own autograd function), a logit dtype other than the
-    parameters' (``output_layer.output_dtype``, Megatron-LM's ``--output-logit-dtype``: fp32
-    GEMM outputs, where the fused head rounds each chunk to the hidden dtype) and
-    ``cross_entropy_fusion_impl="linear"`` with ``cross_entropy_loss_fusion`` (Megatron's own
-    fused linear cross-entropy), ModelOpt distillation (a ``DistillationModel`` capture hook on
-    the output layer: its KD loss reads the logits).
+    ``deferred``: the head runs inside Megatron's own forward (:func:`deferred_output_layer`),
+    which then must not need the logits; ``weight``: the weight the layer is called with (the
+    tied embedding), if not its own.
     """
     reasons = []
     if _modelopt_capture(output_layer):

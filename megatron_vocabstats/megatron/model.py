@@ -1,13 +1,8 @@
 """The Megatron call sites the patch replaces, written against :mod:`.settings`.
 
 Each factory takes Megatron's original function and returns the replacement, which runs the
-original unchanged whenever the plugin is inactive (see :data:`.settings.SETTINGS`). The fused
-LM head (``lm_head_chunk_size > 0``) takes the loss from the hidden states: through
-``GPTModel.forward``'s ``output_processor`` (0.18+), or, where a model has no hook
-(``HybridModel``; ``GPTModel._postprocess`` before 0.18), by letting Megatron's own forward run
-with the output layer deferred (:func:`.head.deferred_output_layer`) so that
-``compute_language_model_loss`` receives the hidden states instead of logits. The MTP depths'
-loss is :mod:`.mtp`'s.
+original unchanged while the plugin is inactive. How the fused LM head reaches each model, per
+release: docs/fused-head.md.
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ def detached_bs(stats: VocabStats) -> VocabStats:
 
 
 def _stash(module, stats: VocabStats) -> None:
-    """Keep this step's per-token statistics ``[b, s]`` (detached) on the module for reporting
-    (while an unfused MTP loss runs, for its depth)."""
+    """Keep ``stats`` detached, ``[b, s]``, on ``module`` (or for the MTP depth being run)."""
     if _MTP_DEPTHS is not None:
         _MTP_DEPTHS.append(detached_bs(stats))
     else:
@@ -75,12 +69,10 @@ def collect_mtp_stats(module, run):
 def make_compute_language_model_loss(original):
     """Replacement of ``LanguageModule.compute_language_model_loss(self, labels, logits)``.
 
-    Same contract as Megatron's: labels ``[b, s]``, logits ``[s, b, V/tp]``, per-token fp32 loss
-    ``[b, s]``; computed by :func:`vocab_parallel_stats` with the settings' chunking, entropy mode,
-    entropy bonus and label smoothing, on the tp group of the module. Given a
-    :class:`~.head.DeferredLogits` (the output layer deferred by the plugin), the fused head's
-    loss instead (:func:`fused_language_model_loss`). The statistics of the last call are kept,
-    detached and ``[b, s]``, as ``module.last_vocab_stats``.
+    Megatron's contract: labels ``[b, s]``, logits ``[s, b, V/tp]`` -> per-token fp32 loss
+    ``[b, s]``, by :func:`vocab_parallel_stats` with the settings on the module's tp group; given
+    a :class:`~.head.DeferredLogits`, the fused head's (:func:`fused_language_model_loss`). The
+    last call's statistics are kept, detached, ``[b, s]``, as ``module.last_vocab_stats``.
     """
 
     @functools.wraps(original)
@@ -120,9 +112,8 @@ def fused_stats(logits: DeferredLogits, labels: torch.Tensor, cfg: settings.Plug
 
 def fused_language_model_loss(module, logits: DeferredLogits, labels,
                               cfg: settings.PluginSettings) -> torch.Tensor:
-    """Per-token loss ``[b, s]`` straight from the hidden states ``[s(/tp), b, h]`` of the
-    deferred ``logits`` (:func:`fused_stats`), no logits; its statistics are stashed on
-    ``module`` as the unfused path's."""
+    """Per-token loss ``[b, s]`` from the deferred ``logits``' hidden states ``[s(/tp), b, h]``
+    (:func:`fused_stats`); statistics stashed on ``module`` as on the unfused path."""
     announce.once(module if module is not None else logits.layer, cfg, fused=True,
                   device=logits.hidden.device)
     stats = fused_stats(logits, labels, cfg)
@@ -139,12 +130,9 @@ def fused_output_processor(*, hidden_states, output_layer, output_weight, labels
                            scale_logits=None, config=None, **_):
     """``GPTModel.forward(output_processor=...)`` hook (megatron-core 0.18+): the fused LM head.
 
-    With labels and ``lm_head_chunk_size > 0`` it returns the per-token loss ``[b, s]`` without
-    materialising the logits, scaled as Megatron's ``scale_logits`` scales them (MuP's output
-    multiplier), after the output layer's forward pre-hooks and hooks ran
-    (:func:`.head.deferred_call`); otherwise (no labels: logits requested; or a layer the fused
-    head does not reproduce, :func:`.head.not_fused_reasons`, reported once or raised) it runs
-    Megatron's own output layer and loss.
+    With labels and ``lm_head_chunk_size > 0``: the per-token loss ``[b, s]`` without logits,
+    after the output layer's hooks (:func:`.head.deferred_call`) and ``scale_logits``. Otherwise
+    (no labels, or :func:`.head.fused_or_report` refuses) Megatron's own output layer and loss.
     """
     cfg = settings.current()
     module = getattr(compute_language_model_loss, "__self__", None)
@@ -173,15 +161,9 @@ _GPT_HEAD = "GPTModel's LM head"
 
 
 def make_gpt_forward(original):
-    """``GPTModel.forward`` or ``GPTModel.build_schedule_plan`` (0.18+: both take
-    ``output_processor``; the schedule plan's postprocess node hands it to ``_postprocess``)
-    passing :func:`fused_output_processor` when the fused head applies.
-
-    Only for a loss (labels given) outside inference, and where :func:`.head.not_fused_reasons`
-    finds nothing in the model's output layer and config (else reported once, or raised, and
-    Megatron's own output path runs); logits requests and inference keep Megatron's own output
-    path (last-token logits, sequence-parallel gather).
-    """
+    """``GPTModel.forward`` or ``build_schedule_plan`` (0.18+) passing
+    :func:`fused_output_processor` for a loss (labels given) outside inference where
+    :func:`.head.fused_or_report` allows; otherwise Megatron's own output path runs."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -198,10 +180,9 @@ def make_gpt_forward(original):
 
 
 def make_unfused_schedule_plan(original):
-    """``GPTModel.build_schedule_plan`` of a release whose ``forward`` takes an
-    ``output_processor`` but whose schedule plan does not: Megatron's own, with the fused head's
-    absence reported once (or raised under ``require_fused_lm_head``) for a loss outside
-    inference."""
+    """``GPTModel.build_schedule_plan`` of a release whose ``forward`` takes ``output_processor``
+    but whose schedule plan does not: Megatron's own, the fused head's absence reported once (or
+    raised under ``require_fused_lm_head``)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -225,16 +206,11 @@ def _tied_weight(model):
 
 
 def make_deferred_head(original):
-    """A model method that ends in ``self.output_layer(...)`` then
-    ``self.compute_language_model_loss(labels, logits)`` (``HybridModel.forward``;
-    ``GPTModel._postprocess`` of megatron-core 0.16-0.17, which have no ``output_processor``),
-    run with the output layer deferred (:func:`.head.deferred_output_layer`): the loss comes from
-    the fused head, every other step is Megatron's own (MTP included: 0.16's inline MTP loss
-    goes through the same two calls per depth, 0.17+'s through :mod:`.mtp`).
-
-    Only for a loss (labels given) outside inference on the last pipeline stage, and where
-    :func:`.head.not_fused_reasons` finds nothing (else reported once, or raised); otherwise the
-    original runs as it is.
+    """A model method ending in ``self.output_layer(...)`` then ``compute_language_model_loss``
+    (``HybridModel.forward``; ``GPTModel._postprocess`` of 0.16-0.17), run with the output layer
+    deferred (:func:`.head.deferred_output_layer`) so that the loss comes from the fused head.
+    Only for a loss outside inference on the last pipeline stage that
+    :func:`.head.fused_or_report` allows; otherwise the original runs as it is.
     """
     signature = inspect.signature(original)
 

@@ -1,24 +1,14 @@
 """The loss of Megatron's multi-token prediction (MTP) heads with the fused LM head.
 
 MTP (DeepSeek-V3, arXiv:2412.19437, section 2.2): depth d predicts token i + 1 + d from position
-i through its own transformer layer and the shared output head; the loss averages the depths'
-cross-entropies, scaled by a factor lambda.
-
-Megatron-core 0.17+ computes the MTP loss in ``process_mtp_loss`` (``transformer/
-multi_token_prediction.py``, imported by name into ``gpt_model`` and ``hybrid_model``): per depth
-d = 1..D it builds the depth's full ``[s, b, V/tp]`` logits with the output layer, rolls the
-labels and the loss mask one more token left, takes ``loss_mask * compute_language_model_loss``,
-logs the loss (0.19: and the acceptance counts, top-1 == label, read from those logits again) and
-attaches ``mtp_loss_scaling_factor / D`` times it to the main hidden states through
-``MTPLossAutoScaler`` (divided by the depth's token count, or rescaled to the main loss's count
-under ``calculate_per_token_loss``). :func:`make_process_mtp_loss` replaces it: with
+i; megatron-core 0.17+ builds each depth's full ``[s, b, V/tp]`` logits in ``process_mtp_loss``
+(``transformer/multi_token_prediction.py``). :func:`make_process_mtp_loss` replaces it: with
 ``lm_head_chunk_size > 0`` every depth's loss comes from its hidden states through the fused op,
 without logits, and the acceptance counts from the op's ``argmax`` output (the vocab-parallel
 argmax, exact, nothing gathered); the rolling (Megatron's ``roll_tensor``: context parallelism
 and packed sequences included), masking, scaling, ``mtp_detach_heads``, MuP's logit scale and the
-logging are Megatron's, detected per release. Unfused, Megatron's own runs. Either way the
-per-depth statistics are kept as ``model.last_mtp_vocab_stats`` (a tuple of
-:class:`~megatron_vocabstats.VocabStats` ``[b, s]``, depth 1 first, each for its rolled labels).
+logging are Megatron's, detected per release. Unfused, Megatron's own runs. Details and the
+per-depth statistics (``model.last_mtp_vocab_stats``): docs/fused-head.md#mtp-heads.
 """
 
 from __future__ import annotations
@@ -40,13 +30,10 @@ _NOTED: set[str] = set()
 
 
 def make_process_mtp_loss(original):
-    """Replacement of Megatron's ``process_mtp_loss(hidden_states, labels, loss_mask,
-    output_layer, output_weight, runtime_gather_output, is_training, compute_language_model_loss,
-    config, cp_group=None, [tp_group=None,] packed_seq_params=None, scale_logits_fn=None,
-    [input_ids=None])``: the fused MTP loss (:func:`fused_mtp_loss`) when the plugin is on with
-    ``lm_head_chunk_size > 0`` and the output layer is one the fused head reproduces (else the
-    reason is reported once, or raised: :func:`.head.fused_or_report`); Megatron's own
-    otherwise, with the per-depth statistics collected when the plugin is on."""
+    """Replacement of Megatron's ``process_mtp_loss`` (0.17+, any of its signatures): the fused
+    MTP loss (:func:`fused_mtp_loss`) with ``lm_head_chunk_size > 0`` where
+    :func:`.head.fused_or_report` allows; else Megatron's own, collecting the per-depth
+    statistics while the plugin is on."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -69,8 +56,8 @@ def make_process_mtp_loss(original):
 
 
 def _acceptance_kernel(cfg: settings.PluginSettings, device) -> str | None:
-    """The backend of the MTP depths' statistics when the acceptance counts are wanted: the
-    settings' unless it resolves to one without the argmax row (then "torch", noted once)."""
+    """None (the settings' backend) if it resolves to torch, else "torch" (noted once): only the
+    torch statistics carry the argmax row of the acceptance counts."""
     if resolve_kernel(cfg.kernel, device) == "torch":
         return None
     if cfg.kernel not in _NOTED and is_rank0():
@@ -86,13 +73,11 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
                    packed_seq_params=None, scale_logits_fn=None, input_ids=None, **_):
     """Megatron's ``process_mtp_loss`` with each depth's loss from the fused head.
 
-    ``hidden_states``: ``[(1 + D) * s(/tp), b, h]``, the main decoder's then each depth's,
-    concatenated along dim 0; returns the main part with every depth's scaled loss attached
-    (``MTPLossAutoScaler``), as Megatron does. ``labels``/``loss_mask`` ``[b, s]`` (None: the
-    labels are derived from ``input_ids`` where the release does so, 0.19, else the main part is
-    returned alone; a mask of ones). Each depth calls ``output_layer`` as Megatron does (its
-    forward pre-hooks and hooks run: :func:`.head.deferred_call`); ``scale_logits_fn`` (MuP) is
-    applied to the deferred logits (a logit scale). Logs each depth's loss and, on releases
+    ``hidden_states``: ``[(1 + D) * s(/tp), b, h]``, the main decoder's then each depth's along
+    dim 0; returns the main part with each depth's scaled loss attached (``MTPLossAutoScaler``).
+    ``labels``/``loss_mask`` ``[b, s]`` (labels None: derived from ``input_ids`` where the
+    release does so, 0.19, else the main part is returned alone; mask None: ones). Logs each
+    depth's loss and, on releases
     that log them, its acceptance counts ``sum(argmax == label and mask)`` and ``sum(mask)``
     (the op's ``argmax`` output; the same as Megatron's from its logits up to ties
     between logits the fused chunks round differently). The statistics go to

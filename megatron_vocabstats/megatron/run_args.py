@@ -1,11 +1,6 @@
-"""Megatron's own arguments that the config hook reads, and what it sets from them: the
-precision-aware optimizer (:func:`precision_aware_optimizer`) and the FP8 alignment
-(:func:`fp8_alignment`, :func:`fp8_token_alignment`).
-
-Each number read goes through :func:`megatron_int`, the package's one checker of number-like
-options (``ops._argtypes.check_number``), so a value set without Megatron's parser (a scripted
-parser's ``"2"``, a ``None`` from a config) is refused naming the flag, never a ``TypeError`` deep
-in the arithmetic.
+"""Megatron's own arguments that the config hook reads, and what it sets from them (the
+precision-aware optimizer, the FP8 alignment). Each number read goes through :func:`megatron_int`,
+so a value set without Megatron's parser is refused naming the flag.
 """
 
 from __future__ import annotations
@@ -51,14 +46,10 @@ def precision_aware_optimizer(args) -> None:
 
 
 def fp8_token_alignment(args) -> int:
-    """Per-sequence token padding multiple under FP8 for this run's cp / tp / sequence parallel.
-
-    The recipe's per-shard multiple (16 tensorwise or delayed, 32 mxfp8, 128 blockwise) combined
-    with the context-parallel split and sequence parallelism by
-    :func:`megatron_vocabstats.packing.sequence_alignment` (the smallest padding that keeps every
-    shard's token count a multiple of the recipe's). ``ValueError`` naming the flag for an
-    unknown recipe or a parallel size that is not an int >= 1.
-    """
+    """Per-sequence token padding multiple under FP8: the recipe's per-shard multiple over
+    the run's cp / tp / sequence-parallel shards
+    (:func:`megatron_vocabstats.packing.sequence_alignment`). ``ValueError`` naming the flag for an
+    unknown recipe or a size that is not an int >= 1."""
     from ..packing import sequence_alignment
 
     recipe = getattr(args, "fp8_recipe", None) or "delayed"

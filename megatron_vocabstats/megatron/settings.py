@@ -1,11 +1,7 @@
-"""The plugin's run-time settings: what the patched Megatron call sites read.
+"""The plugin's run-time settings, :data:`SETTINGS`: what the patched Megatron call sites read.
 
-One explicit object, :data:`SETTINGS`, written by ``megatron_vocabstats.patch.apply`` and by the
-config hook (from the ``--vocab-parallel-stats`` flag family), read by the replacements in
-:mod:`megatron_vocabstats.megatron.model` (the statistics' options through
-:meth:`PluginSettings.stats_options`, a :class:`~megatron_vocabstats.StatsOptions`). While
-``active`` is False the patched call sites run Megatron's original code, so the plugin is either
-fully on or fully off.
+Written by ``megatron_vocabstats.patch.apply`` and by the config hook. While ``active`` is False
+the patched call sites run Megatron's original code, so the plugin is either fully on or off.
 """
 
 from __future__ import annotations
@@ -23,52 +19,38 @@ ROLLOUT_CORRECTION_MODES = ("none", *ROLLOUT_MODES)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PluginSettings:
-    """Options of the patched loss path (flag in brackets).
+    """Options of the patched loss path; flags in brackets (their table: docs/megatron.md).
 
-    ``active``: use the plugin [--vocab-parallel-stats]; ``logprobs_chunk_size``: tokens per fp32
-    chunk of the unfused op, None = auto [--logprobs-chunk-size, 0 = auto];
-    ``lm_head_chunk_size``: tokens per chunk of the fused LM head, 0 = unfused
-    [--lm-head-chunk-size]; ``require_fused_lm_head``: where the fused head cannot reproduce a
-    model's output layer (a bias, ``disable_grad_reduce``, ``defer_embedding_wgrad_compute``:
-    ``megatron.head.not_fused_reasons``), raise ``ValueError`` at its first forward instead of
-    logging the reason once and running Megatron's output layer there (needs
-    ``lm_head_chunk_size > 0``) [--require-fused-lm-head]; ``entropy``: "off" | "metric" |
-    "grad" [--vocab-stats-entropy];
-    ``entropy_coef``: per-token loss becomes ``-logprob - entropy_coef * H`` (needs
-    entropy="grad") [--entropy-coef]; ``label_smoothing`` [--vocab-stats-label-smoothing];
-    ``vocab_size``: the real vocabulary size, None = the padded size (padding columns then take
-    part in the softmax exactly as in Megatron's own loss; set it with ``patch.apply``);
-    ``validate``: run the op's host-side input checks, a host sync per loss call (skipped during
-    CUDA graph capture anyway) [--vocab-stats-skip-checks turns them off];
-    ``token_alignment``: per-sequence padding multiple derived by the config hook (FP8 recipe x
-    2*cp x tp with sequence parallel), for :mod:`megatron_vocabstats.packing`; ``batch_invariant``:
-    False, True or "tp", the ops'
-    argument of that name [--vocab-stats-batch-invariant {off,batch,tp}]; ``kernel``: "auto",
-    "torch" or "triton", the backend of the unfused op and of the fused LM head
-    (``vocab_parallel_stats(kernel=...)``, ``linear_vocab_parallel_stats(kernel=...)``)
-    [--vocab-stats-kernel].
+    ``active`` [--vocab-parallel-stats]; ``logprobs_chunk_size``: tokens per fp32 chunk of the
+    unfused op, None = auto [--logprobs-chunk-size, 0 = auto]; ``lm_head_chunk_size``: tokens per
+    chunk of the fused LM head, 0 = unfused [--lm-head-chunk-size]; ``require_fused_lm_head``:
+    raise ``ValueError`` at the first forward where the fused head cannot reproduce the output
+    layer, instead of logging it once and running Megatron's (needs ``lm_head_chunk_size > 0``)
+    [--require-fused-lm-head]; ``entropy``: "off" | "metric" | "grad" [--vocab-stats-entropy];
+    ``entropy_coef``: per-token loss ``-logprob - entropy_coef * H``, needs entropy="grad"
+    [--entropy-coef]; ``label_smoothing`` [--vocab-stats-label-smoothing]; ``vocab_size``: the
+    real vocabulary size, None = the padded size (padding columns then enter the softmax, as in
+    Megatron's own loss; set it with ``patch.apply``); ``validate``: the op's host-side input
+    checks, a host sync per loss call [--vocab-stats-skip-checks turns them off];
+    ``token_alignment``: per-sequence padding multiple set by the config hook, for
+    :mod:`megatron_vocabstats.packing`; ``batch_invariant``: False, True or "tp", the ops'
+    argument [--vocab-stats-batch-invariant {off,batch,tp}]; ``kernel``: "auto" | "torch" |
+    "triton", the backend of the unfused op and of the fused head [--vocab-stats-kernel].
 
-    Rollout fields (read by the user's forward step through :meth:`sampler_options` and
-    :meth:`rollout_correction`, not by the patched call sites; the config hook sets them with or
-    without --vocab-parallel-stats): the rollout engine's sampler, replayed by
-    :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`: ``rollout_temperature`` > 0
-    [--rollout-temperature], ``rollout_top_k`` >= 1 or None (or -1, vLLM's spelling) = off
-    [--rollout-top-k, -1 = off],
-    ``rollout_top_p`` in (0, 1], 1 = off [--rollout-top-p], ``rollout_min_p`` in [0, 1), 0 = off
-    [--rollout-min-p]; the importance-weight correction of
-    :func:`~megatron_vocabstats.policy_loss`: ``rollout_correction_mode`` "none" | "tis" | "mis"
-    | "icepop" [--rollout-correction], ``rollout_correction_level`` "token" | "sequence"
-    [--rollout-correction-level], ``rollout_correction_threshold`` (tis cap),
-    ``rollout_correction_low`` / ``rollout_correction_high`` (mis / icepop band); None = the
-    mode's default (:class:`~megatron_vocabstats.RolloutCorrection`)
-    [--rollout-correction-threshold, --rollout-correction-low, --rollout-correction-high].
+    Rollout fields, read by the user's forward step through :meth:`sampler_options` and
+    :meth:`rollout_correction` (set by the config hook with or without --vocab-parallel-stats):
+    ``rollout_temperature`` > 0, ``rollout_top_k`` >= 1 or None (-1 = off, vLLM's spelling),
+    ``rollout_top_p`` in (0, 1] (1 = off), ``rollout_min_p`` in [0, 1) (0 = off);
+    ``rollout_correction_mode`` "none" | "tis" | "mis" | "icepop", ``rollout_correction_level``
+    "token" | "sequence", ``rollout_correction_threshold`` (tis cap), ``rollout_correction_low``
+    / ``rollout_correction_high`` (mis / icepop band), None = the mode's default
+    (:class:`~megatron_vocabstats.RolloutCorrection`); flags ``--rollout-*`` of the same names
+    (the mode's: ``--rollout-correction``).
 
-    Number fields take Python or numpy numbers (``ops.options.check_number``, the checker every
-    op uses). Raises ``TypeError`` (a field of the wrong Python type, a bool for a number) or
-    ``ValueError`` (a chunk size, vocabulary size or alignment out of range, a NaN, infinite or
-    huge number, an unknown entropy or batch-invariant mode, a bonus without entropy="grad",
-    ``require_fused_lm_head`` without the fused head),
-    naming the field and the value.
+    Numbers may be Python or numpy numbers (``ops.options.check_number``). Raises ``TypeError``
+    (a wrong type, a bool for a number) or ``ValueError`` (out of range, NaN or infinite, an
+    unknown mode, ``entropy_coef`` without entropy="grad", ``require_fused_lm_head`` without the
+    fused head), naming the field and the value.
     """
 
     active: bool = True
@@ -96,9 +78,7 @@ class PluginSettings:
     def __post_init__(self):
         for name in ("active", "validate", "require_fused_lm_head"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
-        # The one checker of number-like options (numpy numbers accepted; bools, NaN, +-inf and
-        # out-of-range values, huge ints included, refused naming the field); values stored as
-        # Python numbers.
+        # Numbers stored as Python numbers (numpy numbers accepted).
         top = 2**63 - 1
         for name, rule in (("lm_head_chunk_size", dict(integer=True, low=0, high=top)),
                            ("logprobs_chunk_size", dict(integer=True, low=1, high=top,
@@ -141,8 +121,7 @@ class PluginSettings:
                     raise ValueError(f"rollout_correction_{name} needs a rollout_correction_mode"
                                      f" (got 'none')")
             return
-        # The checks of RolloutCorrection, naming these fields (rollout_correction_threshold,
-        # not threshold); the given bounds stored as floats, unset ones left None.
+        # RolloutCorrection's checks, naming these fields; given bounds stored as floats.
         bounds = correction_bounds(
             self.rollout_correction_mode, self.rollout_correction_level,
             self.rollout_correction_threshold, self.rollout_correction_low,
@@ -167,9 +146,7 @@ class PluginSettings:
 
     def rollout_correction(self) -> RolloutCorrection | None:
         """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings (``validate``
-        too: a NaN log-prob at a counted token raises unless --vocab-stats-skip-checks), None
-        for mode "none":
-        ``policy_loss(..., rollout_correction=settings.current().rollout_correction())``."""
+        included) for ``policy_loss(..., rollout_correction=...)``; None for mode "none"."""
         if self.rollout_correction_mode == "none":
             return None
         return RolloutCorrection(mode=self.rollout_correction_mode,
@@ -180,8 +157,7 @@ class PluginSettings:
 
     def sampler_options(self) -> dict:
         """The sampler keywords of :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`
-        (``temperature``, ``top_k``, ``top_p``, ``min_p``; filters that are off as None):
-        ``vocab_parallel_sampling_logprobs(logits, target, ..., **settings.sampler_options())``."""
+        (``temperature``, ``top_k``, ``top_p``, ``min_p``; filters that are off as None)."""
         return {"temperature": float(self.rollout_temperature), "top_k": self.rollout_top_k,
                 "top_p": None if self.rollout_top_p in (None, 1.0) else float(self.rollout_top_p),
                 "min_p": float(self.rollout_min_p) if self.rollout_min_p else None}

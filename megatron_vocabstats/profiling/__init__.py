@@ -1,18 +1,8 @@
 """Measurement and profiling tools: peak memory, collective counts, and the trace analysis.
 
-This module itself holds the measurement helpers shared by the tests and benchmarks: peak memory
-and collective counts. Peak memory uses torch's own trackers: ``MemTracker``
-(``torch.distributed._tools``) on CPU, the CUDA caching allocator's ``max_memory_allocated`` on
-GPU.
-
-The submodules analyse the raw files of a profile run (a run of chosen steps on chosen ranks,
-e.g. the GSM8K example's ``python -m examples.gsm8k.profile run``): :mod:`.ranks` parses the
-selection flags, :mod:`.memory` and :mod:`.kernels` are the instruments (memory snapshots or
-MemTracker, the torch profiler's trace), :mod:`.summary` writes a trial's summaries and
-:mod:`.postprocess` rewrites every summary of an output directory
-(``python -m megatron_vocabstats.profiling summarize OUT``, :mod:`.cli`).
-
-The plugin's own modules do not import this package.
+This module holds the measurement helpers of the tests and benchmarks; the submodules record
+and analyse the raw files of a profile run (``python -m megatron_vocabstats.profiling summarize
+OUT``). See docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -42,11 +32,8 @@ COLLECTIVES = (
 
 @contextmanager
 def count_collectives():
-    """Record the name of every ``torch.distributed`` collective called inside the block.
-
-    Yields a list that grows with each call. It wraps the module attributes, so it sees calls
-    made as ``torch.distributed.<name>(...)`` (ours and Megatron's), not ones bound earlier.
-    """
+    """Yield a list of the names of the ``torch.distributed`` collectives called in the block;
+    only calls through the module's attributes are seen, not names bound earlier."""
     calls: list[str] = []
     saved = {}
     for name in COLLECTIVES:
@@ -68,11 +55,8 @@ def count_collectives():
 
 
 def peak_memory_bytes(fn: Callable[[], object], *external: object, device=None) -> int:
-    """Peak bytes of tensors alive while ``fn()`` runs (the inputs in ``external`` included).
-
-    CPU: ``MemTracker`` with ``external`` (tensors, modules, optimizers) registered, total over
-    all kinds. CUDA: ``torch.cuda.max_memory_allocated`` after a reset (everything allocated).
-    """
+    """Peak bytes of tensors alive while ``fn()`` runs: on CPU by ``MemTracker``, with
+    ``external`` (tensors, modules, optimizers) registered; on CUDA ``max_memory_allocated``."""
     device = torch.device(device or "cpu")
     if device.type == "cuda":
         torch.cuda.synchronize(device)

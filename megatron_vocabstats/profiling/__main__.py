@@ -1,5 +1,4 @@
-"""``python -m megatron_vocabstats.profiling summarize OUT``: see :mod:`.cli`.
-"""
+"""``python -m megatron_vocabstats.profiling summarize OUT``: see :mod:`.cli`."""
 
 import sys
 

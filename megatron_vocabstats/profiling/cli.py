@@ -1,11 +1,8 @@
 """Command line of the trace analysis: ``python -m megatron_vocabstats.profiling summarize OUT``.
 
-``summarize`` rewrites the summaries, views and plots of a profile output directory from its raw
-files (:func:`.postprocess.summarize`). Recording a profile needs a training job, so it is not
-here: the GSM8K example's ``python -m examples.gsm8k.profile run ...`` (from the repository root)
-records one, and its own command line reuses :func:`add_summarize_command` and
-:func:`summarize_command`. Exit status 0 on success, 2 for bad input (``error: ...`` on stderr,
-printed by rank 0).
+Recording a profile needs a training job, so it lives in the GSM8K example
+(``python -m examples.gsm8k.profile run``, docs/profiling.md). Exit status 0 on success, 2 for
+bad input (``error: ...`` on stderr, printed by rank 0).
 """
 
 from __future__ import annotations

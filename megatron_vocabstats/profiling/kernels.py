@@ -1,15 +1,8 @@
 """Kernel trials: a ``torch.profiler`` Chrome trace of a step, split into device and host views.
 
-``trace.json`` is what ``torch.profiler.profile.export_chrome_trace`` writes (Kineto's Chrome
-trace format: ``{"traceEvents": [...], ...}``); the views keep the same format, so each opens in
-Perfetto (https://ui.perfetto.dev) or ``chrome://tracing``:
-
-- ``trace.device.json``: GPU work only (categories in :data:`DEVICE_CATEGORIES`: kernels,
-  memcpy/memset, and the GPU side of ``record_function`` ranges) and the process/thread names
-  of the tracks they sit on;
-- ``trace.host.json``: everything else (operators, Python functions, CUDA runtime calls,
-  annotations) with its track names; the host-to-device flow arrows (category ``ac2g``) are in
-  neither view, since their ends lie in different views.
+The views keep the Chrome trace format (Perfetto, ``chrome://tracing``): ``trace.device.json``
+holds GPU work (:data:`DEVICE_CATEGORIES`), ``trace.host.json`` everything else, each with the
+names of its tracks; host-to-device flow arrows are in neither (their ends lie in both views).
 """
 
 from __future__ import annotations
@@ -36,12 +29,8 @@ def is_device_event(event: Mapping) -> bool:
 
 
 def split_trace(trace: Mapping) -> tuple[dict, dict]:
-    """``(device_view, host_view)`` of a Chrome trace dict; see the module docstring.
-
-    Timed and instant events go to one view by category; metadata events (``"ph": "M"``:
-    process and thread names) go to each view that has events on that process. Top-level keys
-    other than ``traceEvents`` are copied to both. The input is not modified.
-    """
+    """``(device_view, host_view)`` of a Chrome trace dict (see the module docstring); the
+    input is not modified."""
     events = trace.get("traceEvents", [])
     timed = [e for e in events if e.get("ph") != "M" and e.get("cat", "") not in FLOW_CATEGORIES]
     device = [e for e in timed if is_device_event(e)]
@@ -77,13 +66,9 @@ def _span(events) -> float:
 
 
 def trace_stats(trace: Mapping, top: int = 15) -> dict:
-    """Summary numbers of a Chrome trace, from complete (``"ph": "X"``) events.
-
-    Host: operator count, the span from first to last event (us), the ``top`` operators
-    (category ``cpu_op``) by total inclusive duration (nested operators count in their parents
-    too), and the collectives among them. Device: kernel count, busy time (sum of durations,
-    overlaps counted twice), span, and the ``top`` kernels by total duration.
-    """
+    """Host and device numbers (us) of a Chrome trace's complete (``"ph": "X"``) events: counts,
+    spans, device busy time (overlaps counted twice), and the ``top`` operators (inclusive time),
+    collectives and kernels by total duration."""
     complete = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     device = [e for e in complete if is_device_event(e)]
     host = [e for e in complete if not is_device_event(e)]
@@ -112,9 +97,8 @@ def write_views(trial_dir: str) -> None:
 
 @contextmanager
 def kernel_step(trial_dir: str, step: int):
-    """Profile one step with ``torch.profiler`` (CPU, plus CUDA when available) and export
-    ``trace.json`` and its views into ``trial_dir``. Shapes are recorded; memory and stacks
-    are not (they would slow the step and shift the kernel timeline)."""
+    """Profile one step (CPU, plus CUDA when available; shapes but no memory or stacks, which
+    would shift the kernel timeline) and export ``trace.json`` and its views into ``trial_dir``."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -1,20 +1,9 @@
 """Memory trials: what is alive at the peak of a training step, by kind, with a timeline.
 
-Two back ends, both with torch's own instruments, both producing the same raw record
-(``memory.raw.json``, see :func:`raw_record`) from which :mod:`.summary` writes the summaries:
-
-- CPU: ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which classifies every tensor
-  storage as parameter / buffer / gradient / activation / temp / optimizer state and keeps
-  per-module snapshots (pre/post/peak of forward and backward). :class:`TimelineMemTracker`
-  also keeps its running total after every operator, which is the timeline; the tracker's own
-  peak is the maximum of that timeline by construction (both are updated at the same point).
-- CUDA: the caching allocator's history (``torch.cuda.memory._record_memory_history``),
-  recorded from before the model is built so that every block carries the Python stack that
-  allocated it. A snapshot at the start and at the end of the step (``_snapshot()``; the end one
-  is also written with ``_dump_snapshot`` for https://pytorch.org/memory_viz) gives the blocks
-  alive at the start and the allocator's actions during the step; :func:`replay_trace` turns
-  them into a timeline and the list of blocks alive at the peak, each put in a kind by
-  :func:`classify_frames` from its stack.
+Two back ends with torch's own instruments write the same raw record (:func:`raw_record`), from
+which :mod:`.summary` writes the summaries: on CPU ``MemTracker``, sampled after every operator;
+on CUDA the caching allocator's history, replayed by :func:`replay_trace` with each block's kind
+taken from its stack (:func:`classify_frames`). What the numbers mean: docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -53,21 +42,16 @@ KIND_RULES: tuple[tuple[str, frozenset, tuple], ...] = (
     ("activations", frozenset({"forward", "forward_step"}), ()),
 )
 WORKSPACE = "workspace"
-# A block with no Python frame at all: on CUDA the autograd engine runs the backward of
-# built-in operators on its own device thread, which has no Python stack (pytorch/pytorch#82146,
-# #124784), so these are the gradients and temporaries of the backward that no Python autograd
-# Function allocated (the recorder starts before the model exists, so nothing older lacks one).
+# A block with no Python frame: the backward of built-in operators, which the autograd engine
+# runs on its own device thread (pytorch/pytorch#82146, #124784).
 NO_STACK = "backward, no Python stack"
 CUDA_KINDS = tuple(rule[0] for rule in KIND_RULES) + (NO_STACK, WORKSPACE)
 
 
 def classify_frames(frames: Sequence[Mapping]) -> str:
-    """The kind of an allocation from its stack (``[{"filename", "line", "name"}, ...]``).
-
-    :data:`NO_STACK` for an empty stack (the autograd engine's device thread); else the rules
-    (:data:`KIND_RULES`) are tried in order, any frame may match a rule, and :data:`WORKSPACE`
-    is returned when none matches (collective buffers, clipping temporaries, ...).
-    """
+    """The kind of an allocation from its stack (``[{"filename", "line", "name"}, ...]``):
+    :data:`NO_STACK` if empty, else the first of :data:`KIND_RULES` that a frame matches, else
+    :data:`WORKSPACE` (collective buffers, clipping temporaries, ...)."""
     if not frames:
         return NO_STACK
     for kind, names, paths in KIND_RULES:
@@ -103,16 +87,13 @@ def raw_record(*, backend: str, x: Sequence[float], x_label: str, phase: Sequenc
                extra: Mapping | None = None) -> dict:
     """The raw memory record of one trial (what ``memory.raw.json`` holds).
 
-    ``by_kind[k][i]``: bytes of kind ``k`` alive at sample ``i``; the total is their sum.
-    ``largest``: blocks alive at the peak (``{"bytes", "kind", "where"}``), largest first.
-    ``reported_peak``: the instrument's own peak (MemTracker), kept to check against the
-    timeline. The timeline is thinned to about :data:`MAX_TIMELINE_POINTS` samples, keeping
-    the first and last samples and the maximum of each phase (so the peak).
+    ``by_kind[k][i]``: bytes of kind ``k`` alive at sample ``i``; ``largest``: blocks alive at
+    the peak (``{"bytes", "kind", "where"}``), largest first; ``reported_peak``: the
+    instrument's own peak. The timeline is thinned to about :data:`MAX_TIMELINE_POINTS` samples,
+    keeping the last one and each phase's maximum, so the summary's end and peaks stay exact.
     """
     kinds = list(by_kind)
     total = [sum(by_kind[k][i] for k in kinds) for i in range(len(x))]
-    # Kept through the thinning: the last sample (the step's end) and each phase's maximum
-    # (the step's peak among them), so that the summary's end, peak and phase peaks are exact.
     phase_peak: dict[str, int] = {}
     for i, t in enumerate(total):
         if phase[i] not in phase_peak or t > total[phase_peak[phase[i]]]:
@@ -147,12 +128,8 @@ def _memtracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class TimelineMemTracker(MemTracker):
-        """``MemTracker`` that also records its running snapshot after every operator.
-
-        ``samples``: ``(phase, {kind: bytes})`` per operator, the first one taken on entry.
-        MemTracker updates its peak in ``_update_peak_stats`` after each operator; sampling
-        there makes the tracker's peak equal the maximum of the samples.
-        """
+        """``MemTracker`` that also samples ``(phase, {kind: bytes})`` on entry and where it
+        updates its peak after each operator, so that its peak is the samples' maximum."""
 
         def __init__(self, device: torch.device):
             super().__init__()
@@ -223,12 +200,9 @@ def memtracker_raw(tracker, device: torch.device) -> dict:
 
 @contextmanager
 def cpu_memory_step(trial_dir: str, model, optimizer, device: torch.device):
-    """Track one step under MemTracker (model and optimizer registered); write the raw record.
-
-    Tensors alive before the step and held by neither the model nor the optimizer are not seen
-    (MemTracker tracks what is created inside its context or registered with it), except the
-    ops' cached chunk buffers (``ops.workspace.WORKSPACE``), registered as "other".
-    """
+    """Track one step under MemTracker and write the raw record; registered: the model, the
+    optimizer and the ops' cached chunk buffers (as "other"); other tensors older than the step
+    are not seen (docs/profiling.md)."""
     from ..ops.workspace import WORKSPACE
 
     tracker = _memtracker_class()(device)
@@ -258,12 +232,8 @@ def live_blocks(snapshot: Mapping, device: int) -> list[dict]:
 
 
 def events_after(before: Mapping, after: Mapping, device: int) -> list[dict]:
-    """The allocator actions of ``after``'s trace that came after ``before`` was taken.
-
-    Entries carry ``time_us``; those later than the last entry of ``before`` are kept. Without
-    timestamps, the entries past ``before``'s trace length are kept (correct while the ring
-    buffer has not wrapped, i.e. ``max_entries`` was not reached).
-    """
+    """The allocator actions of ``after``'s trace later than ``before``'s last (by ``time_us``;
+    without it, those past ``before``'s length: right while the ring buffer has not wrapped)."""
     old = before.get("device_traces", [[]] * (device + 1))[device]
     new = after.get("device_traces", [[]] * (device + 1))[device]
     if old and all("time_us" in e for e in old[-1:]) and all("time_us" in e for e in new):
@@ -273,9 +243,8 @@ def events_after(before: Mapping, after: Mapping, device: int) -> list[dict]:
 
 
 def history_wrapped(before: Mapping, after: Mapping, device: int) -> bool:
-    """Whether the allocator's ring buffer overwrote actions taken after ``before``: none of
-    ``before``'s entries is left in ``after``'s trace, so the step's first actions may be lost
-    (``--max-entries`` too small). Needs ``time_us`` on the entries; False without them."""
+    """Whether the allocator's ring buffer lost actions taken after ``before`` (none of its
+    entries is left in ``after``'s trace); False without ``time_us``."""
     old = before.get("device_traces", [[]] * (device + 1))[device]
     new = after.get("device_traces", [[]] * (device + 1))[device]
     if not old or not new or "time_us" not in old[-1] or "time_us" not in new[0]:
@@ -284,14 +253,10 @@ def history_wrapped(before: Mapping, after: Mapping, device: int) -> bool:
 
 
 def replay_trace(baseline: Sequence[Mapping], events: Sequence[Mapping]) -> dict:
-    """Timeline and peak contents from the blocks alive at the start and the actions after.
-
-    ``baseline``: :func:`live_blocks` at the start. ``events``: trace entries; ``alloc`` adds a
-    block, ``free_completed`` removes it (memory stays in use until the free completes, which
-    is later than ``free_requested`` for blocks used on other streams); other actions
-    (segment_alloc/free, snapshot, oom) do not change what tensors hold. Returns the raw
-    record (:func:`raw_record`) with ``x`` the time since the first action (us; the action's
-    index when the trace has no ``time_us``)."""
+    """The raw record (:func:`raw_record`) from the blocks alive at the start
+    (:func:`live_blocks`) and the trace entries after: ``alloc`` adds a block,
+    ``free_completed`` (not ``free_requested``: a block used on another stream is in use until
+    then) removes it. ``x``: us since the first action (its index without ``time_us``)."""
     live: dict[int, tuple[int, str, list]] = {}
     sums = dict.fromkeys(CUDA_KINDS, 0)
     for block in baseline:
@@ -334,11 +299,9 @@ def replay_trace(baseline: Sequence[Mapping], events: Sequence[Mapping]) -> dict
 
 
 class CudaMemoryRecorder:
-    """The CUDA allocator history for one trial, on one rank.
-
-    :meth:`start` before the model is built, :meth:`step` around each profiled step,
-    :meth:`stop` at the end. ``max_entries`` bounds the history's ring buffer.
-    """
+    """The CUDA allocator history of one rank: :meth:`start` before the model is built,
+    :meth:`step` around each profiled step, :meth:`stop` at the end; ``max_entries`` bounds the
+    history's ring buffer."""
 
     def __init__(self, max_entries: int = 1_000_000):
         self.max_entries = max_entries

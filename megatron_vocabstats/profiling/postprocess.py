@@ -1,8 +1,6 @@
-"""``python -m megatron_vocabstats.profiling summarize OUT``: rewrite every trial's summaries.
-
-Reads only the raw files a run left (``trial.json``, ``memory.raw.json``, ``trace.json``), so it
-works on a copied output directory, after a run was interrupted between trials, or after the
-summary code changed.
+"""``python -m megatron_vocabstats.profiling summarize OUT``: rewrite every trial's summaries
+from the raw files only, so it works on a copied directory, after an interrupted run, or after
+the summary code changed.
 """
 
 from __future__ import annotations
@@ -38,13 +36,9 @@ def write_index(out_dir: str, summaries: list[dict]) -> None:
 
 
 def summarize(out_dir: str) -> list[dict]:
-    """Rewrite ``summary.json``, ``summary.md``, ``timeline.png`` / trace views of every trial
-    in ``out_dir`` and ``index.md``; returns the summaries.
-
-    ``ValueError`` if ``out_dir`` is not a directory or holds no trial, and, after the good
-    trials and the index (of those) are written, if some trials are broken (unfinished or
-    corrupt raw files): one line per broken trial.
-    """
+    """Rewrite every trial's summaries in ``out_dir`` and ``index.md``; returns the summaries.
+    ``ValueError`` if ``out_dir`` is no directory or holds no trial, and, after the good trials
+    and their index are written, one line per broken trial (unfinished or corrupt)."""
     if not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} is not a directory")
     dirs = trial_dirs(out_dir)

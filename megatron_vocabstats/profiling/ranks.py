@@ -1,7 +1,5 @@
-"""Which ranks, steps and trials to profile: parsing and checking of the selection flags.
-
-Everything here is pure (no process group, no files) so that a bad selection is refused on every
-rank before any model is built.
+"""Which ranks, steps and trials to profile: the selection flags, parsed without a process group
+or files, so that a bad selection is refused on every rank before any model is built.
 """
 
 from __future__ import annotations
@@ -10,13 +8,8 @@ TRIAL_KINDS = ("memory", "kernels")
 
 
 def _parse_int_list(spec: str, flag: str, limit: int) -> tuple[list[int], list[str]]:
-    """``"0,2-4"`` -> ``([0, 2, 3, 4], [])``: the numbers up to ``limit`` (sorted, unique), and
-    the parts that go past it (``["5", "7-9"]``, only their part above ``limit``); ``ValueError``
-    naming ``flag`` for a malformed list.
-
-    Ranges are expanded only up to ``limit``, so ``0-99999999999`` costs nothing before the
-    caller refuses it.
-    """
+    """``"0,2-4"`` -> ``([0, 2, 3, 4], [])``: the numbers up to ``limit`` and the parts beyond it
+    (never expanded past ``limit``); ``ValueError`` naming ``flag`` for a malformed list."""
     out: set[int] = set()
     beyond: list[str] = []
     for part in spec.split(","):
@@ -40,12 +33,8 @@ def _parse_int_list(spec: str, flag: str, limit: int) -> tuple[list[int], list[s
 
 
 def default_ranks(world: int, pipeline_stages: int = 1) -> list[int]:
-    """Rank 0 of each pipeline stage: ``[s * world // pp for s in range(pp)]``.
-
-    Megatron orders ranks tp-cp-dp-pp, so pipeline stage ``s`` holds the contiguous block of
-    ``world // pp`` ranks starting at ``s * world // pp``. ``ValueError`` if ``pp`` does not
-    divide ``world``.
-    """
+    """Rank 0 of each pipeline stage (in Megatron's tp-cp-dp-pp order, stage ``s`` holds the
+    ``world // pp`` ranks from ``s * world // pp``); ``ValueError`` unless ``pp`` divides it."""
     if pipeline_stages < 1 or world % pipeline_stages:
         raise ValueError(f"the pipeline-parallel size {pipeline_stages} must divide the world "
                          f"size {world}")
@@ -55,12 +44,9 @@ def default_ranks(world: int, pipeline_stages: int = 1) -> list[int]:
 
 def parse_ranks(spec: str | None, world: int, pipeline_stages: int = 1,
                 flag: str = "--ranks") -> list[int]:
-    """The ranks to profile, sorted.
-
-    ``spec``: ``None`` -> :func:`default_ranks`; ``""`` -> every rank; else a comma list of
-    ranks and inclusive ranges (``"0,2-4"``). ``ValueError`` naming ``flag`` for a malformed
-    list or a rank ``>= world``.
-    """
+    """The ranks to profile, sorted: ``spec`` None -> :func:`default_ranks`, ``""`` -> all, else
+    ranks and inclusive ranges (``"0,2-4"``). ``ValueError`` naming ``flag`` for a malformed list
+    or a rank ``>= world``."""
     if spec is None:
         return default_ranks(world, pipeline_stages)
     if not spec.strip():
@@ -73,11 +59,8 @@ def parse_ranks(spec: str | None, world: int, pipeline_stages: int = 1,
 
 
 def parse_steps(spec: str, last_step: int, flag: str = "--profile-steps") -> list[int]:
-    """Training steps to profile (1-based, like the example's step count), sorted.
-
-    ``ValueError`` naming ``flag`` for a malformed list, step 0, or a step after ``last_step``
-    (the run's ``--steps``).
-    """
+    """Training steps to profile (1-based), sorted; ``ValueError`` naming ``flag`` for a malformed
+    list, step 0, or a step after ``last_step`` (the run's ``--steps``)."""
     steps, beyond = _parse_int_list(spec, flag, last_step)
     if steps and steps[0] < 1:
         raise ValueError(f"{flag} {spec!r}: steps count from 1")

@@ -1,9 +1,5 @@
-"""Per-trial ``summary.json`` / ``summary.md`` (and ``timeline.png`` for memory trials).
-
-Everything is computed from the raw files of the trial directory (``trial.json`` and
-``memory.raw.json`` or ``trace.json``), never from live state, so that
-``python -m megatron_vocabstats.profiling summarize OUT`` rewrites the same files. Summaries hold
-no timestamps: regenerating them gives identical bytes.
+"""Per-trial ``summary.json`` / ``summary.md`` (and ``timeline.png`` for memory trials), from the
+trial directory's raw files only and without timestamps: regenerating them gives identical bytes.
 """
 
 from __future__ import annotations
@@ -222,12 +218,9 @@ def _is_trial_record(meta) -> bool:
 
 
 def write_trial_summary(trial_dir: str) -> dict:
-    """(Re)write ``summary.json`` and ``summary.md`` of a trial from its raw files, plus
-    ``timeline.png`` (memory) or the trace views (kernels); returns the summary dict.
-
-    ``ValueError`` naming the file if ``trial_dir`` lacks ``trial.json`` or the raw file of its
-    kind, or if one of them is not valid JSON or lacks what the summary reads.
-    """
+    """(Re)write a trial's summaries from its raw files, plus ``timeline.png`` (memory) or the
+    trace views (kernels); returns the summary. ``ValueError`` naming the file if ``trial.json``
+    or the raw file is missing, not valid JSON or lacks what the summary reads."""
     meta_path = os.path.join(trial_dir, TRIAL_FILE)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{trial_dir} is not a trial directory ({TRIAL_FILE} missing)")
