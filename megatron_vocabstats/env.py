@@ -1,14 +1,9 @@
 """The environment report: ``vocabstats-env`` or ``python -m megatron_vocabstats.env``.
 
-Paste its output into bug reports (as ``python -m torch.utils.collect_env`` or DeepSpeed's
-``ds_report``). It imports what the plugin may run with and prints, one ``name: value`` line
-each: the versions and locations Python actually imports (this package, Python, torch,
-megatron-core, Triton, transformer-engine, apex), each checked against the supported-versions
-table (:mod:`megatron_vocabstats.versions`: ``ok`` or ``OUTSIDE ...``); CUDA and every GPU's
-compute capability; which backend ``kernel="auto"`` picks on this machine and why; and, for each
-Megatron binding the patch replaces or wraps, whether this Megatron has it. It never applies the
-patch. Every lookup that fails is reported as such, never raised: the report itself must run
-wherever the question is asked. Exit status 0.
+Paste its output into bug reports. It prints, one ``name: value`` line each, the versions and
+locations of what Python imports (checked against :mod:`megatron_vocabstats.versions`), the CUDA
+devices, the backend ``kernel="auto"`` picks and why, and which Megatron bindings the patch
+touches. It never applies the patch and reports a failed lookup instead of raising. Exit 0.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Lazy lookups of third-party ``megatron.core`` names that the lower layer needs: the
-tensor-parallel group and size, the padded vocabulary size and the ``PackedSeqParams`` class.
-
-They sit below ``megatron_vocabstats.megatron`` so that the losses and packing (and the ops)
-can use them without importing that subpackage. Importing it never imports Megatron.
+"""Lazy lookups of ``megatron.core`` names the losses, packing and ops need (tensor-parallel group
+and size, padded vocabulary size, ``PackedSeqParams``), without importing Megatron.
 """
 
 from __future__ import annotations
@@ -38,11 +35,8 @@ def tp_group_of(module) -> dist.ProcessGroup | None:
 
 
 def megatron_tp_size() -> int | None:
-    """The size of Megatron's tensor-parallel group if ``parallel_state`` is initialised, 0 if
-    it was imported but is not initialised yet, None if Megatron was never imported (then
-    nothing of it can be initialised). Never imports Megatron; for the ops' missing-group check
-    (a ``tp_group=None`` call inside a run whose Megatron is, or is about to be, tensor
-    parallel)."""
+    """Megatron's tensor-parallel size if ``parallel_state`` is initialised, 0 if imported but not
+    initialised, None if never imported (for the ops' missing-``tp_group`` check)."""
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None:
         return None
@@ -52,21 +46,17 @@ def megatron_tp_size() -> int | None:
 
 
 def megatron_padded_vocab_size() -> int | None:
-    """``args.padded_vocab_size`` of a Megatron-LM training run (``megatron.training``'s global
-    arguments) where they are set, else None. Never imports Megatron; for the ops'
-    identical-shards check (logits that wide hold the whole vocabulary, not one shard)."""
+    """``args.padded_vocab_size`` of a Megatron-LM training run where set, else None (for the ops'
+    identical-shards check)."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     size = getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "padded_vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 
 def default_tp_group() -> dist.ProcessGroup | None:
-    """Megatron's tensor-parallel group if ``parallel_state`` is initialised, else None.
-
-    Only Megatron-facing code reads this global (the drop-in
-    :func:`megatron_vocabstats.vocab_parallel_cross_entropy` keeps Megatron's ``tp_group=None``
-    convention); the ops themselves never do.
-    """
+    """Megatron's tensor-parallel group if ``parallel_state`` is initialised, else None. For
+    Megatron-facing code only (``vocab_parallel_cross_entropy``'s ``tp_group=None``); the ops never
+    read it."""
     # Megatron's parallel state can only be initialised if Megatron was imported: don't import it.
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None or not parallel_state.model_parallel_is_initialized():

@@ -1,20 +1,12 @@
 """``import megatron_vocabstats.patch``: one line, before the model is built, turns the plugin on.
 
-It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path reaches:
-``GPTModel``, ``HybridModel`` and the MTP layers call it through ``self``) with the exact, chunked
-vocab-parallel op; when ``lm_head_chunk_size > 0`` it also computes the loss straight from the
-hidden states without materialising the logits: ``GPTModel``'s (through the
-``output_processor`` of ``forward`` and ``build_schedule_plan`` on 0.18+, through ``_postprocess``
-on 0.16-0.17, which the schedule plan's postprocess node calls too), ``HybridModel``'s (through
-``forward``, 0.18+; ``MambaModel``'s on 0.16-0.17; skipped, with the reason logged, where the
-release has neither) and every MTP depth's (through ``process_mtp_loss``, in each module that
-binds it, 0.17+; 0.16's inline MTP loss goes through ``_postprocess``); it makes
-``FullCudaGraphWrapper.reset_cuda_graph`` also drop the ops' cached workspace
-(:func:`~megatron_vocabstats.ops.workspace.reset_workspace`); it adds the
-``--vocab-parallel-stats`` flag family to Megatron's parser and runs the config hook before
-``validate_args`` (see :mod:`megatron_vocabstats.megatron.arguments` for how the import and the
-flag combine). ``apply(**settings)`` / ``remove()`` give explicit control;
-applying twice patches once and ``remove()`` restores every original object.
+It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path
+reaches) with the exact, chunked vocab-parallel op; with ``lm_head_chunk_size > 0`` the heads of
+``GPTModel``, ``HybridModel`` / ``MambaModel`` and every MTP depth take their loss straight from
+the hidden states (hooks per release: ``docs/fused-head.md``). It also makes
+``FullCudaGraphWrapper.reset_cuda_graph`` reset the ops' workspace and adds the
+``--vocab-parallel-stats`` flags (:mod:`megatron_vocabstats.megatron.arguments`).
+``apply(**settings)`` / ``remove()`` give explicit control; applying twice patches once.
 
 Raises ``UnsupportedMegatronError`` (an ``ImportError``) at import when megatron-core is missing
 or lacks the names the plugin needs.
@@ -40,11 +32,8 @@ def _log_rank0(message: str) -> None:
 
 
 def _targets():
-    """``(owner, attribute, replacement factory, label)`` of every Megatron binding to replace.
-
-    Resolved before anything is patched, so that an unsupported release fails with nothing
-    changed (never half on).
-    """
+    """``(owner, attribute, replacement factory, label)`` of every binding to replace, resolved
+    before anything is patched so that an unsupported release fails with nothing changed."""
     language_module = compat.language_module_class()
     gpt_model = compat.gpt_model_class()
     if compat.has_output_processor(gpt_model):  # 0.18+: the official output_processor hook
@@ -88,15 +77,13 @@ def _targets():
 def apply(**options) -> settings.PluginSettings:
     """Patch Megatron and turn the plugin on with ``options`` (fields of ``PluginSettings``).
 
-    Idempotent: what is already patched stays as it is; the given options replace the current
-    ones (``remove()`` resets them to the defaults). Where Megatron's own argument parsing runs
+    Idempotent; the given options replace the current ones. Where Megatron parses its arguments
     later, its config hook decides from ``--vocab-parallel-stats`` whether the plugin stays on.
     Returns the settings in force.
 
-    Raises:
-        UnsupportedMegatronError: megatron-core missing or without the needed names (nothing is
-            patched then).
-        ValueError: an unknown or invalid option (nothing is patched then).
+    Raises (nothing patched then):
+        UnsupportedMegatronError: megatron-core missing or without the needed names.
+        ValueError: an unknown or invalid option.
     """
     targets = _targets()
     new_settings = settings.update(active=True, **options)

@@ -1,29 +1,10 @@
-"""The version warning: once per process, one warning per component outside its tested range.
+"""The version warning, and the package's rank-0 test (:func:`is_rank0`).
 
-:func:`warn_untested` compares what this process runs (Python, torch, Triton, megatron-core)
-with the supported-versions table (:mod:`megatron_vocabstats.versions`) and issues one
-:class:`UntestedVersionWarning` per component outside its range, naming the component, the
-version found and the tested range, e.g.::
-
-    UntestedVersionWarning: torch 2.16.0 is outside the supported range torch >=2.11,<2.16
-    (tested: 2.11.0, 2.14.1, 2.15.0); megatron-vocabstats runs, untested
-
-The plugin still runs. It is called at the first op call of the process (every op's input
-check, :class:`megatron_vocabstats.ops.agreement.CrossRankCheck`; not at import, and never while
-a tracer runs the call) and at the Megatron patch's first loss (which also checks the
-megatron-core that Python imports). Each component is checked once per process, on global rank
-0 only (``RANK`` before ``torch.distributed`` is initialised): no warning per call, per step or
-per rank. After the first call the cost is one set-size comparison.
-
-Why :func:`warnings.warn` rather than the ``megatron_vocabstats`` logger: the situation is one
-the user can remove (by installing a tested version), which is what Python's warnings are for;
-they are shown without any logging set-up, pytest lists them, and a category can be silenced
-(``-W ignore::megatron_vocabstats.version_check.UntestedVersionWarning``) or made an error in CI
-(``-W error::...``) without touching the plugin's log records.
-
-Also the package's one rank-0 test, :func:`is_rank0` (the version warning, the Megatron patch's
-log lines, the integrations' notes and the profiling command line's errors all use it): the
-lowest module that every one of them may import.
+:func:`warn_untested` issues one :class:`UntestedVersionWarning` per component (Python, torch,
+Triton, megatron-core) outside its range in :mod:`megatron_vocabstats.versions`; the plugin
+still runs. It runs at the first op call of the process (never at import or under a tracer) and
+at the Megatron patch's first loss, once per component and process, on global rank 0 only. Why a
+Python warning and how to silence it: ``docs/install.md``, "Outside the tested ranges".
 """
 
 from __future__ import annotations
@@ -59,9 +40,8 @@ def _distribution_version(name: str) -> str | None:
 
 
 def package_info_release(info) -> str | None:
-    """``"0.19.2"`` (a pre-release tag appended, ``"0.20.0rc0"``) from a
-    ``megatron.core.package_info`` module's ``VERSION`` tuple; None for a module (or None)
-    without one."""
+    """``"0.19.2"`` (``"0.20.0rc0"`` with a pre-release tag) from a ``megatron.core.package_info``'s
+    ``VERSION`` tuple; None without one."""
     version = getattr(info, "VERSION", None)
     if isinstance(version, tuple) and len(version) >= 3:
         return ".".join(str(part) for part in version[:3]) + "".join(map(str, version[3:]))
@@ -69,15 +49,13 @@ def package_info_release(info) -> str | None:
 
 
 def _imported_megatron_core() -> str | None:
-    """The release of an already imported megatron-core, else None: an op call never imports
-    Megatron."""
+    """The release of an already imported megatron-core, else None (never imports it)."""
     return package_info_release(sys.modules.get("megatron.core.package_info"))
 
 
 def found_versions(*, megatron_core: str | None = None) -> dict[str, str]:
-    """``{component: version}`` of what this process runs; a component absent (Triton not
-    installed, megatron-core neither given nor imported) is left out. ``megatron_core``: the
-    release of the imported megatron-core, when the caller knows it."""
+    """``{component: version}`` of what this process runs, absent components left out.
+    ``megatron_core``: the imported megatron-core's release, when the caller knows it."""
     found = {"Python": platform.python_version()}
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -98,10 +76,8 @@ def untested(found: dict[str, str]) -> list[str]:
 
 
 def is_rank0() -> bool:
-    """Whether this process is global rank 0, the one that logs and warns: torch.distributed's
-    rank once a process group is initialised, else ``RANK`` (as torchrun and Ray workers set it;
-    unset, as in a single process, or not an integer: rank 0). Imports nothing (torch only if
-    already imported)."""
+    """Whether this process is global rank 0: torch.distributed's rank once initialised, else
+    ``RANK`` (unset or not an integer: rank 0). Imports nothing."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None)
     if dist is not None and dist.is_available() and dist.is_initialized():
@@ -113,9 +89,8 @@ def is_rank0() -> bool:
 
 
 def warn_untested(*, megatron_core: str | None = None, stacklevel: int = 2) -> list[str]:
-    """Warn once per process about each component not yet checked that lies outside its range;
-    returns the messages warned now (on ranks other than 0: none, the components are marked
-    checked). ``megatron_core``: as in :func:`found_versions`."""
+    """Warn once per process about each component outside its range not yet checked; returns the
+    messages warned now (none on other ranks). ``megatron_core``: as in :func:`found_versions`."""
     if len(_checked) == len(COMPONENTS) or (
             _checked and megatron_core is None and "megatron.core.package_info" not in sys.modules):
         return []   # the first call checked all but a megatron-core not imported (yet)
@@ -133,8 +108,8 @@ def warn_untested(*, megatron_core: str | None = None, stacklevel: int = 2) -> l
 
 
 def at_first_op() -> None:
-    """The ops' check, once per process (:class:`~megatron_vocabstats.ops.agreement.CrossRankCheck`
-    calls it while :data:`op_checked` is False, never under a tracer)."""
+    """The ops' check, once per process (``CrossRankCheck`` calls it while :data:`op_checked` is
+    False, never under a tracer)."""
     global op_checked
     op_checked = True
     warn_untested(stacklevel=4)

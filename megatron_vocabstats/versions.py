@@ -1,16 +1,9 @@
 """The supported versions: one table, the single source of the README, pyproject and messages.
 
-:data:`SUPPORTED` lists, per component, the versions the test suite ran (``tested``), the range
-they cover (``supported``: a PEP 440 specifier; outside it the plugin warns, see
-:mod:`megatron_vocabstats.version_check`), what pip is told (``requirement``: the lower bound
-only, repeated by ``pyproject.toml`` in its ``requires-python``, ``dependencies`` or an extra, so
-that installing the plugin never changes the user's torch), and how that is known (``note``).
-``tests/unit/test_versions.py`` checks that README's table is :func:`markdown_table` and that
-pyproject declares each requirement; :func:`supported_range` words the error messages
-(``megatron_vocabstats.megatron.compat.SUPPORTED``) and :func:`check_version` the warnings and
-the environment report (``python -m megatron_vocabstats.env``).
-
-Update the table when CI covers another version; nothing else needs editing by hand.
+:data:`SUPPORTED` lists per component the versions CI ran, the range they cover (outside it:
+:mod:`megatron_vocabstats.version_check`'s warning) and the pip requirement (a lower bound only,
+so that installing the plugin never changes the user's torch). ``tests/unit/test_versions.py``
+checks README and pyproject against it. Update the table when CI covers another version.
 """
 
 from __future__ import annotations
@@ -25,11 +18,10 @@ __all__ = ["Component", "SUPPORTED", "component", "supported_range", "check_vers
 class Component:
     """One row of the table.
 
-    ``name``: as the README and the messages write it; ``distribution``: the pip name (None for
-    Python and the GPU); ``tested``: the versions CI ran; ``supported``: the tested range (PEP
-    440; a version outside it gets the warning); ``requirement``: the install requirement
-    (PEP 440, a lower bound only; None where pip has nothing to check); ``declared_in``: where
-    pyproject declares ``requirement``; ``note``: what the range means and how it is known.
+    ``name``: as README and the messages write it; ``distribution``: the pip name (None for Python
+    and the GPU); ``tested``: the versions CI ran; ``supported``: the tested range (PEP 440);
+    ``requirement``: the install requirement (a PEP 440 lower bound, or None); ``declared_in``:
+    where pyproject declares it; ``note``: what the range means and how it is known.
     """
 
     name: str
@@ -83,13 +75,9 @@ def supported_range(name: str) -> str:
 
 
 def check_version(name: str, version: str) -> str | None:
-    """None if ``version`` lies in the row's supported range, else why not (for a warning or
-    the report).
-
-    Local version labels (``2.13.0+cu130``) and pre-releases are compared by their release
-    number: NVIDIA's ``2.13.0a0+...nv26.06`` counts as 2.13.0, inside the range. Raises
-    ``KeyError`` for an unknown row.
-    """
+    """None if ``version`` lies in the row's supported range, else why not. Local labels and
+    pre-releases count as their release (``2.13.0a0+...nv26.06`` as 2.13.0). ``KeyError`` for an
+    unknown row."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 

@@ -1,5 +1,5 @@
-"""The pure per-token divergences over the teacher's top-k: :func:`topk_divergence`, its options
-(:class:`DistillConfig`) and the per-bucket math (:func:`log1mexp`, :func:`bregman_kl`).
+"""The pure per-token divergences over the teacher's top-k (:func:`topk_divergence`), its options
+(:class:`DistillConfig`) and the per-bucket math.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ class DistillConfig:
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 - e^x)`` for log-masses ``x``, stably (Maechler 2012, "Accurately computing
-    log(1 - exp(-|a|))"): ``log(-expm1(x))`` above ``-ln 2``, ``log1p(-exp(x))`` below; -inf for
-    ``x >= 0`` (no mass left, rounding included). Gradients stay finite."""
+    """``log(1 - e^x)`` for log-masses ``x``, stably (Maechler 2012): ``log(-expm1(x))`` above
+    ``-ln 2``, ``log1p(-exp(x))`` below; -inf for ``x >= 0``. Gradients stay finite."""
     live = x < 0
     xs = torch.where(live, x, -1.0)
     near = xs > -_LN2
@@ -67,8 +66,8 @@ def bregman_kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     """Per-bucket ``p (r - 1 + e^{-r})`` with ``r = lp - lq`` (log-masses): >= 0, exactly 0 where
     ``lp == lq``; ``q`` where ``p = 0``, +inf where ``q = 0 < p``, NaN where an input is NaN.
 
-    ``p (r + expm1(-r))`` for ``r > -1`` (no cancellation near 0), ``p r - p + q`` below (there
-    ``q >= e p``); a clamp at 0 absorbs the last rounding, so the sum over buckets is >= 0.
+    ``p (r + expm1(-r))`` for ``r > -1`` (no cancellation near 0), ``p r - p + q`` below; a clamp
+    at 0 absorbs the last rounding.
     """
     finite = ~(torch.isneginf(lp) | torch.isneginf(lq))  # NaN stays NaN
     lp_s, lq_s = torch.where(finite, lp, 0.0), torch.where(finite, lq, 0.0)
@@ -89,14 +88,9 @@ def _mixture(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def _buckets(logprobs: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
-    """The ``[..., k]`` log-masses as the divergence sees them: renormalised over the top-k, or
-    with the tail ``log(1 - sum_k p)`` (floored at ``log eps`` of the dtype, see the module
-    docstring) appended as bucket k + 1, or as they are.
-
-    A row with no mass on its top-k (all -inf) stays all -inf under ``renormalize`` (0/0 has no
-    value; the divergence is then +inf or 0, never NaN, and its gradient finite); with
-    ``tail_bucket`` its tail is the whole mass (log 1 = 0), with a finite gradient too.
-    """
+    """The ``[..., k]`` log-masses the divergence sees: renormalised over the top-k, or with the
+    floored tail ``log(1 - sum_k p)`` appended, or as they are. A row with no top-k mass stays -inf
+    under ``renormalize`` and has tail 0 with ``tail_bucket``; gradients stay finite."""
     if not (cfg.renormalize or cfg.tail_bucket):
         return logprobs
     # logsumexp's gradient over a row of -inf only is exp(-inf - -inf) = NaN: take it over zeros
@@ -124,36 +118,31 @@ def topk_divergence(
     """Per-token divergence between teacher and student over the teacher's top-k ids.
 
     With ``p`` the teacher's and ``q`` the student's probabilities at the same k ids (plus the
-    tail bucket ``1 - sum_k`` with ``tail_bucket``; divided by their top-k sums with
-    ``renormalize``) and the Bregman form ``D(a || b) = sum_i [a_i log(a_i / b_i) - a_i + b_i]``
-    (the module docstring):
+    tail ``1 - sum_k`` with ``tail_bucket``; divided by their top-k sums with ``renormalize``) and
+    ``D(a || b) = sum_i [a_i log(a_i / b_i) - a_i + b_i]`` (``docs/distillation.md``):
 
-    * ``"forward_kl"``: ``D(p || q)`` (mode-covering; Hinton et al. 2015 distillation);
+    * ``"forward_kl"``: ``D(p || q)`` (mode-covering; Hinton et al. 2015);
     * ``"reverse_kl"``: ``D(q || p)`` (mode-seeking; Gu et al. 2024, MiniLLM);
-    * ``"jsd"``: ``beta D(p || m) + (1 - beta) D(q || m)`` with ``m = beta p + (1 - beta) q``:
-      beta weights the teacher, in the mixture and in the sum (the generalised JSD of Agarwal
-      et al. 2024, "On-Policy Distillation of Language Models" (GKD), as TRL's
-      ``generalized_jsd_loss``); beta = 0.5 is the ordinary Jensen-Shannon divergence.
+    * ``"jsd"``: ``beta D(p || m) + (1 - beta) D(q || m)``, ``m = beta p + (1 - beta) q``: beta
+      weights the teacher (Agarwal et al. 2024, GKD; TRL's ``generalized_jsd_loss``); 0.5 is the
+      ordinary Jensen-Shannon divergence.
 
     Args:
-        student_logprobs: floating ``[..., k]`` log q at the teacher's ids (nats; normalised over
+        student_logprobs: floating ``[..., k]`` log q at the teacher's ids (nats, normalised over
             the full vocabulary, e.g. :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`);
             differentiable.
         teacher_logprobs: floating ``[..., k]`` log p of the teacher's top-k (same ids, same
-            order); treated as a constant. -inf allowed (zero teacher mass).
+            order); a constant. -inf allowed.
         loss_mask: ``[...]`` (the leading shape), non-zero where a token counts. Required.
         divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-        beta: in (0, 1), used by ``"jsd"`` only. JSD(beta) tends to 0 at both ends (accurate
-            up to them: tested at 1e-4 and 1 - 1e-4); 0 and 1 raise (see ``DistillConfig``).
-        tail_bucket: add the mass outside the top-k as one more bucket, ``log(1 - sum_k p)``
-            computed with ``log1mexp`` (``log(-expm1)`` / ``log1p(-exp)``).
+        beta: in (0, 1), for ``"jsd"`` only (0 and 1 raise, see :class:`DistillConfig`).
+        tail_bucket: add the mass outside the top-k as one more bucket.
         renormalize: normalise both sides over the top-k instead of the full vocabulary.
 
     Returns:
-        fp32 (float64 for float64 inputs) ``[...]``, >= 0, exactly 0 at masked positions with
-        exactly zero gradient whatever the inputs hold there (NaN, -inf, duplicate ids), and
-        exactly 0 where student and teacher log-probs are equal. +inf where the teacher has mass
-        on a bucket the student gives none (forward KL), or the reverse.
+        fp32 (float64 for float64 inputs) ``[...]``, >= 0; exactly 0 with zero gradient at masked
+        positions whatever they hold, and where student and teacher log-probs are equal. +inf
+        where one side has mass on a bucket the other gives none.
 
     Raises:
         ValueError: ``loss_mask`` None or misshapen, non-floating or misshapen log-probs, an

@@ -1,6 +1,4 @@
-"""The Megatron loss function of top-k distillation: :func:`distillation_loss` (the student's
-log-probs at the teacher's ids from logits or a fused LM head, then :func:`topk_divergence`).
-"""
+"""The Megatron loss function of top-k distillation: :func:`distillation_loss`."""
 
 from __future__ import annotations
 
@@ -46,12 +44,11 @@ def _teacher_parts(teacher) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_teacher_values(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """``ValueError`` if a counted row of the teacher's ``[..., k]`` log-probs holds NaN, a value
-    above 0, or probabilities summing above 1 (reads the host).
+    """``ValueError`` if a counted row of the teacher's log-probs holds NaN, a value above 0, or
+    probabilities summing above 1 (reads the host).
 
-    Tolerance of the sum: a log-prob stored with unit roundoff u (of its dtype) moves its
-    probability by at most ``p |log p| u``, and ``sum_k p |log p| <= log k`` for a mass <= 1; the
-    fp32 softmax the teacher came from adds at most a few ulps per term.
+    Tolerance of the sum: a log-prob stored with unit roundoff u moves its probability by at most
+    ``p |log p| u``, and ``sum_k p |log p| <= log k``; the teacher's fp32 softmax adds a few ulps.
     """
     lp = torch.where(mask.unsqueeze(-1), logprobs.detach().double(), float("-inf"))
     rows = lp.reshape(-1, lp.shape[-1])
@@ -71,8 +68,7 @@ def _check_teacher_values(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
 
 
 def _check_distinct(indices: torch.Tensor, mask: torch.Tensor) -> None:
-    """``ValueError`` if a counted row of ``indices`` ``[..., k]`` holds an id twice (reads the
-    host; a teacher's top-k never does)."""
+    """``ValueError`` if a counted row of ``indices`` holds an id twice (reads the host)."""
     ids = indices.reshape(-1, indices.shape[-1]).sort(dim=-1).values
     twice = (ids[:, 1:] == ids[:, :-1]) & mask.reshape(-1, 1)
     if bool(twice.any()):
@@ -117,17 +113,16 @@ def distillation_loss(
         loss_sum = per_token.sum() * (temperature ** 2 if temperature_scale else 1)
         num_tokens = m.sum()
 
-    computed without gathering the vocabulary or upcasting the logits, by
-    :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (communication: one all-gather of
-    ``[5 + k, T]`` fp32 under tensor parallelism; with ``validate``, one of a few int64 before).
-    A ``functools.partial`` over all but ``student`` is a ``loss_func``. More: docs/distillation.md.
+    computed by :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` without gathering the
+    vocabulary or upcasting the logits (one all-gather of ``[5 + k, T]`` fp32 under tensor
+    parallelism; with ``validate``, one of a few int64 before). More: ``docs/distillation.md``.
 
     Args:
         student: this rank's logits shard ``[..., V/tp]`` (bf16, fp16, fp32), or a fused LM head
             ``fn(indices, *, tp_group, mask, vocab_size, temperature, chunk_size, validate)``
             returning the ``[..., k]`` log-probs at ``indices``.
         teacher: :class:`~megatron_vocabstats.TopK` ``(logprobs, indices)``, both ``[..., k]``:
-            global ids, log-probs of any float dtype (upcast) at the same ``temperature``.
+            global ids, log-probs of any float dtype at the same ``temperature``.
         loss_mask: ``[...]``, non-zero where a token counts; required (mask the padding out).
         tp_group: the student vocabulary's tensor-parallel group; None: no tensor parallelism.
         vocab_size: the student's real vocabulary size (default: shard width x tp).
@@ -137,19 +132,16 @@ def distillation_loss(
         temperature_scale: multiply the loss by ``temperature ** 2`` (Hinton et al. 2015).
         validate: the checks that read the host and the cross-rank agreement (default off).
 
-    Returns:
-        :class:`LossOutput`: ``loss_sum`` fp32 scalar, ``num_tokens`` int32, report ``[sum, count]``
-        of ``"distill loss"``, ``"teacher topk mass"``, ``"student topk mass"`` (mean top-k mass).
+    Returns :class:`LossOutput` (``loss_sum`` fp32, ``num_tokens`` int32) with report
+    ``"distill loss"``, ``"teacher topk mass"`` and ``"student topk mass"``.
 
-    Raises:
-        ValueError: naming the argument: ``loss_mask`` missing or misshapen; a ``teacher`` not a
-            (float, integer) pair of one ``[..., k]`` shape, k >= 1; a ``student`` of another
-            type; a ``teacher_vocab_size`` not the student's (or with a callable student and no
-            ``vocab_size``); a non-bool ``validate`` or ``temperature_scale``; with the latter, a
-            ``temperature`` whose square overflows fp32; with ``validate``, on every rank: teacher
-            ids out of range or repeated, or log-probs NaN, above 0 or summing above 1 (counted
-            tokens), inputs or options differing across ranks; and what the op and
-            :func:`topk_divergence` raise.
+    Raises ``ValueError`` naming the argument: ``loss_mask`` missing or misshapen; a ``teacher``
+    not a (float, integer) pair of one ``[..., k]`` shape, k >= 1; a ``student`` of another
+    type; a ``teacher_vocab_size`` not the student's (or with a callable student and no
+    ``vocab_size``); a non-bool ``validate`` or ``temperature_scale``; with the latter, a
+    ``temperature`` whose square overflows fp32; with ``validate``, on every rank: teacher ids
+    out of range or repeated, log-probs NaN, above 0 or summing above 1 (counted tokens), inputs
+    or options differing across ranks; and what the op and :func:`topk_divergence` raise.
     """
     def local_checks():
         cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
@@ -157,7 +149,7 @@ def distillation_loss(
         check_bool("validate", validate)
         if check_bool("temperature_scale", temperature_scale):
             tau = check_number("temperature", temperature, low=MIN_TEMPERATURE)
-            if tau * tau > FP32_MAX:  # (tau ** 2 raised OverflowError from 1.4e154 on)
+            if tau * tau > FP32_MAX:  # (tau ** 2 raises OverflowError from 1.4e154 on)
                 raise ValueError(
                     f"temperature={tau!r} with temperature_scale=True: the loss's factor "
                     f"temperature ** 2 = {tau * tau:g} does not fit fp32 (temperature at most "

@@ -1,29 +1,15 @@
 """Loss functions with Megatron's ``(loss_sum, num_tokens, report)`` contract, and a forward_step.
 
-Two layers, kept apart:
+Per-token losses are pure functions of per-token tensors (``logprobs`` first, ``loss_mask`` and
+``entropy`` as keywords); :func:`token_stats` gets those tensors from a model output (logits, a
+``VocabStats`` or a statistics callable), and :func:`token_loss` composes the two.
 
-* **Per-token losses** (pure functions of per-token tensors, no process groups, no mutation of
-  inputs): :func:`nll_loss` (SFT), :func:`policy_loss` (PPO / GRPO), :func:`score_tokens`
-  (forward-only scoring). Each takes ``logprobs`` first and ``loss_mask`` / ``entropy`` as
-  keywords, so any of them can be handed to :func:`token_loss` or :func:`make_forward_step`.
-* **Where the per-token statistics come from**: :func:`token_stats` turns a model output into
-  :class:`~megatron_vocabstats.VocabStats`: vocab-parallel logits (unfused, through
-  :func:`~megatron_vocabstats.vocab_parallel_stats`), an already computed ``VocabStats`` (a fused
-  LM head that returns them), or a callable with ``vocab_parallel_stats``'s keywords (for example
-  ``functools.partial(linear_vocab_parallel_stats, hidden, weight)``).
-  :func:`token_loss` composes the two; :func:`sft_loss` and :func:`logprobs_step` are it with
-  :func:`nll_loss` and :func:`score_tokens`.
-
-Megatron's loss contract (``megatron.core.pipeline_parallel.schedules.forward_step_calc_loss``):
-the schedule divides ``loss_sum`` by ``max(num_tokens, 1)`` and by the number of microbatches,
-unless ``calculate_per_token_loss`` is set, in which case the sums over microbatches and
-data-parallel ranks are divided by the summed ``num_tokens``. Report values are 2-element
-``[sum, count]`` tensors, summed over microbatches and data-parallel ranks, then divided.
-
-Nothing here synchronises with the host: no ``.item()``, no branch on tensor values, no
-data-dependent shape; token counts stay on the device. (The op's own ``validate`` checks do read
-the host; they are off by default here, see :class:`StatsOptions`.) Communication: only the op's
-(one all-gather of the statistics per call); the losses add none.
+Megatron's contract (``pipeline_parallel.schedules.forward_step_calc_loss``): the schedule
+divides ``loss_sum`` by ``max(num_tokens, 1)`` and by the number of microbatches, or, with
+``calculate_per_token_loss``, the sums over microbatches and data-parallel ranks by the summed
+``num_tokens``. Report values are ``[sum, count]`` pairs, summed the same way, then divided.
+No host sync (the op's ``validate`` checks excepted, off here by default) and no collective
+besides the op's.
 """
 
 from ..ops.options import IGNORE_INDEX

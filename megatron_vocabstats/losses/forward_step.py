@@ -1,5 +1,5 @@
-"""A ``forward_step_func`` for Megatron's schedules: :func:`make_forward_step`, the microbatch
-type :class:`StepBatch` and :func:`model_tp_group` (the tensor-parallel group of a wrapped model).
+"""A ``forward_step_func`` for Megatron's schedules (:func:`make_forward_step`) and its microbatch
+type :class:`StepBatch`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ FROM_MODEL = "model"
 class StepBatch(NamedTuple):
     """One microbatch as :func:`make_forward_step`'s ``batch_fn`` returns it.
 
-    ``model_inputs``: keyword arguments of the model call (Megatron ``GPTModel``: ``input_ids``,
-    ``position_ids``, ``attention_mask``, optionally ``packed_seq_params`` ...; never
-    ``labels``, so that the model returns logits). ``labels``: int64 ``[b, s]`` targets.
-    ``loss_mask``: ``[b, s]``, non-zero where a token counts. ``loss_inputs``: extra keyword
-    arguments of the per-token loss (``old_logprobs``, ``advantages``, ``ref_logprobs``).
+    ``model_inputs``: keyword arguments of the model call (``GPTModel``: ``input_ids``,
+    ``position_ids``, ``attention_mask``, ...; never ``labels``, so that the model returns logits).
+    ``labels``: int64 ``[b, s]``. ``loss_mask``: ``[b, s]``, non-zero where a token counts.
+    ``loss_inputs``: extra keywords of the per-token loss (``old_logprobs``, ``advantages``, ...).
     """
 
     model_inputs: Mapping[str, Any]
@@ -45,19 +44,17 @@ def _module_chain(model) -> Iterator[Any]:
 
 
 def model_tp_group(model) -> dist.ProcessGroup | None:
-    """The tensor-parallel group of a (possibly wrapped) Megatron model.
+    """The tensor-parallel group of a (possibly wrapped) Megatron model, None = none.
 
-    Unwraps the ``.module`` chain (DDP, ``Float16Module``, FSDP) to the innermost model and reads
-    its group as its release stores it (:func:`megatron_vocabstats.mcore.tp_group_of`:
-    ``tp_group``, ``pg_collection.tp``, ``model_comm_pgs.tp``, else Megatron's initialised
-    tensor-parallel group, else None = no tensor parallelism). Never imports Megatron.
+    Unwraps ``.module`` (DDP, ``Float16Module``, FSDP) and reads the innermost model's group as
+    :func:`megatron_vocabstats.mcore.tp_group_of` does. Never imports Megatron.
     """
     *_, inner = _module_chain(model)
     return tp_group_of(inner)
 
 
 def _takes_fp32_output(model) -> bool:
-    """Whether a wrapper in the chain (Megatron's ``Float16Module``) has an ``fp32_output`` flag."""
+    """Whether a wrapper in the chain (``Float16Module``) takes ``fp32_output``."""
     for module in _module_chain(model):
         forward = getattr(module, "forward", None)
         if forward is None:
@@ -80,24 +77,19 @@ def make_forward_step(
 ):
     """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()``.
 
-    The returned ``forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
-    return_schedule_plan=False)`` takes ``batch = batch_fn(data_iterator)``, calls
-    ``model(**batch.model_inputs)`` (with ``fp32_output=False`` when a ``Float16Module`` wrapper
-    offers it, so bf16 logits are not copied to fp32; an explicit value in ``model_inputs`` wins),
-    or ``model.build_schedule_plan(**batch.model_inputs)`` when the schedule asks for a schedule
-    plan, and returns ``(output, functools.partial(token_loss, labels=..., loss_mask=...,
-    loss_fn=loss_fn, loss_inputs=..., tp_group=..., options=stats))``. On the last pipeline
-    stage the output is the logits ``[b, s, V/tp]`` (``GPTModel`` with ``labels=None``, both in
-    megatron-core 0.16 and 0.19) or whatever a fused output processor returns (``VocabStats`` or a
-    statistics callable, see :func:`token_stats`). ``checkpoint_activations_microbatch`` is
-    accepted and not used (Megatron-Core models do not take it).
+    ``forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
+    return_schedule_plan=False)`` calls ``model(**batch.model_inputs)`` (or
+    ``model.build_schedule_plan``) on ``batch = batch_fn(data_iterator)`` and returns ``(output,
+    functools.partial(token_loss, labels=..., loss_mask=..., loss_fn=loss_fn, loss_inputs=...,
+    tp_group=..., options=stats))``; ``output`` is the logits ``[b, s, V/tp]`` or what a fused
+    output processor returns (:func:`token_stats`). A ``Float16Module`` that takes ``fp32_output``
+    gets False, so bf16 logits are not copied to fp32 (a value in ``model_inputs`` wins).
 
     Args:
-        batch_fn: ``data_iterator -> StepBatch`` (see :class:`StepBatch`).
-        loss_fn: a per-token loss (:func:`nll_loss`, ``functools.partial(policy_loss, ...)``,
-            :func:`score_tokens`, ...), see :func:`token_loss`.
-        tp_group: the vocabulary's tensor-parallel group; None = none; ``"model"`` (default)
-            reads it from the model at each step (:func:`model_tp_group`).
+        batch_fn: ``data_iterator -> StepBatch``; ``loss_fn``: a per-token loss, see
+            :func:`token_loss`.
+        tp_group: the vocabulary's tensor-parallel group; None = none; ``"model"`` (default) reads
+            it from the model at each step (:func:`model_tp_group`).
         stats: :class:`StatsOptions` (e.g. ``entropy="grad"`` for an entropy bonus).
 
     Raises:

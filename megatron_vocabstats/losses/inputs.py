@@ -1,6 +1,5 @@
-"""The loss contract's result type (Megatron's ``(loss_sum, num_tokens, report)``), the checks
-of per-token inputs (shapes, dtypes, devices and options only: never tensor values) and the
-masked sums and ``[sum, count]`` report entries that the losses and distillation build on.
+"""The loss contract's result type, the checks of per-token inputs (shapes, dtypes, devices and
+options, never values) and the masked sums and ``[sum, count]`` entries the losses build on.
 """
 
 from __future__ import annotations
@@ -22,9 +21,6 @@ class LossOutput(NamedTuple):
     num_tokens: torch.Tensor
     report: dict[str, torch.Tensor]
 
-
-# ---------------------------------------------------------------------------------------------
-# Input checks (shapes, dtypes, devices and options only: never tensor values)
 
 _EVERY_RANK_HINT = ("every tensor-parallel rank must pass the same labels, loss_mask and "
                     "per-token inputs")
@@ -76,12 +72,6 @@ def _per_token_inputs(logprobs, loss_mask, **optional) -> torch.Tensor:
     return mask
 
 
-
-
-# ---------------------------------------------------------------------------------------------
-# Small pure helpers
-
-
 def _compute_dtype(logprobs: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logprobs.dtype, torch.float32)
 
@@ -96,6 +86,6 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """A detached fp32 ``[sum, count]`` report entry: a copy, since the schedule divides the loss
-    in place."""
+    """A detached fp32 ``[sum, count]`` report entry (a copy: the schedule divides the loss in
+    place)."""
     return torch.stack([total.detach().float(), count.float()])

@@ -1,8 +1,5 @@
-"""The PPO / GRPO clipped-surrogate :func:`policy_loss` and its options
-(:class:`PolicyLossConfig`), with the optional rollout correction of
-:mod:`megatron_vocabstats.rollout`.
-
-A pure function of per-token tensors: no process groups, no host sync.
+"""The PPO / GRPO clipped-surrogate :func:`policy_loss` and its options (:class:`PolicyLossConfig`),
+with the optional rollout correction of :mod:`megatron_vocabstats.rollout`.
 """
 
 from __future__ import annotations
@@ -61,11 +58,8 @@ class PolicyLossConfig:
 
 
 def _kl_to_reference(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from ``log_ratio = log ref - log pi`` (samples of pi).
-
-    Schulman, "Approximating KL divergence" (2020), with r = ref / pi: k1 = -log r,
-    k3 = (r - 1) - log r (unbiased, >= 0).
-    """
+    """Per-token KL(pi || ref) from ``log_ratio = log ref - log pi`` on samples of pi, r = ref / pi:
+    k1 = -log r, k3 = (r - 1) - log r (Schulman 2020, "Approximating KL divergence")."""
     if estimator == "k1":
         return -log_ratio
     return torch.expm1(log_ratio) - log_ratio
@@ -81,12 +75,8 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str):
 
 
 def _policy_terms(lp, old, adv, mask, entropy, ref, cfg: PolicyLossConfig, weights=None):
-    """Per-token loss (0 where masked) and the per-token metrics (detached) of the policy loss.
-
-    The inputs are already 0 at masked positions, so everything there is finite (ratio 1).
-    ``weights`` (detached rollout-correction weights, or None) multiply the clipped surrogate
-    only, not the KL and entropy terms.
-    """
+    """Per-token loss (0 where masked) and detached per-token metrics. The inputs are 0 where
+    masked, so everything there is finite; ``weights`` multiply the clipped surrogate only."""
     log_ratio = (lp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
@@ -147,36 +137,35 @@ def policy_loss(
         loss_t = w_t * pg + kl_coef * KL_t - entropy_coef * entropy_t
 
     Gradients flow into ``logprobs`` and ``entropy`` only. No collective; no host sync unless
-    ``RolloutCorrection(validate=True)``. In detail: ``docs/ops.md``, "policy_loss".
+    ``RolloutCorrection(validate=True)``. Aggregation and report entries: ``docs/ops.md``,
+    "policy_loss in detail".
 
     Args:
-        logprobs: floating log pi in nats, ``[b, s]`` (any shape for token-mean).
-        old_logprobs, advantages: log pi_old (the rollout policy) and advantages, same shape.
-        loss_mask: same shape, any dtype; a token counts where non-zero. Required.
-        entropy: per-token entropy in nats, same shape; with a gradient if ``entropy_coef != 0``.
-        ref_logprobs: log pi_ref, same shape; required when ``kl_coef > 0``.
-        clip_eps: in (0, 1); the ratio floor is ``1 - clip_eps``.
-        clip_eps_high: > 0, the ratio ceiling ``1 + clip_eps_high`` (DAPO); None: ``clip_eps``.
-        dual_clip: None (off) or c > 1: the loss of a token with A < 0 is at most ``-c A``.
+        logprobs: floating log pi in nats, ``[b, s]`` (any shape for token-mean). Every other
+            tensor has its shape: ``old_logprobs`` (log pi_old, the rollout policy),
+            ``advantages``, ``loss_mask`` (required, any dtype, non-zero = counted), ``entropy``
+            (nats; with a gradient if ``entropy_coef != 0``), ``ref_logprobs`` (log pi_ref;
+            required when ``kl_coef > 0``), ``rollout_logprobs`` (the engine's; alone, only
+            reported) and ``rollout_outside`` (bool: targets outside the sampler's kept set;
+            reported).
+        clip_eps: in (0, 1); clip_eps_high: > 0 (DAPO), None: ``clip_eps``.
+        dual_clip: None (off) or c > 1.
         kl_coef, entropy_coef: weights of the KL penalty (>= 0) and of the entropy bonus.
         kl_estimator: ``KL_t`` from ``d = ref_logprobs - logprobs``: ``"k1"`` ``-d``, ``"k3"``
             ``exp(d) - d - 1`` (Schulman 2020; GRPO's, DeepSeekMath eq. 4).
         aggregation: ``"token-mean"`` or ``"sequence-mean"`` (GRPO; rows: dim 0 of ``[b, s]``).
-        rollout_logprobs: the rollout engine's log-probs, same shape; alone, only reported.
         rollout_correction: a :class:`RolloutCorrection` (detached weights ``w_t``), or None (1).
-        rollout_outside: bool, same shape: targets outside the sampler's kept set; reported.
 
     Returns:
         :class:`LossOutput`: ``loss_sum`` fp32 (float64 for float64 ``logprobs``), ``num_tokens``
-        int32 (counted tokens; sequence-mean: rows with one); report ``[sum, count]`` pairs, keys
-        set by the options and the inputs given. Masked positions add exactly 0, gradients too.
+        int32 (counted tokens; sequence-mean: rows with one). Masked positions add exactly 0.
 
     Raises:
         ValueError: naming the argument: ``loss_mask`` None; mismatched shapes, dtypes or
-            devices; options out of range or unknown; ``"sequence-mean"`` or ``level="sequence"``
-            on inputs that are not 2-D; ``kl_coef > 0`` without ``ref_logprobs``;
-            ``entropy_coef != 0`` without ``entropy`` (or its gradient, where ``logprobs`` has
-            one); a bad ``rollout_correction`` or ``rollout_outside``; a correction without
+            devices; options out of range; ``"sequence-mean"`` or ``level="sequence"`` on inputs
+            that are not 2-D; ``kl_coef > 0`` without ``ref_logprobs``; ``entropy_coef != 0``
+            without ``entropy`` (or its gradient, where ``logprobs`` has one); a bad
+            ``rollout_correction`` or ``rollout_outside``; a correction without
             ``rollout_logprobs`` or (``validate``) with a counted token without a log-ratio.
     """
     cfg = PolicyLossConfig(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
@@ -234,8 +223,7 @@ def policy_loss(
 
 
 def _check_rollout_inputs(logprobs, rollout_logprobs, rollout_correction, rollout_outside):
-    """The rollout arguments of :func:`policy_loss` (``rollout_logprobs``' shape is checked
-    with the other per-token inputs)."""
+    """The rollout arguments of :func:`policy_loss` but ``rollout_logprobs``' shape."""
     if rollout_correction is not None:
         if not isinstance(rollout_correction, RolloutCorrection):
             raise ValueError(f"rollout_correction must be a RolloutCorrection or None, got "

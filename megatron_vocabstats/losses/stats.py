@@ -1,6 +1,5 @@
-"""Where the per-token statistics come from (logits, a ``VocabStats`` or a statistics
-callable, with :class:`StatsOptions`, the one user-facing options object of the statistics),
-and the losses composed with them.
+"""Per-token statistics from a model output (logits, a ``VocabStats`` or a statistics callable)
+with :class:`StatsOptions`, and the losses composed with them.
 """
 
 from __future__ import annotations
@@ -83,9 +82,8 @@ StatsFn = Callable[..., VocabStats]
 def selected_tokens(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Bool mask of the tokens that count: ``(loss_mask != 0) & (labels != -100)``.
 
-    ``labels``: int ``[...]`` token ids (``-100`` = ignored, Hugging Face style); ``loss_mask``
-    shaped alike, required. Raises ``ValueError`` for a missing or misshapen mask or
-    non-integer labels.
+    ``labels``: integer ``[...]``; ``loss_mask`` shaped alike, required. Raises ``ValueError`` for
+    a missing or misshapen mask or non-integer labels.
     """
     if not isinstance(labels, torch.Tensor):
         raise ValueError(f"labels must be an int64 tensor, got {type(labels).__name__}")
@@ -105,34 +103,25 @@ def token_stats(
     """Per-token statistics of ``labels`` from a model output, whatever its form.
 
     Args:
-        output: one of
-            * this rank's logits shard ``[..., V/tp]`` (Megatron's ``GPTModel`` called with
-              ``labels=None`` returns ``[b, s, V/tp]``): computed by
-              :func:`~megatron_vocabstats.vocab_parallel_stats`;
-            * a :class:`~megatron_vocabstats.VocabStats` already computed (a fused LM head):
-              returned as is, after a shape check;
-            * a callable ``fn(target, *, tp_group, vocab_size, chunk_size, entropy, temperature,
-              ignore_index, label_smoothing, validate, batch_invariant, kernel) -> VocabStats``,
-              i.e. ``vocab_parallel_stats``'s keywords (for example a partial of
-              :func:`~megatron_vocabstats.ops.stats.from_hidden.linear_vocab_parallel_stats` over
-              its hidden states and weight). It receives ``target`` shaped like ``labels`` and must
-              return statistics shaped like ``labels``: over Megatron's ``[s, b, H]`` hidden
-              states, transpose the target to ``[s, b]`` and the results back to ``[b, s]``.
+        output: this rank's logits shard ``[..., V/tp]`` (``GPTModel(labels=None)``: ``[b, s,
+            V/tp]``), through :func:`~megatron_vocabstats.vocab_parallel_stats`; a ``VocabStats``
+            already computed (a fused LM head), only shape-checked; or a callable ``fn(target,
+            **kwargs) -> VocabStats`` taking ``vocab_parallel_stats``'s keywords (e.g. a partial
+            of ``linear_vocab_parallel_stats``) whose statistics are shaped like ``labels`` (over
+            ``[s, b, H]`` hidden states: transpose the target to ``[s, b]``, the results back).
         labels: int64 ``[...]`` target ids, the leading shape of the logits.
-        selected: bool, shaped like ``labels``: the tokens that count (:func:`selected_tokens`);
-            the others are passed to the op as ``ignore_index=-100`` (logprob and entropy 0,
-            gradient exactly 0, any label value allowed there).
-        tp_group: the tensor-parallel group of the vocabulary shards; None = no parallelism.
+        selected: bool, shaped like ``labels`` (:func:`selected_tokens`); the other tokens go to
+            the op as ``ignore_index=-100`` (logprob, entropy and gradient exactly 0).
+        tp_group: the vocabulary's tensor-parallel group; None = no parallelism.
         options: :class:`StatsOptions`; default ``StatsOptions()``.
 
     Returns:
-        :class:`~megatron_vocabstats.VocabStats` with ``logprobs`` (fp32, shaped like ``labels``)
-        and ``entropy`` (None when ``options.entropy == "off"``).
+        ``VocabStats``: ``logprobs`` fp32 shaped like ``labels``; ``entropy`` None when
+        ``options.entropy == "off"``.
 
     Raises:
-        ValueError: an ``output`` of another type, statistics whose shape is not ``labels``'s,
-            a missing ``entropy`` that ``options`` asks for, and everything
-            :func:`~megatron_vocabstats.vocab_parallel_stats` raises.
+        ValueError: an ``output`` of another type, statistics not shaped like ``labels``, a
+            missing ``entropy`` that ``options`` asks for, and what ``vocab_parallel_stats`` raises.
     """
     options = options or StatsOptions()
     if isinstance(output, VocabStats):
@@ -176,35 +165,27 @@ def token_loss(
 ):
     """``loss_fn`` applied to the per-token statistics of a model output.
 
-    Equals ``loss_fn(stats.logprobs, loss_mask=sel, entropy=stats.entropy, **loss_inputs)``
-    with ``sel = selected_tokens(labels, loss_mask)`` and
-    ``stats = token_stats(output, labels, sel, tp_group=tp_group, options=options)``.
-    ``functools.partial(token_loss, labels=..., loss_mask=..., loss_fn=...)`` is a Megatron
-    loss function (what :func:`make_forward_step` returns).
+    Equals ``loss_fn(stats.logprobs, loss_mask=sel, entropy=stats.entropy, **loss_inputs)`` with
+    ``sel = selected_tokens(labels, loss_mask)`` and ``stats = token_stats(output, labels, sel,
+    tp_group=tp_group, options=options)``. A ``functools.partial`` fixing all but ``output`` is a
+    Megatron loss function (what :func:`make_forward_step` returns).
 
     Args:
         output, labels, tp_group, options: as in :func:`token_stats`.
         loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
-        loss_fn: a per-token loss: :func:`nll_loss`, :func:`policy_loss` (a ``functools.partial``
-            fixing its options), :func:`score_tokens`, or any callable with that signature.
-        loss_inputs: further keyword arguments of ``loss_fn`` (``old_logprobs``,
-            ``advantages``, ``ref_logprobs``), shaped like ``labels``.
-        non_loss_data: passed on to ``loss_fn`` only when True (Megatron's
-            ``collect_non_loss_data``).
+        loss_fn: :func:`nll_loss`, a partial of :func:`policy_loss`, :func:`score_tokens`, or any
+            callable with their signature; ``loss_inputs``: its further keywords
+            (``old_logprobs``, ``advantages``, ...), tensors shaped like ``labels``.
+        non_loss_data: passed on to ``loss_fn`` only when True (``collect_non_loss_data``).
 
-    Returns:
-        what ``loss_fn`` returns (:class:`LossOutput` for the losses here).
+    Returns what ``loss_fn`` returns.
 
     Raises:
-        ValueError: ``loss_inputs`` naming ``loss_mask`` or ``entropy``, ``non_loss_data`` not a
-            bool (a ``TypeError`` too), and what
-            :func:`selected_tokens`, :func:`token_stats` and ``loss_fn`` raise. With
-            ``options.validate`` under tensor parallelism these raise on every rank, and so do
-            tensors of ``loss_inputs`` that differ across the ranks at counted tokens: two more
-            all-gathers of a few int64, one before the op's collectives (``labels``,
-            ``loss_mask``) and one around ``loss_fn``, so that a rank's bad input never leaves
-            the others blocked. Without ``validate`` there is no exchange (no host sync), and
-            such an error raises on its own rank only.
+        ValueError: ``loss_inputs`` naming ``loss_mask``, ``entropy`` or ``non_loss_data``,
+            ``non_loss_data`` not a bool (also a ``TypeError``), and what :func:`selected_tokens`,
+            :func:`token_stats` and ``loss_fn`` raise. With ``options.validate`` under tensor
+            parallelism these raise on every rank, as do ``loss_inputs`` tensors that differ across
+            ranks at counted tokens (two small all-gathers); without it, on the failing rank only.
     """
     non_loss_data = check_bool("non_loss_data", non_loss_data)
     loss_inputs = dict(loss_inputs or {})
@@ -229,8 +210,8 @@ def token_loss(
 
 
 def _inputs_checksum(inputs: Mapping[str, Any], selected: torch.Tensor) -> int:
-    """One checksum of the names and the values (at selected tokens) of the tensors of
-    ``inputs`` (reads the host)."""
+    """One checksum of the names and values (at selected tokens) of ``inputs``' tensors (reads the
+    host)."""
     total = 0
     for name in sorted(inputs):
         if isinstance(inputs[name], torch.Tensor):
@@ -249,35 +230,21 @@ def sft_loss(
 ) -> LossOutput:
     """Masked token cross-entropy from vocab-parallel logits, in Megatron's loss contract.
 
-    Reference semantics (one process, full vocabulary ``V``, ``m = (loss_mask != 0) & (labels !=
-    -100)``)::
+    Reference (one process, full vocabulary, ``m = (loss_mask != 0) & (labels != -100)``)::
 
         nll = F.cross_entropy(logits.float().flatten(0, -2) / temperature, labels.flatten(),
                               reduction="none", label_smoothing=label_smoothing)
         loss_sum = (nll * m.flatten()).sum();  num_tokens = m.sum()
 
-    computed by :func:`~megatron_vocabstats.vocab_parallel_stats` without gathering the
-    vocabulary (label smoothing over the ``vocab_size`` real columns, ``docs/numerics.md``).
-    It is :func:`token_loss` with :func:`nll_loss`.
+    computed by :func:`~megatron_vocabstats.vocab_parallel_stats` without gathering the vocabulary
+    (label smoothing over the ``vocab_size`` real columns): :func:`token_loss` with
+    :func:`nll_loss`. ``logits``: this rank's shard ``[..., V/tp]`` (bf16/fp16/fp32) or another
+    ``output`` of :func:`token_stats`; ``labels``: int64, -100 = ignored; ``loss_mask``: required;
+    ``**options``: fields of :class:`StatsOptions` (``validate`` off by default; an ``entropy``
+    other than ``"off"`` is reported as ``"entropy"`` beside ``"lm loss"``).
 
-    Args:
-        logits: this rank's shard ``[..., V/tp]`` (bf16/fp16/fp32; Megatron ``[b, s, V/tp]``), or
-            precomputed statistics / a statistics callable (see :func:`token_stats`).
-        labels: int64 target ids shaped like ``logits.shape[:-1]``; -100 = ignored.
-        loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
-        tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
-        **options: the fields of :class:`StatsOptions` (``vocab_size``, ``chunk_size``,
-            ``label_smoothing``, ``temperature``, ``entropy``, ``validate``,
-            ``batch_invariant``), as in :func:`~megatron_vocabstats.vocab_parallel_stats`
-            (``validate`` off by default); with ``entropy`` other than ``"off"`` the entropy is
-            reported.
-
-    Returns:
-        :class:`LossOutput`; report ``"lm loss"`` (and ``"entropy"``), as in :func:`nll_loss`.
-
-    Raises:
-        ValueError: as :func:`token_stats` and :func:`nll_loss`.
-        TypeError: a keyword that is not a field of :class:`StatsOptions`.
+    Raises ``ValueError`` as :func:`token_stats` and :func:`nll_loss`, and ``TypeError`` for a
+    keyword that is not a field of :class:`StatsOptions`.
     """
     return token_loss(logits, labels, loss_mask, loss_fn=nll_loss, tp_group=tp_group,
                       options=StatsOptions(**options))
@@ -293,29 +260,18 @@ def logprobs_step(
     non_loss_data: bool = False,
     **options: Any,
 ):
-    """Forward-only per-token log-probs and entropy of ``labels`` for scoring rollouts.
+    """Forward-only per-token log-probs (and entropy) of ``labels``, for scoring rollouts.
 
-    It is :func:`token_loss` with :func:`score_tokens` (entropy in ``"metric"`` mode: never
-    differentiable). Call it under ``torch.no_grad()``; with :func:`make_forward_step`, pass
-    ``score_tokens`` and ``StatsOptions(entropy="metric")``.
+    :func:`token_loss` with :func:`score_tokens` (entropy in ``"metric"`` mode); returns what
+    :func:`score_tokens` returns (fp32, shaped like ``labels``, 0 where not scored). Call it under
+    ``torch.no_grad()``; with :func:`make_forward_step`, pass ``score_tokens`` and
+    ``StatsOptions(entropy="metric")``. Arguments as :func:`sft_loss` (no ``entropy`` option;
+    ``temperature`` should be the sampling temperature; ``batch_invariant=True`` makes each row's
+    scores bitwise independent of the rest of the batch), plus ``entropy`` (also return the
+    entropy) and ``non_loss_data`` (return only the dict, Megatron's ``collect_non_loss_data``).
 
-    Args:
-        logits, labels, loss_mask, tp_group, **options: as in :func:`sft_loss` (the fields of
-            :class:`StatsOptions` but ``entropy``; ``temperature`` should be the sampling
-            temperature; ``batch_invariant=True`` makes each row's scores independent of the
-            rest of the batch, bit for bit).
-        entropy: also return the per-token entropy.
-        non_loss_data: return only the dict of per-token tensors (Megatron's
-            ``collect_non_loss_data=True`` path).
-
-    Returns:
-        as :func:`score_tokens`: ``LossOutput(0.0, num_tokens, {"logprobs": [..], "entropy":
-        [..]})``, or the dict alone with ``non_loss_data``; fp32, shaped like ``labels``, 0 where
-        not scored.
-
-    Raises:
-        ValueError: as :func:`token_stats` and :func:`score_tokens`; ``entropy`` or
-            ``non_loss_data`` not a bool (a ``TypeError`` too).
+    Raises ``ValueError`` as :func:`token_stats` and :func:`score_tokens`, and for ``entropy`` or
+    ``non_loss_data`` not a bool (also a ``TypeError``).
     """
     entropy = check_bool("entropy", entropy)
     return token_loss(logits, labels, loss_mask, loss_fn=score_tokens, tp_group=tp_group,

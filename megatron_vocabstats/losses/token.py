@@ -21,28 +21,24 @@ def nll_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
              entropy: torch.Tensor | None = None) -> LossOutput:
     """Masked token cross-entropy (SFT) from per-token log-probs, in Megatron's loss contract.
 
-    Reference semantics (plain PyTorch, ``m = loss_mask != 0``)::
+    Reference semantics (``m = loss_mask != 0``)::
 
         loss_sum = -(logprobs * m).sum();  num_tokens = m.sum()
 
-    so Megatron's division gives the token-mean cross-entropy in nats. Label smoothing, if any,
-    is already in ``logprobs`` (``vocab_parallel_stats(label_smoothing=eps)`` returns
-    ``sum_j q_j log p_j``).
-
     Args:
-        logprobs: ``[...]`` floating, log p(target) per token (nats), any shape.
-        loss_mask: shaped like ``logprobs``, any dtype; a token counts where it is non-zero
-            (fractional weights are not applied: 0.5 counts as 1). Required.
+        logprobs: ``[...]`` floating, log p(target) per token (nats; label smoothing, if any,
+            already in it).
+        loss_mask: shaped like ``logprobs``, any dtype; a token counts where non-zero (weights are
+            not applied: 0.5 counts as 1). Required.
         entropy: optional per-token entropy shaped like ``logprobs``, only reported.
 
     Returns:
-        :class:`LossOutput`; report ``{"lm loss": [sum nll, n]}`` and, with ``entropy``,
-        ``"entropy": [sum H, n]``. Masked positions contribute exactly 0 to values and
-        gradients, whatever they hold (NaN included).
+        :class:`LossOutput`; report ``"lm loss"`` and, with ``entropy``, ``"entropy"``. Masked
+        positions contribute exactly 0 to values and gradients, whatever they hold (NaN included).
 
     Raises:
-        ValueError: ``loss_mask`` None, a non-floating ``logprobs``/``entropy``, shapes or
-            devices that differ, or a scalar ``logprobs``.
+        ValueError: ``loss_mask`` None, a non-floating or scalar ``logprobs``, a non-floating
+            ``entropy``, shapes or devices that differ.
     """
     mask = _per_token_inputs(logprobs, loss_mask, entropy=entropy)
     dtype = _compute_dtype(logprobs)
@@ -59,21 +55,18 @@ def score_tokens(logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
     """Forward-only scoring: per-token log-probs (and entropy) in a loss-contract shell.
 
     Args:
-        logprobs: ``[...]`` floating log p(token) in nats; ``loss_mask`` shaped alike (non-zero =
-            scored, required); ``entropy`` optional, shaped alike.
-        non_loss_data: what Megatron passes when ``collect_non_loss_data=True``.
+        logprobs, loss_mask, entropy: as in :func:`nll_loss` (a non-zero mask = scored).
+        non_loss_data: what Megatron passes with ``collect_non_loss_data=True``.
 
     Returns:
-        With ``non_loss_data``: the dict ``{"logprobs": ..., "entropy": ...}`` (entropy only when
-        given) of detached tensors shaped like ``logprobs``, 0 at unscored positions. Otherwise
-        :class:`LossOutput` ``(0.0, num_tokens, that dict)``: with ``forward_only=True`` the
-        schedule returns one such dict per microbatch, so
-        ``torch.cat([d["logprobs"] for d in result])`` reassembles the batch. These report values
-        are per-token tensors, not ``[sum, count]`` pairs: use this for scoring loops, not with
-        Megatron's ``train_step`` or ``evaluate``. Run it under ``torch.no_grad()``.
+        With ``non_loss_data``: ``{"logprobs": ..., "entropy": ...}`` (entropy only when given),
+        detached, shaped like ``logprobs``, 0 where not scored. Otherwise ``LossOutput(0.0,
+        num_tokens, that dict)``: with ``forward_only=True`` the schedule returns one dict per
+        microbatch (``torch.cat([d["logprobs"] for d in result])`` reassembles the batch). These
+        are not ``[sum, count]`` pairs: not for ``train_step`` or ``evaluate``.
 
     Raises:
-        ValueError: as :func:`nll_loss`; ``non_loss_data`` not a bool (a ``TypeError`` too).
+        ValueError: as :func:`nll_loss`; ``non_loss_data`` not a bool (also a ``TypeError``).
     """
     non_loss_data = check_bool("non_loss_data", non_loss_data)
     mask = _per_token_inputs(logprobs, loss_mask, entropy=entropy)

@@ -1,26 +1,11 @@
 """Packed sequences (THD) and context parallelism, vectorised and free of host syncs.
 
-A packed batch is one row ``[1, T]`` holding N sequences back to back, each padded to a multiple
-of an alignment; ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` (padded lengths) are the
-``[N + 1]`` int32 cumulative sums that Megatron's ``PackedSeqParams(qkv_format="thd")`` and
-transformer-engine read. Padding added to reach a requested total is part of the last padded
-sequence, so ``cu_seqlens_padded[-1] == T`` always holds.
-
-Labels shift inside each sequence: ``labels[p] = tokens[p + 1]`` when p + 1 is a real token of
-the same sequence, else ``ignore_index`` (the last real token of each sequence and all padding).
-
-Context parallelism (cp ranks) cuts every padded sequence into ``2 * cp`` equal chunks; rank r
-keeps chunks r and ``2 * cp - 1 - r`` of each, in that order ("load-balanced" or zigzag order of
-Megatron / transformer-engine ``thd_get_partitioned_indices``), so every rank gets an equal share
-of the causal-attention work. A ``[b, s]`` batch is the case of one sequence of length s per row.
-
-Everything is computed with tensor ops (``searchsorted`` over the cumulative lengths, masks as
-``arange < lengths``): no Python loop over sequences or rows, no ``.item()``/``.tolist()``, no
-data-dependent shape. The one exception is ``validate=True`` (the default, as in the ops): its
-value checks read a few numbers on the host. Pass ``validate=False`` in hot or graph-captured code
-(the checks are skipped anyway while a CUDA graph is being captured). Every function refuses a
-``validate`` (and any other bool option) that is not a bool, naming it (``ops.options.check_bool``:
-a ``TypeError`` that is also a ``ValueError``).
+A packed batch is one row ``[1, T]`` of N sequences back to back, each padded to a multiple of an
+alignment, with labels shifted inside each sequence (:class:`PackedBatch`). Context parallelism
+gives rank r chunks r and ``2 * cp - 1 - r`` of the ``2 * cp`` chunks of every padded sequence
+(:func:`context_parallel_indices`). Only ``validate=True`` (the default, as in the ops) reads
+values on the host; pass ``validate=False`` in hot code. More: ``docs/ops.md``, "Packed
+sequences and context parallelism".
 """
 
 from ..ops.options import IGNORE_INDEX

@@ -1,6 +1,5 @@
-"""Argument checks of the packing functions: positive sizes, integer tensors, cumulative lengths
-(``cu_seqlens`` / ``cu_seqlens_padded``: shapes always, values with ``validate``), the sequence
-dimension and fill values that the target dtype holds.
+"""Argument checks of the packing functions: sizes, integer tensors, cumulative lengths (shapes
+always, values with ``validate``), the sequence dimension and fill values.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ INT64_MAX = 2**63 - 1
 
 
 def _count(value, name: str, low: int = 1) -> int:
-    """``value`` as an int in ``[low, 2**63 - 1]`` (a size or position of int64 tensors), else
-    an error naming ``name`` (``ops.options.check_number``: numpy ints accepted, bools not)."""
+    """``value`` as an int in ``[low, 2**63 - 1]``, else an error naming ``name``."""
     return check_number(name, value, integer=True, low=low, high=INT64_MAX)
 
 
@@ -66,8 +64,8 @@ def _check_cumulative(cu: torch.Tensor, name: str, *, total: int | None = None,
 
 
 def _cu_pair(cu_seqlens, cu_seqlens_padded, total: int, device, *, validate: bool):
-    """Checked int64 ``(cu_seqlens, cu_seqlens_padded)`` of a packed row of ``total`` tokens;
-    the padded one is ``cu_seqlens`` itself when None (which must then end at ``total``)."""
+    """Checked int64 ``(cu_seqlens, cu_seqlens_padded)`` of a row of ``total`` tokens; the padded
+    one is ``cu_seqlens`` itself when None (which must then end at ``total``)."""
     cu = _cumulative(cu_seqlens, "cu_seqlens", device)
     if cu_seqlens_padded is None:
         if host_checks_enabled(validate, device):
@@ -100,9 +98,8 @@ def _seq_dim(x, dim: int, name: str = "x") -> int:
 
 
 def _fill_value(name: str, value, dtype: torch.dtype) -> int | float | bool:
-    """``value`` (a pad id, ``ignore_index``, a padding value) as a number that ``dtype`` holds,
-    else ``ValueError`` naming ``name`` (torch would wrap or truncate it: -100 to 156 in uint8,
-    -0.5 to 0 in int64)."""
+    """``value`` as a number ``dtype`` holds, else ``ValueError`` naming ``name`` (torch would wrap
+    or truncate it: -100 to 156 in uint8, -0.5 to 0 in int64)."""
     if dtype == torch.bool:  # a bool, or the int 0 or 1
         if bool_error(name, value) is None:
             return bool(value)

@@ -1,6 +1,5 @@
-"""Context parallelism over packed or ``[b, s]`` batches: the load-balanced (zigzag) positions of
-a rank (:func:`context_parallel_indices`), sharding (:func:`shard_for_context_parallel`) and its
-differentiable inverse (:func:`gather_from_context_parallel`, one all-gather).
+"""Context parallelism over packed or ``[b, s]`` batches: a rank's load-balanced (zigzag)
+positions, sharding, and its differentiable inverse (one all-gather).
 """
 
 from __future__ import annotations
@@ -56,27 +55,23 @@ def context_parallel_indices(cu_seqlens_padded: torch.Tensor | None, total_token
     """Packed positions that context-parallel rank ``cp_rank`` of ``cp_size`` keeps, in its order.
 
     Each padded sequence is cut into ``2 * cp_size`` chunks; the rank keeps chunk ``cp_rank`` then
-    chunk ``2 * cp_size - 1 - cp_rank`` of every sequence, sequence after sequence. Equals
-    transformer-engine's ``thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, cp_size,
-    cp_rank)`` (as int64); with ``cu_seqlens_padded=None`` the whole dimension is one sequence
-    (Megatron's split of a ``[b, s]`` batch).
+    chunk ``2 * cp_size - 1 - cp_rank`` of every sequence, sequence after sequence: transformer-
+    engine's ``thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, cp_size, cp_rank)``
+    (as int64). ``cu_seqlens_padded=None`` is one sequence (Megatron's split of a ``[b, s]`` batch).
 
     Args:
-        cu_seqlens_padded: ``[N + 1]`` integer cumulative padded lengths ending at
-            ``total_tokens``, every step a multiple of ``2 * cp_size``; or None.
+        cu_seqlens_padded: ``[N + 1]`` integer cumulative padded lengths ending at T, every step a
+            multiple of ``2 * cp_size``; or None.
         total_tokens: T, a multiple of ``2 * cp_size``.
-        cp_size, cp_rank: the split; ``0 <= cp_rank < cp_size``.
         device: where to build the indices when ``cu_seqlens_padded`` is None (default CPU).
-        validate: check the values of ``cu_seqlens_padded`` (host read; skipped during CUDA graph
+        validate: check ``cu_seqlens_padded``'s values (host read; skipped during CUDA graph
             capture).
 
-    Returns:
-        int64 ``[total_tokens // cp_size]`` on the device of ``cu_seqlens_padded``.
+    Returns int64 ``[total_tokens // cp_size]`` on the device of ``cu_seqlens_padded``.
 
-    Raises:
-        ValueError: bad sizes or rank; T not a multiple of ``2 * cp_size``; with ``validate``,
-            ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or a sequence
-            whose padded length is not a multiple of ``2 * cp_size`` (naming it).
+    Raises ``ValueError`` for bad sizes or rank, T not a multiple of ``2 * cp_size``, and with
+    ``validate`` a ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or with a
+    step that is not a multiple of ``2 * cp_size``.
     """
     validate = check_bool("validate", validate)
     cp = _positive_int(cp_size, "cp_size")
@@ -105,28 +100,19 @@ def shard_for_context_parallel(
     """This context-parallel rank's load-balanced share of ``x`` along the sequence dimension.
 
     Equals ``x.index_select(dim, context_parallel_indices(cu_seqlens_padded, x.shape[dim],
-    cp_size=cp, cp_rank=rank))`` (see there for the order). No communication.
+    cp_size=cp, cp_rank=rank))``, with ``T / cp`` tokens along ``dim``. No communication.
 
     Args:
         x: a tensor with T tokens along ``dim`` (THD ``[1, T]``, ``[b, s]``, hidden ``[T, 1, h]``
-            with ``dim=0``), or a :class:`PackedBatch`, whose tokens, labels, loss_mask and
-            position_ids are sharded along dim 1 with its own ``cu_seqlens_padded``; its
-            cu_seqlens, max_seqlen and packed_seq_params stay global, as Megatron passes them to
-            transformer-engine under context parallelism.
+            with ``dim=0``), or a :class:`PackedBatch`: its tokens, labels, loss_mask and
+            position_ids are sharded along dim 1 by its own ``cu_seqlens_padded``; the rest stays
+            global, as Megatron passes it to transformer-engine under context parallelism.
         cp_group: the context-parallel group; None (or size 1) returns ``x`` itself.
-        cu_seqlens_padded: for THD, ``[N + 1]`` cumulative padded lengths ending at T; None
-            treats the dimension as one sequence (a ``[b, s]`` batch). Not with a PackedBatch.
-        dim: the sequence dimension of a tensor ``x``.
-        validate: check the values of ``cu_seqlens_padded`` (host read; skipped during CUDA graph
-            capture). Every rank holds the same values, so every rank raises alike.
+        cu_seqlens_padded, validate: as in :func:`context_parallel_indices` (not with a
+            PackedBatch); every rank raises alike.
 
-    Returns:
-        ``x`` with ``T / cp`` tokens along ``dim`` (same dtype and device), or a PackedBatch.
-
-    Raises:
-        ValueError: ``dim`` out of range; T not a multiple of ``2 * cp``; with ``validate``,
-            ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or a sequence
-            not padded to a multiple of ``2 * cp`` (naming ``cu_seqlens_padded``).
+    Raises ``ValueError`` for ``dim`` out of range, ``cu_seqlens_padded`` with a PackedBatch, and
+    what :func:`context_parallel_indices` raises.
     """
     validate = check_bool("validate", validate)
     rank, cp = group_rank_size(cp_group)
@@ -149,11 +135,7 @@ def shard_for_context_parallel(
 
 
 class _GatherFromContextParallel(torch.autograd.Function):
-    """All-gather the cp shards and put every token back at its packed position.
-
-    Backward: this rank's slice of the upstream gradient (no collective); see
-    :func:`gather_from_context_parallel`.
-    """
+    """All-gather the cp shards into packed order; backward: this rank's slice, no collective."""
 
     @staticmethod
     def forward(ctx, x, inverse, own, dim, group):
@@ -191,35 +173,23 @@ def gather_from_context_parallel(
     :func:`shard_for_context_parallel`.
 
     ``gather_from_context_parallel(shard_for_context_parallel(v, g, ...), g, ...)`` equals ``v``
-    bitwise on every rank (values are only moved). Differentiable: the backward hands each rank
-    the upstream gradient at its own positions, with no collective. That is the exact gradient
-    when every cp rank computes the same function of the gathered tensor (a loss replicated over
-    cp); summing parameter gradients over cp, as Megatron's data-parallel reduction over dp x cp
-    does, then counts each token once.
+    bitwise on every rank: ``[..., T, ...]`` with ``T = cp * x.shape[dim]``. The backward hands
+    each rank the upstream gradient at its own positions (no collective): the exact gradient when
+    every cp rank computes the same function of the gathered tensor, since Megatron's gradient
+    reduction over dp x cp then counts each token once. Communication: one all-gather of ``x``.
 
     Args:
-        x: this rank's shard, ``T / cp`` tokens along ``dim`` (e.g. logprobs ``[1, T/cp]``), any
-            dtype; the same shape and dtype on every rank.
+        x: this rank's shard along ``dim``, any dtype; the same shape and dtype on every rank.
         cp_group: the context-parallel group; None (or size 1) returns ``x`` itself.
-        cu_seqlens_padded: the global ``[N + 1]`` cumulative padded lengths used to shard, or
-            None for the one-sequence (``[b, s]``) split.
-        dim: the sequence dimension.
-        validate: check ``cu_seqlens_padded`` (host read) and, with one all-gather of a few int64
-            numbers, that all ranks agree on shard size, dtype, other dimensions,
-            ``cu_seqlens_padded`` and ``dim`` (counted from the front), so that bad input raises
-            on every rank instead of hanging or gathering along another dimension.
-            Skipped during CUDA graph capture. Must be equal on all ranks.
+        cu_seqlens_padded: the global cumulative padded lengths used to shard, or None.
+        validate: check ``cu_seqlens_padded`` and, with one all-gather of a few int64, that all
+            ranks agree on shard size, dtype, other dimensions, ``cu_seqlens_padded`` and
+            ``dim``, so that bad input raises on every rank instead of hanging. Skipped during
+            CUDA graph capture. Must be equal on all ranks.
 
-    Returns:
-        ``[..., T, ...]`` (T = cp * local count along ``dim``), identical on every rank.
-
-    Communication: one all-gather of ``x`` (plus one of a few int64 with ``validate``); none in
-    backward.
-
-    Raises:
-        ValueError: ``dim`` out of range, an odd local token count (T not a multiple of 2 cp);
-            with ``validate``, bad ``cu_seqlens_padded`` (as in :func:`context_parallel_indices`)
-            or shards that differ across ranks, on all ranks.
+    Raises ``ValueError`` for ``dim`` out of range, an odd local token count, and with
+    ``validate`` a bad ``cu_seqlens_padded`` (as :func:`context_parallel_indices`) or shards that
+    differ across ranks, on all ranks.
     """
     validate = check_bool("validate", validate)
     rank, cp = group_rank_size(cp_group)

@@ -75,45 +75,39 @@ def pack_sequences(
 ) -> PackedBatch:
     """Pack sequences into one THD row with per-sequence labels, masks, positions and cu_seqlens.
 
-    Reference semantics (one Python loop, for a list of sequences ``x_i`` of lengths ``L_i``)::
+    Reference semantics (for a list of sequences ``x_i`` of lengths ``L_i``)::
 
         P_i = ceil(L_i / alignment) * alignment   # the last P_i also takes total_length padding
         tokens = cat([cat([x_i, full(P_i - L_i, pad_token_id)]) for i])
         labels = cat([cat([x_i[1:], full(P_i - L_i + 1, ignore_index)])[:P_i] for i])
         position_ids = cat([arange(P_i) for i]);  loss_mask = (labels != ignore_index)
 
-    computed with tensor ops over all positions at once; no collective. Host synchronisation: a
-    list of sequences copies its lengths to the device, ``validate`` reads a ``lengths`` tensor;
-    with a ``lengths`` tensor and ``validate=False`` it is sync-free (graph-capturable). More:
-    ``docs/ops.md``, "Packed sequences and context parallelism".
+    No collective. Host sync: a list copies its lengths to the device, ``validate`` reads a
+    ``lengths`` tensor; a ``lengths`` tensor with ``validate=False`` is sync-free (capturable).
+    More: ``docs/ops.md``, "Packed sequences and context parallelism".
 
     Args:
         sequences: a list of 1-D integer tensors (one dtype and device; empty ones allowed), or a
             padded batch ``[B, S]`` whose row b holds ``lengths[b]`` real tokens on the left.
         lengths: with a padded batch only: a ``[B]`` integer tensor on its device, or B ints.
         alignment: every sequence is padded to a multiple of it (:func:`sequence_alignment`).
-        total_length: the row length T, a multiple of ``alignment`` (the padding is part of the
-            last sequence). Default: the packed length when the lengths are on the host, else the
-            static bound ``B * ceil(S / alignment) * alignment``.
-        pad_token_id: token id of padding positions.
-        ignore_index: label of positions without a next token.
+        total_length: the row length T, a multiple of ``alignment``. Default: the packed length
+            with lengths on the host, else the bound ``B * ceil(S / alignment) * alignment``.
         seq_params: build ``packed_seq_params`` (:func:`make_packed_seq_params`).
         validate: with a ``lengths`` tensor, check ``0 <= lengths <= S`` and that the packed length
             fits ``total_length`` (skipped during CUDA graph capture; unchecked: wrong tokens).
 
     Returns:
-        :class:`PackedBatch` (shapes and dtypes there). ``max_seqlen`` is exact when the lengths
-        are on the host; with a ``lengths`` tensor it is the bound T, and ``pad_between_seqs`` is
-        set True.
+        :class:`PackedBatch`. ``max_seqlen`` is exact when the lengths are on the host; with a
+        ``lengths`` tensor it is the bound T, and ``pad_between_seqs`` is True.
 
     Raises:
-        ValueError: naming the argument: empty ``sequences``, a non-integer or non-1-D sequence,
-            mixed dtypes/devices, a padded batch without ``lengths`` or with lengths of the wrong
-            shape, device or dtype (or ``lengths`` with a list), lengths outside ``[0, S]`` (a
-            tensor: with ``validate``), a non-positive ``alignment``, ``total_length`` not a
-            multiple of ``alignment`` or smaller than the packed length (a tensor: with
-            ``validate``), a ``pad_token_id`` or ``ignore_index`` that is not an int or does not
-            fit the token dtype, ``seq_params`` or ``validate`` not a bool.
+        ValueError: naming the argument: a malformed ``sequences`` or ``lengths`` (empty list,
+            non-integer or non-1-D sequence, mixed dtypes or devices, a padded batch without
+            ``lengths`` or with misshapen ones, ``lengths`` with a list), lengths outside ``[0,
+            S]``, a bad ``alignment``, a ``total_length`` not a multiple of it or below the packed
+            length (for a ``lengths`` tensor these two need ``validate``), a fill value the token
+            dtype does not hold, a non-bool ``seq_params``/``validate``.
     """
     seq_params = check_bool("seq_params", seq_params)
     validate = check_bool("validate", validate)
@@ -186,28 +180,22 @@ def make_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Te
                            max_seqlen: int, *, pad_between_seqs: bool | None = None):
     """Megatron's ``PackedSeqParams(qkv_format="thd", ...)`` for the installed megatron-core.
 
-    Sets ``cu_seqlens_q = cu_seqlens_kv = cu_seqlens``, ``cu_seqlens_{q,kv}_padded =
-    cu_seqlens_padded``, ``max_seqlen_{q,kv} = max_seqlen``, and ``pad_between_seqs`` where the
-    release has it (0.19; transformer-engine otherwise infers it by comparing the two tensors on
-    the host). Fields are found by feature detection (dataclass fields, else the signature), so
-    0.16 (no ``pad_between_seqs``) and 0.19 both work. The cu tensors are used as given (TE wants
-    int32 on the attention device). Under context parallelism pass the global (unsharded) values,
-    as Megatron does.
+    ``cu_seqlens_{q,kv} = cu_seqlens``, ``cu_seqlens_{q,kv}_padded = cu_seqlens_padded``,
+    ``max_seqlen_{q,kv} = max_seqlen``, and ``pad_between_seqs`` where the release has it (0.19;
+    else transformer-engine infers it on the host). The fields are found by feature detection
+    (0.16 and 0.19). Under context parallelism pass the global (unsharded) values, as Megatron does.
 
     Args:
-        cu_seqlens: ``[N + 1]`` int32 cumulative real lengths.
-        cu_seqlens_padded: ``[N + 1]`` int32 cumulative padded lengths (``[-1] == T``).
-        max_seqlen: Python int, the largest padded length (or an upper bound of it).
+        cu_seqlens, cu_seqlens_padded: ``[N + 1]`` int32 cumulative real / padded lengths, used
+            as given (unchecked; transformer-engine wants int32 on the attention device).
+        max_seqlen: int, the largest padded length (or an upper bound of it).
         pad_between_seqs: whether any sequence is padded; None leaves the field unset.
 
     Returns:
-        The ``PackedSeqParams``, or None when ``megatron.core`` is not importable (no error: THD
-        packing itself does not need Megatron).
+        The ``PackedSeqParams``, or None when ``megatron.core`` is not importable.
 
     Raises:
-        ValueError: ``pad_between_seqs`` neither a bool nor None (naming it). The tensors and
-        ``max_seqlen`` are passed through unchecked (:func:`pack_sequences` builds them
-        consistent).
+        ValueError: ``pad_between_seqs`` neither a bool nor None.
     """
     if pad_between_seqs is not None:
         pad_between_seqs = check_bool("pad_between_seqs", pad_between_seqs)

@@ -1,5 +1,4 @@
-"""Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`.
-"""
+"""Packed per-token values back to a padded ``[N, S_max]`` batch: :func:`unpack_sequences`."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ def unpack_sequences(
     padding_value: float | int = 0,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed per-token values to a padded ``[B, S_max]`` batch plus its mask.
+    """Packed per-token values to a padded ``[N, S_max]`` batch plus its mask.
 
     Reference semantics (``s_i = cu_seqlens_padded[i]``, ``L_i`` the real lengths)::
 
@@ -30,27 +29,20 @@ def unpack_sequences(
     Differentiable w.r.t. ``values`` (gradient 0 at padding and at tokens past ``max_seqlen``).
 
     Args:
-        values: per-token values with T packed tokens along ``dim`` (``[T]``, ``[1, T]``,
-            ``[T, k]`` with ``dim=0``), any dtype.
-        cu_seqlens: ``[N + 1]`` cumulative real lengths (ending at T when ``cu_seqlens_padded``
-            is None).
-        max_seqlen: S_max, a Python int (static shape; no device value is read for it).
-        cu_seqlens_padded: ``[N + 1]`` cumulative padded lengths ending at T, or None.
-        dim: the packed dimension; it becomes the two dimensions ``(N, S_max)``.
-        padding_value: value at masked positions.
+        values: any dtype, T packed tokens along ``dim`` (``[T]``, ``[1, T]``, ``[T, k]`` with
+            ``dim=0``); ``dim`` becomes the two dimensions ``(N, S_max)``.
+        cu_seqlens, cu_seqlens_padded: as in :func:`shift_packed_labels`.
+        max_seqlen: S_max, an int (a static shape: no device value is read for it).
         validate: check the cumulative lengths and that no sequence exceeds ``max_seqlen``
             (host read; skipped during CUDA graph capture).
 
-    Returns:
-        ``(out, mask)``: ``out`` is ``values.shape[:dim] + (N, S_max) + values.shape[dim+1:]`` in
-        the values' dtype; ``mask`` bool ``[N, S_max]``, True at real tokens.
+    Returns ``(out, mask)``: ``out`` of shape ``values.shape[:dim] + (N, S_max) +
+    values.shape[dim+1:]`` in the values' dtype; ``mask`` bool ``[N, S_max]``, True at real tokens.
 
-    Raises:
-        ValueError: bad shapes/dtypes, ``dim`` out of range, ``max_seqlen`` not a non-negative
-            int, a ``padding_value`` that the values' dtype does not hold (a fraction or a value
-            out of range for integer values, a non-number); with ``validate``, cumulative
-            lengths not starting at 0, decreasing, not ending at T, a sequence longer than its
-            padded length or than ``max_seqlen``.
+    Raises ``ValueError`` for bad shapes or dtypes, ``dim`` out of range, a negative or non-int
+    ``max_seqlen``, a ``padding_value`` the values' dtype does not hold, and with ``validate``
+    cumulative lengths not starting at 0, decreasing, not ending at T, or a sequence longer than
+    its padded length or than ``max_seqlen``.
     """
     validate = check_bool("validate", validate)
     dim = _seq_dim(values, dim, "values")

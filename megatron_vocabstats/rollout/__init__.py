@@ -1,7 +1,5 @@
-"""Trainer / rollout-engine mismatch: importance-weight corrections (:mod:`.correction`: TIS, MIS,
-IcePop, :class:`RolloutCorrection`, :func:`correction_weights`) and diagnostics
-(:mod:`.diagnostics`: :func:`mismatch_diagnostics`). See :mod:`.correction` for the methods and
-their sources.
+"""Trainer / rollout-engine mismatch: importance-weight corrections (:mod:`.correction`) and
+diagnostics (:mod:`.diagnostics`); methods and sources: ``docs/rollout.md``.
 """
 
 from . import correction, diagnostics

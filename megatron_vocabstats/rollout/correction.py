@@ -1,47 +1,12 @@
-"""Trainer / rollout-engine mismatch: importance-weight corrections and diagnostics.
+"""Trainer / rollout-engine mismatch: importance-weight corrections.
 
-RL trainers sample with an inference engine (vLLM, SGLang) and train with Megatron; the two
-compute different probabilities for the same tokens (kernels, precision, MoE routing), so the
-rollout is slightly off-policy even at the first update. The engine's log-probs of the sampled
-tokens (``rollout_logprobs``) and the trainer's recomputation with the same weights
-(``old_logprobs``) give a per-token ratio
-
-    rho_t = exp(old_logprobs_t - rollout_logprobs_t) = pi_train(y_t; theta_old) / pi_infer(y_t)
-
-from which :func:`correction_weights` builds **detached** weights that multiply the per-token
-clipped surrogate of :func:`~megatron_vocabstats.losses.policy_loss`. Methods
-(:class:`RolloutCorrection`):
-
-* ``mode="tis"`` -- truncated importance sampling. Token level: ``w_t = min(rho_t, C)``
-  (Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-  Training", https://fengyao.notion.site/off-policy-rl; verl ``rollout_is="token"`` with
-  ``rollout_is_threshold``; TRL ``vllm_importance_sampling_correction`` with
-  ``vllm_importance_sampling_mode="token_truncate"``). Sequence level: one weight per row,
-  ``w_i = min(exp(sum_t m_it (old_it - rollout_it)), C)`` (verl ``rollout_is="sequence"``).
-* ``mode="mis"`` -- masked importance sampling, verl's ``rollout_is_mode="mask"`` semantics
-  (its later "rejection sampling", ``rollout_rs``): a token (token level) or a whole row
-  (sequence level) whose ratio lies outside ``[low, high]`` gets weight 0, the others keep the
-  ratio itself as their weight (not 1; verl: "IS weights themselves are NOT threshold-clamped").
-  Defaults as verl: ``high = 2``, ``low = 1 / high``. Liu, Li et al. 2025, "When Speed Kills
-  Stability: Demystifying RL Collapse from the Training-Inference Mismatch",
-  https://richardli.xyz/rl-collapse. TRL's ``vllm_importance_sampling_mode="token_mask"`` /
-  ``"sequence_mask"`` is the upper bound alone (``high`` = its cap, ``low`` tiny, e.g. 1e-12).
-* ``mode="icepop"`` -- IcePop (Ling Team 2025, "Every Step Evolves: Scaling Reinforcement
-  Learning for Trillion-Scale Thinking Model", arXiv:2510.18855 (Ring-1T), Sec. IcePop; blog
-  https://ringtech.notion.site/icepop): per token ``M(rho_t; alpha, beta) = rho_t`` if
-  ``alpha <= rho_t <= beta`` else 0, multiplying the PPO term; paper band ``[0.5, 5]``. It is the
-  token-level ``"mis"`` with IcePop's default band, token level only (the method is defined per
-  token; for whole rows use ``mode="mis", level="sequence"``).
-
-Ratios are computed from log-ratios clamped to +-20 (verl's ``SAFETY_BOUND``), so no weight is
-inf; the band test of ``"mis"``/``"icepop"`` is on that clamped ratio. A counted token whose
-log-ratio has no value (:func:`invalid_log_ratios`: a NaN or +inf log-prob on either side, or
--inf on both) raises ``ValueError`` with ``RolloutCorrection(validate=True)``; without it, it
-gets weight 0 and is flagged, and the diagnostics count it (``"rollout invalid logprobs"``):
-no NaN reaches a weight, the loss or a report entry.
-
-Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
-shape) unless ``validate``.
+The engine's log-probs of the sampled tokens (``rollout_logprobs``) and the trainer's with the
+same weights (``old_logprobs``) differ (kernels, precision, MoE routing), so even the first
+update is slightly off-policy. :func:`correction_weights` turns ``rho_t = exp(old_logprobs_t -
+rollout_logprobs_t)`` into detached weights for the clipped surrogate of
+:func:`~megatron_vocabstats.losses.policy_loss`: TIS, MIS or IcePop (:class:`RolloutCorrection`;
+sources and verl / TRL equivalents: ``docs/rollout.md``, "Rollout correction"). No host sync
+unless ``validate``.
 """
 
 from __future__ import annotations
@@ -82,10 +47,9 @@ def _positive(name: str, value) -> float:
 
 def correction_bounds(mode: str, level: str, threshold=None, low=None, high=None, *,
                       prefix: str = "") -> tuple[float | None, float | None, float | None]:
-    """The checks of :class:`RolloutCorrection`'s fields (see there): its ``(threshold, low,
-    high)``, floats with the mode's defaults filled (None where the mode takes no such field).
-    Every error names the fields as ``prefix`` + their name (the Megatron settings pass
-    ``"rollout_correction_"``, their fields' names)."""
+    """:class:`RolloutCorrection`'s checks: its ``(threshold, low, high)`` with the mode's defaults
+    (None where the mode takes no such field); errors name the fields ``prefix`` + name (the
+    Megatron settings pass ``"rollout_correction_"``)."""
     p = prefix
     check_choice(f"{p}mode", mode, ROLLOUT_MODES)
     check_choice(f"{p}level", level, ROLLOUT_LEVELS)
@@ -121,27 +85,28 @@ def correction_bounds(mode: str, level: str, threshold=None, low=None, high=None
 class RolloutCorrection:
     """How :func:`~megatron_vocabstats.losses.policy_loss` corrects the rollout mismatch.
 
-    Fields (validated on construction; unset bounds are filled with the mode's defaults, so
+    Fields (validated on construction; unset bounds get the mode's defaults, so
     ``RolloutCorrection(mode="mis") == RolloutCorrection(mode="mis", low=0.5, high=2.0)``):
 
-    * ``mode``: ``"tis"`` (truncated IS), ``"mis"`` (masked IS) or ``"icepop"``; see the module
-      docstring for the formulas and their sources.
-    * ``level``: ``"token"`` (one weight per token) or ``"sequence"`` (one weight per row of
-      ``[b, s]`` inputs, from the row's summed log-ratio); ``"icepop"`` is token level only.
-    * ``threshold``: ``"tis"`` only, the truncation C > 0 (default 2.0); weights are
-      ``min(ratio, C)``.
+    * ``mode``: ``"tis"``, truncated IS (Yao et al. 2025; verl ``rollout_is``, TRL
+      ``token_truncate``); ``"mis"``, masked IS (verl ``rollout_is_mode="mask"``; Liu, Li et al.
+      2025); ``"icepop"`` (Ling Team 2025, arXiv:2510.18855): ``"mis"`` with its own band, token
+      level only. Formulas: :func:`correction_weights`.
+    * ``level``: ``"token"`` (one weight per token) or ``"sequence"`` (one per row of ``[b, s]``
+      inputs, from the row's summed log-ratio).
+    * ``threshold``: ``"tis"`` only, the truncation C > 0 (default 2.0).
     * ``low``, ``high``: ``"mis"``/``"icepop"`` only, the kept band ``0 < low <= 1 <= high``,
-      ``low < high`` (both ends inclusive). Defaults: ``"mis"`` ``high = 2``, ``low = 1 / high``
-      (verl); ``"icepop"`` ``[0.5, 5]`` (Ring-1T).
+      ``low < high``, ends inclusive. Defaults: ``"mis"`` ``high = 2``, ``low = 1 / high`` (verl);
+      ``"icepop"`` ``[0.5, 5]``.
     * ``validate``: a counted token without a log-ratio (:func:`invalid_log_ratios`) raises
-      ``ValueError`` in :func:`correction_weights` (a host sync); False (default): it gets
-      weight 0 and is flagged, and the diagnostics count it.
+      ``ValueError`` in :func:`correction_weights` (a host sync); False (default): it gets weight
+      0 and is flagged.
 
     Raises:
         ValueError: naming the field: an unknown ``mode`` or ``level``, ``"icepop"`` at sequence
             level, a bound that is not a finite positive number, ``threshold`` given to
             ``"mis"``/``"icepop"`` or ``low``/``high`` given to ``"tis"``, ``low >= high``, or a
-            band that does not contain 1 (it would drop tokens without any mismatch).
+            band that does not contain 1.
     """
 
     mode: str = "tis"
@@ -159,19 +124,17 @@ class RolloutCorrection:
 
     @property
     def flag_name(self) -> str:
-        """``"truncated"`` for ``"tis"``, ``"masked"`` otherwise: what the flags of
-        :func:`correction_weights` mean, and the name of their report entry."""
+        """``"truncated"`` for ``"tis"``, else ``"masked"``: the meaning of the flags of
+        :func:`correction_weights` and the name of their report entry."""
         return "truncated" if self.mode == "tis" else "masked"
 
 
 class CorrectionWeights(NamedTuple):
     """:func:`correction_weights`'s result; unpacks as ``weights, flags``.
 
-    ``weights``: detached, floating (fp32, or float64 for float64 inputs), shaped like the
-    inputs, 0 at uncounted positions. ``flags``: bool, shaped alike, False at uncounted
-    positions: tokens truncated (``"tis"``: ratio > C) or dropped (``"mis"``/``"icepop"``: ratio
-    outside the band), and tokens without a log-ratio (weight 0); at sequence level every
-    counted token of a flagged row.
+    ``weights``: detached, fp32 (float64 for float64 inputs), shaped like the inputs, 0 where not
+    counted. ``flags``: bool, False where not counted: tokens truncated (``"tis"``) or dropped
+    (``"mis"``/``"icepop"``) or without a log-ratio; at sequence level, a flagged row's tokens.
     """
 
     weights: torch.Tensor
@@ -202,10 +165,9 @@ def _mask_of(mask, like: torch.Tensor, like_name: str) -> torch.Tensor:
 
 def invalid_log_ratios(trainer: torch.Tensor, rollout: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-    """Bool, shaped like the inputs: the counted tokens (``mask``, bool) whose log-ratio
-    ``trainer - rollout`` has no value: a NaN on either side, a log-prob of +inf (no
-    probability exceeds 1) or -inf on both sides (``-inf - -inf``). A single -inf is a valid,
-    extreme ratio (clamped to +-20). No host sync."""
+    """Bool, shaped like the inputs: the counted tokens (``mask``, bool) whose log-ratio ``trainer -
+    rollout`` has no value: a NaN on either side, +inf on either side, or -inf on both. A single
+    -inf is a valid, extreme ratio (clamped to +-20). No host sync."""
     with torch.no_grad():
         bad = torch.isnan(trainer - rollout) | torch.isposinf(trainer) | torch.isposinf(rollout)
         return bad & mask
@@ -224,8 +186,7 @@ def _check_valid(invalid, old_logprobs, rollout_logprobs) -> None:
 
 
 def _log_ratio(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor):
-    """``(trainer - rollout)`` in the compute dtype, exactly 0 where not counted (NaN there
-    included), and that dtype."""
+    """``(trainer - rollout, dtype)`` in the compute dtype, exactly 0 where not counted."""
     dtype = torch.promote_types(torch.promote_types(trainer.dtype, rollout.dtype), torch.float32)
     diff = trainer.detach().to(dtype) - rollout.detach().to(dtype)
     return torch.where(mask, diff, 0.0), dtype
@@ -236,37 +197,33 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     """Detached importance weights correcting the trainer / rollout-engine mismatch.
 
     With ``d_t = clamp(old_logprobs_t - rollout_logprobs_t, -20, 20)`` at counted tokens
-    (``m = mask != 0``) and, at sequence level, ``d_i = clamp(sum_t m_it (old_it - rollout_it),
-    -20, 20)`` per row (then broadcast to the row's tokens), ``rho = exp(d)``:
+    (``m = mask != 0``) or, at sequence level, ``d_i = clamp(sum_t m_it (old_it - rollout_it),
+    -20, 20)`` per row (broadcast to the row's tokens), and ``rho = exp(d)``:
 
-    * ``"tis"``: ``w = min(rho, threshold)``; flag = ``rho > threshold`` (truncated).
-    * ``"mis"``, ``"icepop"``: ``w = rho`` if ``low <= rho <= high`` else 0; flag = outside the
-      band (dropped).
-    * a counted token without a log-ratio (:func:`invalid_log_ratios`; at sequence level, every
-      counted token of its row, and of a row whose sum is -inf + inf): ``w = 0``, flagged;
-      ``ValueError`` with ``cfg.validate`` (for the tokens).
+    * ``"tis"``: ``w = min(rho, threshold)``; flag = ``rho > threshold``.
+    * ``"mis"``, ``"icepop"``: ``w = rho`` if ``low <= rho <= high`` else 0; flag = outside.
+    * a counted token without a log-ratio (:func:`invalid_log_ratios`; at sequence level its whole
+      row, and a row whose sum is -inf + inf): ``w = 0``, flagged; ``ValueError`` with
+      ``cfg.validate``.
 
-    Sources: see the module docstring (TIS: Yao et al. 2025 / verl / TRL; MIS: verl
-    ``rollout_is_mode="mask"``; IcePop: arXiv:2510.18855).
+    Sources: :class:`RolloutCorrection`.
 
     Args:
-        old_logprobs: ``[...]`` (``[b, s]`` at sequence level) floating, the trainer's log-probs
-            of the sampled tokens in nats (the behaviour policy recomputed by Megatron); any
-            gradient is ignored.
+        old_logprobs: ``[...]`` (``[b, s]`` at sequence level) floating, the trainer's log-probs of
+            the sampled tokens (nats); any gradient is ignored.
         rollout_logprobs: the rollout engine's log-probs of the same tokens, same shape.
-        mask: same shape, any dtype; a token counts where non-zero. Values at uncounted
-            positions (NaN, inf) never reach the result.
+        mask: same shape, any dtype; a token counts where non-zero. Values elsewhere (NaN, inf)
+            never reach the result.
         cfg: a :class:`RolloutCorrection`.
 
     Returns:
-        :class:`CorrectionWeights` ``(weights, flags)``: ``weights`` detached, dtype
-        ``promote(inputs, fp32)``, 0 at uncounted positions; ``flags`` bool, False there.
+        :class:`CorrectionWeights`.
 
     Raises:
         ValueError: naming the argument: a ``cfg`` that is not a :class:`RolloutCorrection`,
             non-tensor or non-floating log-probs, shapes or devices that differ, a missing
-            ``mask``, or ``level="sequence"`` on inputs that are not 2-D ``[b, s]``; with
-            ``cfg.validate`` (a host sync) a counted token without a log-ratio.
+            ``mask``, ``level="sequence"`` on inputs that are not 2-D; with ``cfg.validate`` (a
+            host sync) a counted token without a log-ratio.
     """
     if not isinstance(cfg, RolloutCorrection):
         raise ValueError(f"cfg must be a RolloutCorrection, got {type(cfg).__name__}")

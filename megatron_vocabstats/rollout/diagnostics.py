@@ -1,10 +1,5 @@
-"""Trainer / rollout-engine mismatch diagnostics: :func:`mismatch_diagnostics`, report entries
-in Megatron's ``[sum, count]`` convention (see :mod:`megatron_vocabstats.losses`) from the same
-inputs as the correction (:mod:`.correction`).
-
-Nothing here synchronises with the host (no ``.item()``, no boolean indexing, no data-dependent
-shape): quantiles come from one sort with the uncounted positions pushed to +inf and indices
-computed on the device.
+"""Trainer / rollout-engine mismatch diagnostics (:func:`mismatch_diagnostics`): report entries
+in Megatron's ``[sum, count]`` convention, with no host sync.
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ def _pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 def _masked_quantiles(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
                       quantiles) -> list[torch.Tensor]:
-    """``torch.quantile(values[mask], q)`` (linear interpolation) for each q, without a host
-    sync: one sort with the uncounted positions at +inf, positions ``q (n - 1)`` read by
-    integer gathers. 0 when nothing counts."""
+    """``torch.quantile(values[mask], q)`` for each q without a host sync (one sort with the
+    uncounted positions at +inf, integer gathers); 0 when nothing counts."""
     flat = torch.where(mask, values, float("inf")).reshape(-1)
     ordered = torch.sort(flat).values
     last = (count - 1).clamp(min=0).to(values.dtype)
@@ -63,47 +57,38 @@ def mismatch_diagnostics(
 ) -> dict[str, torch.Tensor]:
     """Per-step report entries measuring the trainer / rollout-engine mismatch.
 
-    Every entry is a detached fp32 ``[sum, count]`` pair: Megatron sums them over microbatches
-    and data-parallel ranks and divides, so token entries come out as means over the step's
-    counted tokens. With ``d_t = clamp(trainer_logprobs_t - rollout_logprobs_t, -20, 20)`` at
-    counted tokens ``m`` (``n = sum m``; the clamp keeps one -inf log-prob, e.g. a target the
-    sampler could not draw, from turning the step's means into inf), ``r_t = exp(d_t)``, and
-    ``v`` the counted tokens that have a log-ratio (:func:`~.correction.invalid_log_ratios`: not
-    NaN, +inf or -inf on both sides; ``n_v = sum v``):
+    Every entry is a detached fp32 ``[sum, count]`` pair (Megatron's reduction turns token entries
+    into means over the step). With ``d_t = clamp(trainer_logprobs_t - rollout_logprobs_t, -20,
+    20)`` (the clamp keeps one -inf log-prob from making the means inf), ``r_t = exp(d_t)``, ``n``
+    the counted tokens and ``v`` those with a log-ratio (:func:`~.correction.invalid_log_ratios`),
+    ``n_v`` their count:
 
     * ``"rollout |dlogprob|"``: ``[sum_v |d_t|, n_v]``, nats.
-    * ``"rollout k3 kl"``: ``[sum_v (r_t - 1 - log r_t), n_v]``: Schulman's k3 estimate of
-      KL(pi_rollout || pi_trainer) on the rollout's samples (nats, >= 0).
+    * ``"rollout k3 kl"``: ``[sum_v (r_t - 1 - log r_t), n_v]``, Schulman's k3 estimate of
+      KL(pi_rollout || pi_trainer) (nats, >= 0).
     * ``"rollout ratio p50"``, ``"p90"``, ``"p99"``, ``"max"``: quantiles of ``r_t`` over this
-      microbatch's tokens ``v`` (linear interpolation, as ``torch.quantile``), each as
-      ``[value, 1]`` (``[0, 0]`` without such tokens). Quantiles do not average: after
-      Megatron's reduction these read as the **mean over microbatches (and ranks) of the
-      per-microbatch quantile**, not the quantile of the step.
-    * ``"rollout invalid logprobs"``: ``[n - n_v, n]``, the fraction of counted tokens without a
-      log-ratio (their correction weight is 0; ``RolloutCorrection(validate=True)`` raises).
-    * with ``weights``: ``"rollout weight"`` ``[sum w_t, n]``, the mean correction weight.
-    * with ``flags``: ``"rollout <flag_name> fraction"`` ``[sum flags, n]``, the fraction of
-      tokens truncated (``"tis"``) or dropped (``"mis"``/``"icepop"``).
-    * with ``outside``: ``"rollout outside support"`` ``[sum outside_t m_t, n]``, the fraction of
-      targets outside the sampler's kept set (top-k / top-p), from the sampling-logprobs op.
+      microbatch's ``v`` (as ``torch.quantile``), each ``[value, 1]`` (``[0, 0]`` without such
+      tokens): after Megatron's reduction, the mean over microbatches and ranks of the
+      per-microbatch quantile, not the step's quantile.
+    * ``"rollout invalid logprobs"``: ``[n - n_v, n]``.
+    * with ``weights``: ``"rollout weight"`` ``[sum w_t, n]``.
+    * with ``flags``: ``"rollout <flag_name> fraction"`` ``[sum flags, n]``.
+    * with ``outside``: ``"rollout outside support"`` ``[sum outside_t m_t, n]``.
 
     Args:
-        trainer_logprobs: ``[...]`` floating, the trainer's log-probs (nats) of the sampled
-            tokens; :func:`~megatron_vocabstats.losses.policy_loss` passes ``old_logprobs``,
-            the behaviour policy recomputed by the trainer with the rollout's weights, so the
-            entries measure the engines' disagreement, not the policy's drift over PPO epochs.
+        trainer_logprobs: ``[...]`` floating, the trainer's log-probs of the sampled tokens;
+            :func:`~megatron_vocabstats.losses.policy_loss` passes ``old_logprobs``, so the
+            entries measure the engines' disagreement, not the policy's drift.
         rollout_logprobs: the engine's log-probs, same shape.
-        mask: same shape, any dtype, non-zero where a token counts; other positions never reach
-            the values (NaN included).
-        weights, flags: :func:`correction_weights`'s result (floating / bool, same shape), or
-            None.
+        mask: same shape, any dtype, non-zero where a token counts; values elsewhere never reach
+            the entries.
+        weights, flags: :func:`correction_weights`'s result, or None.
         flag_name: ``"truncated"`` or ``"masked"`` (:attr:`RolloutCorrection.flag_name`).
-        outside: optional bool tensor, same shape: True where the target lies outside the
-            sampler's kept set.
+        outside: optional bool, same shape: True where the target lies outside the sampler's
+            kept set (``SamplingLogprobs.outside``).
 
     Returns:
-        ``dict[str, Tensor]`` of ``[2]`` fp32 tensors, keys in the order above; the keys depend
-        only on which optional arguments are given.
+        ``dict[str, Tensor]`` of ``[2]`` fp32 tensors, keys in the order above.
 
     Raises:
         ValueError: naming the argument: non-tensors, non-floating log-probs or weights, a
