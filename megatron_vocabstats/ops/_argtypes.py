@@ -1,9 +1,7 @@
 """Python-type and range checks of scalar arguments, and the error they raise.
 
-The one checker of number-like options and the one of bool options, which every op, loss,
-settings object and flag uses; a wrong Python type raises :class:`InputTypeError`, a
-``TypeError`` that is also a ``ValueError``. Standard library only; :mod:`.options` makes the
-checkers public.
+The one checker of number-like options and the one of bool options, used by every op, loss,
+settings object and flag (made public by :mod:`.options`). Standard library only.
 """
 
 from __future__ import annotations
@@ -58,9 +56,8 @@ def describe_range(*, integer: bool = False, low=None, high=None, low_open: bool
 
 def number_problem(value, *, integer: bool = False, low=None, high=None, low_open: bool = False,
                    high_open: bool = False, finite: bool = True) -> tuple[type, str] | None:
-    """Why ``value`` is not an acceptable number, as ``(error class, "must be ..., got ...")``,
-    or None. The rule of :func:`check_number` (see there), without a name and without raising.
-    The message is only composed for a problem (a bound may be a traced ``SymInt``)."""
+    """:func:`check_number`'s verdict without a name or raising: ``(error class, "must be ...,
+    got ...")`` or None (the message only composed for a problem: a bound may be a ``SymInt``)."""
     def problem(kind=ValueError, note=""):
         rule = describe_range(integer=integer, low=low, high=high, low_open=low_open,
                               high_open=high_open)
@@ -97,18 +94,15 @@ def check_number(name: str, value, *, integer: bool = False, low=None, high=None
                  low_open: bool = False, high_open: bool = False, none_ok: bool = False,
                  finite: bool = True):
     """The one checker of number-like options: ``value`` as an ``int`` (``integer``) or a
-    ``float``, else an error naming ``name``.
+    ``float``, else an error ``"<name> must be <rule>, got <value>"``.
 
-    Accepts Python and numpy numbers (anything ``numbers.Real``, or ``numbers.Integral`` with
-    ``integer``: ``np.float32(0.5)``, ``np.int64(3)``, a ``Fraction``); refuses a bool (numpy's
-    too), a tensor, a string, and with ``integer`` a float such as ``3.0``
-    (:class:`InputTypeError`, also a ``ValueError``); refuses NaN, +-inf and values outside the
-    range ``low``/``high`` (each end closed unless ``low_open``/``high_open``; None: unbounded),
-    huge ints included (``10**400`` is compared exactly, never overflowed into a float:
-    ``ValueError``). ``none_ok``: None is accepted and returned as None (an option that is off).
-    ``finite=False`` (a fill value): NaN and +-inf are accepted as they are, only finite values
-    are held to the range. The message reads ``"<name> must be <rule>, got <value>"``.
-    """
+    Accepts any ``numbers.Real`` (``numbers.Integral`` with ``integer``): numpy numbers, a
+    ``Fraction``. :class:`InputTypeError` for a bool (numpy's too), a tensor, a string, and with
+    ``integer`` a float such as ``3.0``; ``ValueError`` for NaN, +-inf and values outside
+    ``low``/``high`` (closed unless ``low_open``/``high_open``; None: unbounded), huge ints
+    compared exactly, never through a float. ``none_ok``: None is returned as None (an option
+    that is off). ``finite=False`` (a fill value): NaN and +-inf pass, finite values meet the
+    range."""
     if value is None and none_ok:
         return None
     problem = number_problem(value, integer=integer, low=low, high=high, low_open=low_open,
@@ -152,10 +146,9 @@ def bool_error(name: str, value) -> InputTypeError | None:
 
 
 def check_bool(name: str, value) -> bool:
-    """The one checker of bool options: ``value`` as a Python bool if it is one or numpy's
-    ``bool_``; anything else (0 and 1 included, a tensor, a string, None) raises
-    :class:`InputTypeError` (also a ``ValueError``) naming ``name``: ``"<name> must be a bool,
-    got <value> (<type>)"``, a huge int cut short."""
+    """The one checker of bool options: a Python bool or numpy's ``bool_`` as a bool; anything
+    else (0 and 1, a tensor, a string, None) raises :class:`InputTypeError` ``"<name> must be a
+    bool, got <value> (<type>)"``."""
     error = bool_error(name, value)
     if error is not None:
         raise error

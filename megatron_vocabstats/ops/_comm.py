@@ -15,11 +15,8 @@ from ._argtypes import InputTypeError
 
 
 def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``; ``(0, 1)`` for ``None``.
-
-    Raises ``TypeError`` (also a ``ValueError``) naming ``tp_group`` for anything else than a
-    ``ProcessGroup`` or None.
-    """
+    """``(rank, size)`` of this process in ``group``, ``(0, 1)`` for None; ``TypeError`` (also a
+    ``ValueError``) naming ``tp_group`` for anything else."""
     if group is None:
         return 0, 1
     if not isinstance(group, dist.ProcessGroup):
@@ -29,11 +26,10 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def backend_for(group: dist.ProcessGroup, device_type: str) -> str:
-    """The name (lower case) of the backend that runs ``group``'s collectives on tensors of
-    ``device_type`` (``"cpu"``, ``"cuda"``): of a per-device backend string such as torch's
-    ``"cpu:gloo,cuda:nccl"`` (the multi-device form, also TorchComms') the one named for that
-    type (``""`` if none is), else the group's single backend. Never a substring test: that
-    string is not a gloo group for CUDA tensors."""
+    """The lower-case backend of ``group``'s collectives on ``device_type`` tensors: of a
+    per-device string such as ``"cpu:gloo,cuda:nccl"`` (also TorchComms') the one named for that
+    type (``""`` if none), else the single backend. Never a substring test: that string is no
+    gloo group for CUDA tensors."""
     name = str(dist.get_backend(group)).lower()
     if ":" not in name:
         return name
@@ -42,11 +38,10 @@ def backend_for(group: dist.ProcessGroup, device_type: str) -> str:
 
 
 def exchange_device(group: dist.ProcessGroup) -> torch.device:
-    """The device of a small collective over ``group`` when no tensor argument names one (e.g. a
-    rank whose ``logits`` is not a tensor must still join the check exchange): the current CUDA
-    device where CUDA is available and the group has a backend other than gloo for CUDA tensors
-    (NCCL, also in ``"cpu:gloo,cuda:nccl"``), else the CPU. Every rank decides the same from the
-    group's backend string."""
+    """The device of a small collective over ``group`` that no tensor places (a rank whose
+    ``logits`` is not a tensor still joins the check exchange): the current CUDA device if CUDA
+    is available and the group's CUDA backend is not gloo (or none), else the CPU; every rank
+    decides alike from the backend string."""
     cuda = backend_for(group, "cuda")
     if not torch.cuda.is_available() or cuda in ("", "gloo"):
         return torch.device("cpu")
@@ -66,34 +61,25 @@ def all_gather_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 
 
 def gather_stats(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All shards' packed statistics ``[tp, *local.shape]`` from one all-gather (none for tp=1).
-
-    Gathering the few ``[k, T]`` statistics instead of all-reducing them lets every rank merge
-    them in the same fixed rank order: one collective instead of a MAX then a SUM, and results
-    that are bitwise equal on every rank.
-    """
+    """All shards' packed statistics ``[tp, *local.shape]`` from one all-gather (none for tp=1),
+    not an all-reduce: every rank merges them in the same rank order (bitwise equal results; one
+    collective instead of a MAX then a SUM)."""
     if group is None or dist.get_world_size(group) == 1:
         return local.unsqueeze(0)
     return all_gather_flat(local, group)
 
 
 def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup, *, device) -> list[list[int]]:
-    """Every rank's ``values`` (a few int64 numbers), in rank order, from one all-gather.
-
-    Used by the input checks: comparing a handful of sizes costs one tiny collective and turns the
-    hang or silently wrong number that mismatched shards would cause into a clear error.
-    """
+    """Every rank's ``values`` (a few int64 numbers), in rank order, from one all-gather (the
+    input checks: mismatched shards give a clear error instead of a hang or a wrong number)."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     return all_gather_flat(mine, group).tolist()
 
 
 def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Megatron's sequence-parallel gather: every rank's ``[s, ...]`` shard, concatenated along
-    dim 0 in rank order (``[tp * s, ...]``), from one all-gather; ``shard`` itself for tp=1.
-
-    All shards must have the same shape (check it first: a mismatch fails or hangs in the
-    collective).
-    """
+    """Megatron's sequence-parallel gather: every rank's ``[s, ...]`` shard concatenated in rank
+    order (``[tp * s, ...]``), one all-gather; ``shard`` itself for tp=1. The shapes must match
+    (check first: a mismatch fails or hangs in the collective)."""
     if group is None or dist.get_world_size(group) == 1:
         return shard
     gathered = all_gather_flat(shard, group)
@@ -101,12 +87,9 @@ def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup | None) -> tor
 
 
 def reduce_scatter_sequence(full: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Inverse of :func:`gather_sequence` for gradients: the sum of ``full`` ``[tp * s, ...]`` over
-    the ranks of ``group``, of which this rank keeps rows ``[rank * s, (rank + 1) * s)``.
-
-    One reduce-scatter; on a gloo build without reduce-scatter, one all-reduce (in place on
-    ``full``, which the caller must own) and a slice give the same sums.
-    """
+    """Inverse of :func:`gather_sequence` for gradients: rows ``[rank * s, (rank + 1) * s)`` of
+    the sum of ``full`` ``[tp * s, ...]`` over ``group``. One reduce-scatter, or on gloo without
+    one :func:`reduce_scatter_by_all_reduce` (in place: the caller must own ``full``)."""
     if group is None or dist.get_world_size(group) == 1:
         return full
     size = dist.get_world_size(group)

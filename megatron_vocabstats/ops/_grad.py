@@ -1,9 +1,8 @@
 """The logits gradient of the statistics, one chunk at a time.
 
-Pure tensor math like :mod:`._math`: no collectives, never writes to the caller's tensors (only
-to the scratch buffers handed in). With upstream ``g_lp``, ``g_H`` the gradient w.r.t. z is
-``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target, the
-logsumexp kept as an fp32 pair (``docs/numerics.md``, "Gradients w.r.t. z").
+Pure tensor math like :mod:`._math`. With upstream ``g_lp``, ``g_H`` the gradient w.r.t. z is
+``g_lp (q_j - p_j) - g_H p_j (log p_j + H)``, q the (smoothed) one-hot target, the logsumexp
+kept as an fp32 pair (``docs/numerics.md``, "Gradients w.r.t. z").
 """
 
 from __future__ import annotations
@@ -32,17 +31,12 @@ def chunk_grad(
 ) -> None:
     """Write the gradient of ``sum(g_lp * logprobs + g_H * entropy)`` for one chunk into ``out``.
 
-    ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``out``: the chunk's rows of
-    the gradient, in the logits dtype. ``lse`` (and ``lse_lo``, optional): the row's logsumexp
-    as the fp32 pair of :func:`split_lse`, so that ``log p = (z - lse) - lse_lo`` keeps the
-    digits that rounding ``lse`` alone to fp32 loses at large logits (``z - lse`` is exact for
-    the columns near the maximum). ``coef_lp = g_lp / tau`` and ``coef_h = g_H / tau`` per row,
-    already 0 at ignored rows (whose gradient is then exactly 0), or None when that output gets no
-    gradient. ``lse`` must be finite at ignored rows, and rows with ``valid`` False are zeroed
-    at the end (NaN or +inf logits there included). One fp32 pass computes
-    ``p * (-coef_h (log p + H) - coef_lp)``; the target and smoothing terms are added in fp32
-    before the single cast to ``out``.
-    """
+    ``z``: [n, W] fp32 from :func:`load_chunk` (overwritten); ``out``: the chunk's gradient rows
+    in the logits dtype, cast once from the fp32 ``p (-coef_h (log p + H) - coef_lp)`` plus the
+    target and smoothing terms; ``log p = (z - lse) - lse_lo`` (the pair of :func:`split_lse`,
+    ``lse_lo`` optional). ``coef_lp``/``coef_h``: :func:`grad_coefficients` (None: that output
+    gets no gradient). ``lse`` must be finite at ignored rows (:func:`finite_lse`); rows with
+    ``valid`` False are zeroed at the end (NaN or +inf logits there included)."""
     n = z.shape[0]
     logp = z.sub_(lse.unsqueeze(1))
     if lse_lo is not None:
@@ -74,12 +68,9 @@ def grad_coefficients(
     temperature: float,
     in_range: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(coef_lp, coef_h)`` of :func:`chunk_grad` from upstream gradients shaped like the tokens.
-
-    Flattened fp32 ``g / tau``, exactly 0 at rows where ``valid`` is False (their gradient is then
-    exactly 0); None where that upstream gradient is None. ``coef_lp`` is also 0 where
-    ``in_range`` (:func:`target_in_range`) is False: a NaN logprob passes no gradient.
-    """
+    """``(coef_lp, coef_h)`` of :func:`chunk_grad`: the flattened upstream gradients as fp32
+    ``g / tau``, exactly 0 where ``valid`` is False (``coef_lp`` also where ``in_range`` is False:
+    a NaN logprob passes no gradient); None for a None upstream gradient."""
     keep = valid.float() / temperature if valid is not None else 1.0 / temperature
     keep_lp = keep if in_range is None else keep * in_range
     coef_lp = grad_logprobs.reshape(-1).float() * keep_lp if grad_logprobs is not None else None
@@ -88,12 +79,9 @@ def grad_coefficients(
 
 
 def split_lse(m: torch.Tensor, log_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse, lse_lo)``: the logsumexp ``m + log_s`` (fp32 ``[T]`` each) as its fp32 rounding
-    ``lse`` and the rounding error ``lse_lo = (m + log_s) - lse``, exact (Knuth's TwoSum; 0
-    where ``lse`` is not finite). ``lse`` is bitwise ``m + log_s``; the pair carries the
-    logsumexp to twice the precision for the gradient's ``log p = (z - lse) - lse_lo``, which
-    would otherwise be off by up to half an ulp of ``lse``: 0.5 nats at logits of 1e7, 0.002
-    at fp16's 65504."""
+    """``(lse, lse_lo)`` of fp32 ``[T]`` ``m`` and ``log_s``: ``lse`` bitwise ``m + log_s`` and
+    its exact rounding error ``lse_lo`` (Knuth's TwoSum; 0 where not finite), so that
+    ``log p = (z - lse) - lse_lo`` does not lose half an ulp of ``lse`` (``docs/numerics.md``)."""
     lse = m + log_s
     b = lse - m
     lo = (m - (lse - b)) + (log_s - b)
@@ -101,11 +89,8 @@ def split_lse(m: torch.Tensor, log_s: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def finite_lse(lse: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """``lse`` with non-finite values at rows that are not ``valid`` replaced by 0.
-
-    :func:`chunk_grad` needs a finite lse at ignored rows (e.g. fully masked ones) so that their
-    zero gradient is not ``0 * NaN``.
-    """
+    """``lse`` with 0 for non-finite values at rows not ``valid``: :func:`chunk_grad`'s zero
+    gradient there must not be ``0 * NaN``."""
     if valid is None:
         return lse
     return torch.where(valid | torch.isfinite(lse), lse, 0.0)

@@ -1,7 +1,5 @@
 """Where a rank's logits columns sit in the global vocabulary, and where its targets fall.
 
-The shard layout of one call, built and checked from its arguments; the blocks of :data:`BLOCK`
-columns of batch-invariant mode; the global id of a row's largest logit from per-shard parts.
 Pure host logic and elementwise tensor ops, no collectives.
 """
 
@@ -24,12 +22,10 @@ MAX_ID = 2**31
 class ShardLayout:
     """Where this rank's logits columns sit in the global vocabulary.
 
-    ``vocab_start``: global id of local column 0; ``width``: local (padded) shard width W;
-    ``real_width``: local columns with global id < ``vocab_size`` (the rest are padding);
-    ``vocab_size``: the real, unpadded global vocabulary size V; ``even``: every rank holds W
-    columns starting at ``rank * W`` (Megatron's split), else ranges given per rank (``vocab_start``
-    of the ops, e.g. torchtitan's ``ceil(V / tp)`` split with a shorter last shard).
-    """
+    ``vocab_start``: global id of local column 0; ``width``: local (padded) width W;
+    ``real_width``: local columns with global id < ``vocab_size``, the real global size V (the
+    rest are padding); ``even``: rank r holds ``[r * W, (r + 1) * W)`` (Megatron's split), else
+    ranges given per rank (``vocab_start``, e.g. torchtitan's ``ceil(V / tp)`` split)."""
 
     vocab_start: int
     width: int
@@ -46,18 +42,15 @@ def padded_width(width: int, batch_invariant: bool) -> int:
 
 def shard_layout(width: int, rank: int, tp: int, vocab_size: int | None,
                  vocab_start: int | None = None) -> ShardLayout:
-    """The :class:`ShardLayout` of rank ``rank`` of ``tp`` shards of which this one is ``width``
-    columns wide.
+    """The :class:`ShardLayout` of rank ``rank`` of ``tp`` shards, this one ``width`` columns.
 
-    Without ``vocab_start`` the shards are equal and rank r starts at ``r * width`` (Megatron).
-    The padding (global columns ``>= vocab_size``) may fill whole shards, as Megatron's padding to
-    a multiple of ``make_vocab_size_divisible_by * tp`` does for small vocabularies. With
-    ``vocab_start`` this shard holds ``[vocab_start, vocab_start + width)`` and ``vocab_size`` is
-    required (the shards' contiguity is checked across ranks in :func:`checked_config`). Raises
-    ``ValueError`` if ``width`` is 0, ``vocab_size`` is not in ``[1, width * tp]`` (even shards),
-    ``vocab_start`` is negative or comes without ``vocab_size``; :class:`InputTypeError` if either
-    is not an int.
-    """
+    Without ``vocab_start``: equal shards, rank r from ``r * width`` (Megatron), the padding
+    (global columns ``>= vocab_size``) possibly filling whole shards. With it: this shard holds
+    ``[vocab_start, vocab_start + width)``, ``vocab_size`` required (contiguity is checked across
+    ranks by ``checked_config``). Raises ``ValueError`` if ``width`` is 0, ``vocab_size`` is
+    outside ``[1, width * tp]`` (even shards; ``[1, 2**31]`` with ``vocab_start``), or
+    ``vocab_start`` outside ``[0, 2**31)`` or without ``vocab_size``; :class:`InputTypeError` for
+    a non-int."""
     if width == 0:
         raise ValueError("logits: the vocabulary dimension (last) is empty: every rank must hold "
                          "a non-empty vocabulary shard")
@@ -99,9 +92,8 @@ def check_contiguous(starts: list[int], widths: list[int], vocab_size: int) -> N
 
 
 def target_in_range(target: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[T]`` bool: the target id lies in ``[0, vocab_size)`` (on the device, no host sync).
-    Rows where it does not (and that are not ignored) get a NaN logprob and no logprob gradient
-    (``merge_stats(in_range=...)``, ``grad_coefficients(in_range=...)``)."""
+    """``[T]`` bool: the target id lies in ``[0, vocab_size)`` (no host sync). Other rows not
+    ignored get a NaN logprob and no logprob gradient (``merge_stats``, ``grad_coefficients``)."""
     return (target >= 0) & (target < vocab_size)
 
 
@@ -113,14 +105,10 @@ def local_target_index(target: torch.Tensor, valid: torch.Tensor, layout: ShardL
 
 
 def put_first_max_ids(z: torch.Tensor, out: torch.Tensor, vocab_start: int) -> None:
-    """Write the global id of the first maximum of each row of ``z`` ``[n, W]`` (or of each block
-    of ``z`` ``[n, nb, BLOCK]``, block b starting at local column ``b * BLOCK``) into ``out``, an
-    fp32 row ``[n]`` (``[n, nb]``) of the packed statistics, as int32 bits.
-
-    Bit-cast, not converted: the row is only copied afterwards (the all-gather), so every id below
-    2**31 (:data:`MAX_ID`) arrives exact, where an fp32 value would stop being exact at 2**24.
-    Ties go to the lowest column, as ``torch.argmax``.
-    """
+    """Write the global id of the first maximum of each row of ``z`` ``[n, W]`` (or each block of
+    ``[n, nb, BLOCK]``) into the fp32 statistics row ``out`` ``[n]`` (``[n, nb]``) as int32 bits:
+    bit-cast, not converted, so every id below :data:`MAX_ID` survives the all-gather exactly
+    (an fp32 value stops at 2**24). Ties go to the lowest column, as ``torch.argmax``."""
     ids = z.argmax(dim=-1)
     if z.dim() == 3:
         ids = ids + torch.arange(z.shape[1], device=z.device) * z.shape[2]
@@ -128,14 +116,10 @@ def put_first_max_ids(z: torch.Tensor, out: torch.Tensor, vocab_start: int) -> N
 
 
 def merge_first_max(maxima: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[T]`` int64: the global id of each row's largest value from per-part statistics.
-
-    ``maxima`` ``[P, T]`` fp32: each part's maximum (-inf for a part with no live column);
-    ``ids`` ``[P, T]``: each part's :func:`put_first_max_ids` row. The lowest id among the parts
-    whose maximum equals the row's (exact comparisons), so that, parts covering the columns,
-    the result is ``torch.argmax`` over the whole row (ties to the lowest id). -1 where the row's
-    maximum is NaN.
-    """
+    """``[T]`` int64 ``torch.argmax`` of each whole row (ties to the lowest id; -1 where the
+    maximum is NaN) from parts covering the columns: their ``maxima`` ``[P, T]`` fp32 (-inf: no
+    live column) and :func:`put_first_max_ids` rows ``ids`` ``[P, T]``. The lowest id among the
+    parts whose maximum equals the row's (exact comparisons)."""
     top = maxima.amax(dim=0)
     candidates = torch.where(maxima == top, ids.view(torch.int32).long(), MAX_ID)
     best = candidates.amin(dim=0)

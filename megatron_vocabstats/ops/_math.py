@@ -1,52 +1,43 @@
 """Per-chunk vocabulary statistics and their merge across shards (the gradient: :mod:`._grad`).
 
-Pure tensor math: no collectives, no process groups, never writes to the caller's tensors (only
-to the scratch buffers handed in). The formulas are those of ``docs/numerics.md``:
+Pure tensor math: no collectives, never writes to the caller's tensors (only to the scratch
+buffers handed in). The formulas (``docs/numerics.md``):
 
 * per shard r and token: ``m_r = max_j z_j``, ``s_r = sum_j exp(z_j - m_r)``,
-  ``u_r = sum_j exp(z_j - m_r) * (z_j - m_r)``, ``t_r = z_y`` if the target is local else 0, and
-  with label smoothing ``a_r = c sum_j (z_j - m_r)`` over the n_r real columns (-inf if one is
-  at -inf), ``c = zsum_scale(V)`` a power of two <= 1/(2V) so that the sum cannot overflow;
+  ``u_r = sum_j exp(z_j - m_r) (z_j - m_r)`` (relative to ``m_r``: large logits such as fp16's
+  65504 do not cancel), ``t_r = z_y`` if the target is local else 0, and with label smoothing
+  ``a_r = c sum_j (z_j - m_r)`` over the n_r real columns (-inf if one is at -inf), with
+  ``c = zsum_scale(V)`` a power of two <= 1/(2V) so that the sum cannot overflow;
 * merged with ``m = max_r m_r``: ``S = sum_r s_r e^(m_r - m)``,
-  ``U = sum_r e^(m_r - m) (u_r + (m_r - m) s_r)`` (a part whose scale ``e^(m_r - m)``
-  underflows to 0 adds 0), ``logZ = m + log S``, ``logprob = t - logZ``,
-  ``H = log S - U / S`` (exact: ``logZ - E_p[z]``), and ``mean_j z_j - m =
-  sum_r (a_r + c n_r (m_r - m)) / (c V)`` (:func:`rebase_zsum_`: every term <= 0, so extreme
-  logits neither overflow nor cancel);
-* gradient w.r.t. z with upstream ``g_lp``, ``g_H`` (:mod:`._grad`):
-  ``g_lp (q_j - p_j) - g_H p_j (log p_j + H)`` where q is the (smoothed) one-hot target.
+  ``U = sum_r e^(m_r - m) (u_r + (m_r - m) s_r)`` (a part whose scale underflows to 0 adds 0),
+  ``logZ = m + log S``, ``logprob = t - logZ``, ``H = log S - U / S`` (exact:
+  ``logZ - E_p[z]``), and ``mean_j z_j - m = sum_r (a_r + c n_r (m_r - m)) / (c V)``
+  (:func:`rebase_zsum_`: every term <= 0, so extreme logits neither overflow nor cancel).
 
-``u_r`` is kept relative to the shard maximum, so large logits (fp16 65504) do not cancel.
+Where each is computed (float64: ``tests/unit/_reference.py``'s ``reference_stats``, whose
+autograd gives the reference gradient; Triton: ``ops/kernels/triton_tiles.py``,
+``triton_kernels.py``):
 
-Where each is computed (Triton: ``ops/kernels/triton_tiles.py`` and ``triton_kernels.py``; the
-merge over shards is this module's on both paths; float64: ``tests/unit/_reference.py``, whose
-autograd gives the reference gradient):
+==================  ============================  ======================  =========================
+statistic           torch                         Triton twin             tests
+==================  ============================  ======================  =========================
+m_r, s_r, u_r, t_r  chunk_stats, block_stats      online_update,          test_vocab_parallel
+                                                  tile_update
+a_r (smoothing)     _real_zsum                    online_update (ZSUM)    test_hostile_inputs
+parts of a shard    reduce_blocks (also the       merge_lanes (the row    test_triton_kernels,
+(blocks, splits)    Triton splits)                kernel's lanes)         test_batch_invariant
+merge over shards   rebase_zsum_, merge_stats,    (this module's)         test_vocab_parallel_dist
+                    log_normaliser
+gradient w.r.t. z   _grad.chunk_grad              _row_grad_kernel,       test_vocab_parallel,
+                                                  _tile_grad_kernel       test_triton_fused_kernels
+==================  ============================  ======================  =========================
 
-====================  ===========================  ======================  =======================
-statistic             torch                        Triton twin             float64, tests
-====================  ===========================  ======================  =======================
-m_r, s_r, u_r, t_r    :func:`chunk_stats`,         ``online_update``,      ``reference_stats``;
-                      :func:`block_stats`          ``tile_update``         test_vocab_parallel
-a_r (smoothing)       ``_real_zsum``               ``online_update``       test_hostile_inputs
-                                                   (``ZSUM``)
-parts of one shard    :func:`reduce_blocks`        ``merge_lanes`` (the    test_triton_kernels,
-(blocks, splits)      (also the Triton splits)     row kernel's lanes)     test_batch_invariant
-merge over shards,    :func:`rebase_zsum_`,        (this module's)         test_vocab_parallel_dist
-logZ, logprob, H      :func:`merge_stats`,
-                      :func:`log_normaliser`
-gradient w.r.t. z     ``_grad.chunk_grad``         ``_row_grad_kernel``,   test_fused_linear,
-                                                   ``_tile_grad_kernel``   test_triton_fused_kernels
-====================  ===========================  ======================  =======================
-
-Batch-invariant mode (``batch_invariant=True`` of the ops): every sum over vocabulary columns is
-taken in blocks of :data:`BLOCK` columns, each block with its own maximum, and the blocks (then
-the shards) are combined with :func:`tree_sum_`, a fixed halving tree of elementwise adds. An
-elementwise add or exp rounds the same whatever the tensor's shape, and a max is exact in any
-order, so a row's statistics no longer depend on how many rows are reduced together or where
-(torch's own ``sum`` may split one row over threads or thread blocks when there are few rows).
-With blocks aligned to global column ids, :func:`block_stats` statistics merged over all blocks of
-all shards (``merge_stats(..., batch_invariant=True)`` on the gathered blocks) also give the same
-bits for every tensor-parallel size.
+Batch-invariant mode: every sum over columns is taken in blocks of :data:`BLOCK` columns, each
+with its own maximum, and blocks (then shards) are combined by :func:`tree_sum_`, a fixed tree of
+elementwise adds. An elementwise add or exp rounds alike whatever the tensor's shape and a max is
+exact in any order, so a row's statistics do not depend on the other rows (torch's ``sum`` may
+split a row over threads when there are few rows). With blocks aligned to global column ids,
+merging the :func:`block_stats` of all blocks of all shards gives the same bits for every tp.
 """
 
 from __future__ import annotations
@@ -60,9 +51,8 @@ from ._grad import split_lse
 from ._layout import BLOCK, ShardLayout, put_first_max_ids
 
 # Logits are clamped to Z_FLOOR as they are upcast, so every shifted logit stays finite:
-# exp(Z_FLOOR - m) is exactly 0 for any real row maximum m, and products such as
-# p * log p give 0 rather than 0 * (-inf) = NaN. A shard whose maximum is Z_FLOOR has no live
-# column for that row and reports m_r = -inf, s_r = u_r = 0.
+# exp(Z_FLOOR - m) is exactly 0 for any real maximum m, and p * log p gives 0, not 0 * -inf = NaN.
+# A shard whose maximum is Z_FLOOR has no live column for that row: m_r = -inf, s_r = u_r = 0.
 Z_FLOOR = -1.0e30
 
 # Row order of the packed per-shard statistics tensor [NUM_STATS, T].
@@ -74,12 +64,9 @@ STAT_ARGMAX = NUM_STATS
 
 
 def load_chunk(logits: torch.Tensor, out: torch.Tensor, layout: ShardLayout, temperature: float):
-    """Upcast a ``[n, W]`` logits chunk into the fp32 buffer ``out[:n]`` as ``z = logits / tau``.
-
-    Values below ``Z_FLOOR`` (-inf included) become ``Z_FLOOR``; padding columns (global id >= V)
-    are set to ``Z_FLOOR`` in the buffer, never in ``logits``. ``out`` may be wider than W (see
-    :func:`padded_width`): its extra columns are padding too, and ``z`` is ``out[:n]`` whole.
-    """
+    """``z = max(logits / tau, Z_FLOOR)`` of a ``[n, W]`` chunk, in (and returned as) the fp32
+    ``out[:n]``; padding columns (global id >= V, and ``out``'s columns beyond W, see
+    :func:`padded_width`) at ``Z_FLOOR``. ``logits`` is never written."""
     z = out[: logits.shape[0]]
     z[:, : logits.shape[1]].copy_(logits)
     if temperature != 1.0:
@@ -115,9 +102,8 @@ def rebase_zsum_(parts: torch.Tensor, counts: torch.Tensor, vocab_size: int) -> 
 
 
 def _real_zsum(z: torch.Tensor, scratch: torch.Tensor, real: int, vocab_size: int) -> torch.Tensor:
-    """``c sum_j z_j`` over the first ``real`` columns of ``z`` (already shifted by the row or
-    block maximum), scaled into ``scratch``; ``z`` ``[n, W]``, or ``[n, nb, BLOCK]`` for one
-    value per block (by :func:`tree_sum_`, padding columns counted as 0)."""
+    """``c sum_j z_j`` over the first ``real`` columns of the shifted ``z`` ``[n, W]`` (or per
+    block of ``[n, nb, BLOCK]``, by :func:`tree_sum_`, padding as 0), scaled in ``scratch``."""
     n, c = z.shape[0], zsum_scale(vocab_size)
     if z.dim() == 2:
         return torch.mul(z[:, :real], c, out=scratch[:n, :real]).sum(dim=-1)
@@ -127,9 +113,8 @@ def _real_zsum(z: torch.Tensor, scratch: torch.Tensor, real: int, vocab_size: in
 
 
 def _floor_flag(z: torch.Tensor, scratch: torch.Tensor, real: int) -> torch.Tensor:
-    """Whether a real column (of the first ``real``) of ``z`` ([n, W] or [n, nb, BLOCK]) is at
-    the floor, per row (or block); taken before the shift, which could round a column just
-    above the floor onto the shifted floor."""
+    """Per row (or block): whether one of the first ``real`` columns is at the floor. Taken
+    before the shift, which could round a column just above the floor onto the shifted floor."""
     if z.dim() == 2:
         return z[:, :real].amin(dim=-1) <= Z_FLOOR
     flat = scratch[: z.shape[0], : z.shape[1] * z.shape[2]].copy_(z.reshape(z.shape[0], -1))
@@ -138,10 +123,8 @@ def _floor_flag(z: torch.Tensor, scratch: torch.Tensor, real: int) -> torch.Tens
 
 
 def _shift_to_max(z, scratch, out, layout: ShardLayout, zsum: bool) -> torch.Tensor:
-    """Rebase ``z`` (``[n, W]``, or ``[n, nb, BLOCK]`` blocks) on its maxima over the last dim,
-    in place: ``out[STAT_MAX]`` gets them (-inf where no column is live), with ``zsum`` also
-    ``out[STAT_ZSUM]`` the real columns' sum of ``z - max`` (-inf where one is at the floor).
-    Returns the live mask (a NaN maximum stays live, so the row comes out NaN)."""
+    """Shift ``z`` by its maxima over the last dim in place, into ``out[STAT_MAX]`` (-inf where
+    none is live), with ``zsum`` ``out[STAT_ZSUM]`` too; returns the live mask (NaN is live)."""
     if zsum:
         at_floor = _floor_flag(z, scratch, layout.real_width)
     m = z.amax(dim=-1)
@@ -167,14 +150,13 @@ def chunk_stats(
     batch_invariant: bool = False,
     argmax: bool = False,
 ):
-    """Write one chunk's shard statistics into ``out`` ([NUM_STATS, n] fp32; with ``argmax``
-    [NUM_STATS + 1, n], row :data:`STAT_ARGMAX` the id of the row's first maximum).
+    """One chunk's shard statistics into ``out`` ([NUM_STATS, n] fp32; ``argmax``: one more
+    row, :data:`STAT_ARGMAX`, the id of each row's first maximum).
 
-    ``z``: [n, W] fp32 chunk from :func:`load_chunk` (overwritten); ``scratch``: an fp32 buffer with
-    at least n rows of width W. ``index``/``owned``: from :func:`local_target_index`, or None when
-    no target is scored. ``batch_invariant``: take the statistics with :func:`block_stats` and
-    combine the blocks in a fixed order (``z`` then needs :func:`padded_width` columns).
-    """
+    ``z``: [n, W] fp32 from :func:`load_chunk` (overwritten); ``scratch``: fp32, >= n rows of
+    width W; ``index``/``owned``: from ``local_target_index``, None without targets.
+    ``batch_invariant``: by :func:`block_stats`, the blocks combined in a fixed order (``z`` then
+    needs :func:`padded_width` columns)."""
     if argmax:
         put_first_max_ids(z, out[STAT_ARGMAX], layout.vocab_start)
     if batch_invariant:
@@ -200,11 +182,9 @@ def chunk_stats(
 def tree_sum_(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum ``x`` over ``dim`` in a fixed order, overwriting ``x``; returns the sums (a view of x).
 
-    A halving tree over the size padded with zeros to a power of two P: entry i gets entry
-    i + P/2 added, then P halves. Every step is an elementwise add, so each sum is rounded the
-    same way whatever the other dimensions hold, their sizes, the thread count or the device;
-    and trailing zero entries (padding blocks) leave the result bitwise unchanged, whatever P.
-    """
+    A halving tree over the size padded with zeros to a power of two P (entry i += entry i + P/2,
+    then P halves): elementwise adds only, so each sum rounds alike whatever the other dims, the
+    thread count or the device, and trailing zero entries leave the result bitwise unchanged."""
     size = x.shape[dim]
     if size == 0:
         return x.sum(dim)
@@ -220,16 +200,11 @@ def tree_sum_(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def block_stats(z, scratch, index, owned, out, *, layout: ShardLayout, entropy: bool,
                 zsum: bool, argmax: bool = False) -> None:
-    """Per-block shard statistics of one chunk into ``out`` ([NUM_STATS, n, nb] fp32, zeroed by
-    the caller; [NUM_STATS + 1, ...] with ``argmax``, as :func:`chunk_stats`), block b holding
-    local columns ``[b*BLOCK, (b+1)*BLOCK)``.
-
-    Per block: its maximum, the sum of ``exp(z - m_b)``, of ``exp(z - m_b) (z - m_b)`` and of the
-    real columns' ``c (z - m_b)`` (each by :func:`tree_sum_`, so each value is batch-invariant,
-    -inf if a real column is at the floor); the target
-    logit sits in its own block, 0 elsewhere. ``z``: ``[n, nb*BLOCK]`` from :func:`load_chunk`
-    (overwritten); ``scratch``: fp32 with at least n rows of that width.
-    """
+    """:func:`chunk_stats` per block b of local columns ``[b*BLOCK, (b+1)*BLOCK)``, relative to
+    the block's maximum and summed by :func:`tree_sum_` (batch-invariant), into ``out``
+    ([NUM_STATS (+ argmax), n, nb] fp32, zeroed by the caller); the target logit in its block, 0
+    elsewhere. ``z``: ``[n, nb*BLOCK]`` from :func:`load_chunk` (overwritten); ``scratch``: fp32,
+    >= n rows of that width."""
     n, width = z.shape
     zb = z.view(n, width // BLOCK, BLOCK)
     if argmax:
@@ -287,18 +262,17 @@ def _combine(parts: torch.Tensor, *, entropy: bool, target: bool, zsum: bool,
 
 
 def log_normaliser(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, log S)`` per token from ``[P, NUM_STATS, T]`` per-shard statistics (only the max and
-    sum-of-exp rows are read), combined in rank order as :func:`merge_stats` does:
-    ``log Z = m + log S``. ``m`` is 0 for a row with no live column (then ``log S = -inf``)."""
+    """``(m, log S)`` (``log Z = m + log S``) per token of ``[P, NUM_STATS, T]`` statistics,
+    combined as :func:`merge_stats` does; ``m`` is 0 for a row with no live column (then
+    ``log S = -inf``)."""
     c = _combine(parts, entropy=False, target=False, zsum=False, ordered=False)
     return c.max_safe, torch.log(c.sumexp)
 
 
 def reduce_blocks(blocks: torch.Tensor, out: torch.Tensor, *, entropy: bool, target: bool,
                   zsum: bool, layout: ShardLayout, part_width: int = BLOCK) -> None:
-    """Shard statistics ``out`` [NUM_STATS, n] (the format of :func:`chunk_stats`) from the
-    :func:`block_stats` ``blocks`` [NUM_STATS, n, nb] (or any parts of ``part_width``
-    consecutive columns each, in the same format), combined in a fixed order."""
+    """:func:`chunk_stats`'s ``out`` [NUM_STATS, n] from :func:`block_stats` ``blocks``
+    [NUM_STATS, n, nb] (or parts of ``part_width`` columns alike), combined in a fixed order."""
     parts = blocks.permute(2, 0, 1)
     if zsum:
         rebase_zsum_(parts, real_columns(parts.shape[0], part_width, layout.real_width,
@@ -334,23 +308,17 @@ def merge_stats(
     tokens_per_pass: int | None = None,
     in_range: torch.Tensor | None = None,
 ) -> MergedStats:
-    """Merge ``[tp, NUM_STATS, T]`` shard statistics into per-token logsumexp, logprob, entropy.
+    """Merge ``[P, NUM_STATS, T]`` shard statistics into per-token logsumexp, logprob, entropy.
 
-    The reduction over shards runs in rank order on every rank, so all ranks get bitwise equal
-    results. ``logprobs`` is ``sum_j q_j log p_j`` with ``q = (1-eps) onehot(y) + eps/V`` (plain
-    ``log p_y`` without smoothing). Positions with ``valid`` False get logprob and entropy 0. A row
-    with no live column anywhere gets logsumexp -inf and NaN logprob and entropy.
-    With label smoothing the parts' smoothing rows must be relative to the merged maximum
-    (:func:`rebase_zsum_`, as ``engine.chunks.gathered_stats`` leaves them).
-    ``in_range``: :func:`target_in_range` of the targets; valid rows where it is False get a NaN
-    logprob (an id outside the vocabulary, not rejected when ``validate`` is off).
-    ``batch_invariant``: sum over the first dimension with :func:`tree_sum_` (which makes the
-    merge of the :func:`block_stats` of all blocks of all shards, ``[tp * nb, NUM_STATS, T]`` in
-    global column order, independent of tp).
-    ``tokens_per_pass``: merge at most that many tokens at a time (same bits, each token is merged
-    on its own), so the ``[P, T]`` temporaries stay ``[P, tokens_per_pass]``; for the many parts
-    of the per-block statistics.
-    """
+    ``logprobs = sum_j q_j log p_j`` with ``q = (1-eps) onehot(y) + eps/V`` (``log p_y`` without
+    smoothing); NaN at valid rows whose ``in_range`` (``target_in_range``) is False (ids let
+    through with ``validate`` off). Rows with ``valid`` False get logprob and entropy 0; a row with
+    no live column gets logsumexp -inf and NaN logprob and entropy. The parts are summed in rank
+    order (``batch_invariant``: by :func:`tree_sum_`, so the merge of all blocks'
+    :func:`block_stats` in global column order is independent of tp): every rank gets the same
+    bits. With smoothing the ``a_r`` must be rebased on the merged maximum (:func:`rebase_zsum_`,
+    as ``engine.chunks.gathered_stats`` leaves them). ``tokens_per_pass``: merge that many tokens
+    at a time (same bits; ``[P, tokens_per_pass]`` temporaries instead of ``[P, T]``)."""
     num_tokens = gathered.shape[-1]
     if tokens_per_pass is not None and num_tokens > tokens_per_pass:
         options = {"vocab_size": vocab_size, "label_smoothing": label_smoothing,

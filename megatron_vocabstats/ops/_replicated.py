@@ -1,12 +1,9 @@
 """The verdict on identical shards: every rank of ``tp_group`` holds the same logits.
 
-:func:`checked_config` (``ops/_checks.py``) finds them (the ranks' first rows, or the fused
-head's first weight rows, agree and are not constant) and calls :func:`identical_shards`. Equal
-shards are legitimate input (tests seed every rank alike; a zero-initialised output layer gives
-them at step 0), so they are refused only where the logits are known to hold the whole vocabulary:
-a shard width of at least the vocabulary size (``vocab_size`` given, else Megatron-LM's
-``args.padded_vocab_size``). Otherwise the call goes on as ``tp`` shards, with one warning per
-process.
+``checked_config`` (``ops/_checks.py``) detects them (the ranks' first rows, or the fused head's
+first weight rows, agree and are not constant). Equal shards are legitimate input (tests seed
+every rank alike; a zero-initialised output layer gives them at step 0), so they are refused only
+where the logits are known to hold the whole vocabulary (:func:`identical_shards`).
 """
 
 from __future__ import annotations
@@ -25,10 +22,9 @@ _warned = False
 
 def identical_shards(width: int, tp: int, vocab_size: int | None) -> None:
     """Every rank of a ``tp``-rank group holds the same ``[..., width]`` logits: ``ValueError``
-    naming ``tp_group`` where they hold the whole vocabulary (``width >= vocab_size``, the
-    ``vocab_size`` given or, without it, Megatron-LM's padded vocabulary size: a shard of a
-    vocabulary split over ``tp > 1`` ranks is narrower, unless padding fills every other rank's
-    shard), else an :class:`IdenticalShardsWarning`, the first time in the process only."""
+    naming ``tp_group`` if ``width >= vocab_size`` (given, else Megatron-LM's padded size: a true
+    shard is narrower unless padding fills the other shards), else the call goes on as ``tp``
+    shards with an :class:`IdenticalShardsWarning`, once per process."""
     known, name = vocab_size, "vocab_size"
     if known is None:
         known, name = megatron_padded_vocab_size(), "Megatron's args.padded_vocab_size"

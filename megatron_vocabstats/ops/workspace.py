@@ -1,13 +1,10 @@
 """Chunk buffers reused across calls, with lifetimes that stay safe under streams and CUDA graphs.
 
-The ops upcast each ``[chunk, W]`` slice of logits into fp32 scratch buffers; one small bounded
-cache, :data:`WORKSPACE`, keeps them between calls. A buffer taken is private until given back;
-on CUDA the next user's stream waits for every stream that read it (an event, no host sync);
-while a CUDA graph is being captured or a tracer runs the call (:func:`tracing`) the cache is
-neither read nor written; :func:`reset_workspace` drops every cached buffer (call it after
-destroying CUDA graphs, or wrap the reset function with :func:`with_workspace_reset`). A buffer's
-content is undefined (like ``torch.empty``). The rules in full: ``docs/cuda-graphs.md``, "The
-chunk workspace".
+:data:`WORKSPACE`, one small bounded cache, keeps the ops' fp32 chunk buffers between calls. A
+buffer taken is private until given back, its content undefined (like ``torch.empty``); on CUDA
+its next user's stream waits for every stream that used it (an event, no host sync); under CUDA
+graph capture or a tracer (:func:`tracing`) the cache is bypassed. The rules in full:
+``docs/cuda-graphs.md``, "The chunk workspace".
 """
 
 from __future__ import annotations
@@ -35,11 +32,8 @@ DEFAULT_MAX_BYTES = 2 * 2**30
 
 
 def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False where CUDA is not in use).
-
-    ``torch.cuda.is_initialized()`` first: on a machine without a usable GPU the capture query
-    itself would raise, and nothing can be capturing before CUDA is initialised.
-    """
+    """Whether the current CUDA stream is capturing a graph (False before CUDA is initialised:
+    without a usable GPU the capture query itself would raise)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
@@ -63,13 +57,11 @@ _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 
 def untracked(tensor: torch.Tensor) -> torch.Tensor:
-    """An autograd Function's input as its forward should use it: while a tracer runs
-    (:func:`tracing`), a floating tensor viewed as the integer dtype of its width and back (the
-    same memory and bits, no copy), else ``tensor`` itself. ``make_fx`` records the forward's
-    aten ops without the grad mode they ran under (``detach`` as a plain ``alias``), so a replay
-    of the traced graph on inputs that require grad would track the forward's in-place and
-    ``out=`` work on its buffers, and fail; through an integer view it tracks nothing, like the
-    eager forward (no grad)."""
+    """An autograd Function's input as its forward should use it: under a tracer
+    (:func:`tracing`) a floating tensor viewed as the same-width integer dtype and back (same
+    memory, no copy), else ``tensor``. ``make_fx`` records the forward's ops without their grad
+    mode, so a replay on inputs that require grad would track the forward's in-place and ``out=``
+    work and fail; through an integer view nothing is tracked, as in eager."""
     if not tracing() or not tensor.is_floating_point():
         return tensor
     return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).view(tensor.dtype)
@@ -83,10 +75,8 @@ def _size_class(numel: int) -> int:
 
 @dataclass(eq=False)
 class Lease:
-    """A buffer taken from a :class:`Workspace`: ``tensor`` is the view to use.
-
-    Give it back with :meth:`Workspace.give` (or let it go: an un-returned lease is simply freed).
-    """
+    """A buffer taken from a :class:`Workspace`, ``tensor`` the view to use; give it back with
+    :meth:`Workspace.give` (or let it go: an un-returned lease is simply freed)."""
 
     tensor: torch.Tensor
     _base: torch.Tensor
@@ -109,15 +99,9 @@ class _Free:
 
 
 class Workspace:
-    """A bounded cache of flat buffers keyed by ``(device, dtype, size class)``.
-
-    Args:
-        max_buffers: most free buffers kept (>= 0).
-        max_bytes: most bytes of free buffers kept (>= 0).
-
-    Raises:
-        ValueError: a bound that is not a non-negative int.
-    """
+    """A bounded cache of flat buffers keyed by ``(device, dtype, size class)``, keeping at most
+    ``max_buffers`` free buffers and ``max_bytes`` bytes of them (``ValueError`` for a bound that
+    is not a non-negative int)."""
 
     def __init__(self, *, max_buffers: int = DEFAULT_MAX_BUFFERS,
                  max_bytes: int = DEFAULT_MAX_BYTES):
@@ -138,12 +122,9 @@ class Workspace:
             self._trim()
 
     def take(self, shape, dtype: torch.dtype, device) -> Lease:
-        """A buffer viewed as ``shape`` (content undefined), cached if one fits, else new.
-
-        No host sync: on CUDA, waiting for the buffer's previous streams is queued on the current
-        stream. While a CUDA graph is being captured, or a tracer runs (:func:`tracing`), the
-        buffer is always new and never cached.
-        """
+        """A buffer viewed as ``shape`` (content undefined), cached if one fits, else new (always
+        new and never cached under capture or :func:`tracing`). No host sync: on CUDA the wait for
+        its previous streams is queued on the current stream."""
         device = torch.device(device)
         numel = 1
         for n in shape:
@@ -203,10 +184,8 @@ class Workspace:
             return len(self._free), sum(_nbytes(e.base) for e in self._free)
 
     def free_buffers(self) -> list[torch.Tensor]:
-        """The free cached buffers (flat tensors), e.g. for a memory tracker to register them.
-
-        They stay owned by the cache: read their sizes, never write to them.
-        """
+        """The free cached buffers (flat tensors, e.g. for a memory tracker), still owned by the
+        cache: read their sizes, never write to them."""
         with self._lock:
             return [e.base for e in self._free]
 
@@ -233,17 +212,15 @@ WORKSPACE = Workspace()
 
 
 def reset_workspace() -> None:
-    """Drop every free buffer cached by the ops (:data:`WORKSPACE`); their memory goes back to
-    the allocator. Buffers a running op holds are unaffected: they go back to the emptied cache
-    when given back. Raises nothing."""
+    """Drop every free buffer of :data:`WORKSPACE` (back to the allocator); buffers a running op
+    holds go back to the emptied cache when given back. Raises nothing."""
     WORKSPACE.reset()
 
 
 def configure_workspace(*, max_buffers: int | None = None, max_bytes: int | None = None) -> None:
-    """Set the bounds of the ops' cache (:data:`WORKSPACE`): ``max_buffers`` free buffers and
-    ``max_bytes`` bytes at most (None keeps a bound; defaults 8 and 2 GiB). ``max_buffers=0``
-    turns the cache off; results never depend on it. Free buffers beyond the new bounds are
-    dropped at once.
+    """Set the bounds of :data:`WORKSPACE`: at most ``max_buffers`` free buffers and ``max_bytes``
+    bytes (None keeps a bound; defaults 8 and 2 GiB; ``max_buffers=0`` turns the cache off).
+    Results never depend on it; free buffers beyond the new bounds are dropped at once.
 
     Raises:
         ValueError: a bound that is not a non-negative int.
@@ -258,8 +235,7 @@ def with_workspace_reset(reset: Callable) -> Callable:
         FullCudaGraphWrapper.reset_cuda_graph = with_workspace_reset(
             FullCudaGraphWrapper.reset_cuda_graph)
 
-    Returns the wrapper (same signature and result as ``reset``); raises what ``reset`` raises,
-    and then leaves the cache as it was.
+    Same signature and result as ``reset``; if ``reset`` raises, the cache is left as it was.
     """
 
     @functools.wraps(reset)

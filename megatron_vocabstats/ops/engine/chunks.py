@@ -1,11 +1,9 @@
 """The engine of the unfused ops: the chunk iterator over logits and the gathered statistics.
 
-The tokens of a ``[T, W]`` logits shard come in chunks of ``chunk_size`` rows, each upcast into
-one of two reused fp32 ``[chunk, W]`` workspace buffers (or handed over as they are,
-``upcast=False``, to a backend that reads the logits itself); every chunk's statistics, from
-``cfg.kernel``'s backend (:mod:`.backends`), are gathered over the shards in one all-gather for
-``_math.merge_stats``; the backward loop of an op on logits runs around its
-:class:`~.kernel.ChunkGrad`.
+A ``[T, W]`` logits shard is read in chunks of ``chunk_size`` rows, each upcast into reused fp32
+workspace buffers; the chunks' statistics are gathered over the shards in one all-gather for
+``_math.merge_stats``, and the backward of an op on logits runs its :class:`~.kernel.ChunkGrad`
+over the same chunks.
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ from .kernel import Chunk, ChunkGrad
 
 
 def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
-    """``(logprobs, entropy, logsumexp)`` of an autograd Function's forward, viewed as ``shape``.
-
-    Marks logsumexp (and the entropy in "metric" mode) non-differentiable and lets backward see
-    None for outputs that get no gradient.
-    """
+    """``(logprobs, entropy, logsumexp)`` of an autograd Function's forward, viewed as ``shape``:
+    logsumexp (and a "metric" entropy) non-differentiable, gradients not materialised."""
     logprobs, entropy, lse = (None if t is None else t.view(shape)
                               for t in (merged.logprobs, merged.entropy, merged.logsumexp))
     # One call: a second mark_non_differentiable would replace the first.
@@ -45,18 +40,11 @@ def function_outputs(ctx, merged: MergedStats, shape, entropy_mode: str):
 
 def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool = False,
                   upcast: bool = True):
-    """Yield a :class:`~.kernel.Chunk` ``(rows, z, scratch, index, owned, logits)`` per chunk,
-    reusing two fp32 ``[chunk, W]`` buffers.
-
-    ``z`` is the chunk upcast to fp32 (temperature applied, values below ``Z_FLOOR`` and padding
-    columns at ``Z_FLOOR``); ``index``/``owned``
-    locate each row's target in this shard (None without targets); ``logits`` is
-    ``logits2d[rows]``. The buffers come from the workspace cache (:mod:`..workspace`) and go back
-    to it when the generator finishes or is closed. ``padded``: buffers of
-    :func:`~.._math.padded_width` columns (whole blocks, for :func:`~.._math.block_stats` in
-    batch-invariant mode). ``upcast=False`` (the Triton kernels, which read the logits
-    themselves): one chunk of all rows with ``z`` and ``scratch`` None, no buffer taken.
-    """
+    """Yield a :class:`~.kernel.Chunk` per ``cfg.chunk_size`` rows, ``z`` and ``scratch`` two
+    fp32 ``[chunk, W]`` workspace buffers (``z`` from ``_math.load_chunk``) reused by every chunk
+    and given back when the generator finishes or is closed; ``logits`` is ``logits2d[rows]``.
+    ``padded``: buffers of ``_layout.padded_width`` columns (block statistics). ``upcast=False``
+    (a backend that reads the logits itself): one chunk of all rows, no buffer taken."""
     num_tokens = logits2d.shape[0]
     if not upcast:
         rows = slice(0, num_tokens)
@@ -83,18 +71,14 @@ def logits_chunks(logits2d, target1d, valid, cfg: StatsConfig, *, padded: bool =
 
 def gathered_stats(chunks, num_tokens: int, cfg: StatsConfig, tp_group, *, has_target: bool,
                    device, argmax: bool = False) -> torch.Tensor:
-    """Statistics of every chunk of ``chunks`` (:class:`~.kernel.Chunk` objects with z from
-    :func:`logits_chunks` ``padded=True`` or alike), gathered over ``tp_group``, ready for
-    :func:`~.._math.merge_stats` (with ``batch_invariant=bool(cfg.batch_invariant)``).
+    """Statistics of every chunk of ``chunks`` (z from :func:`logits_chunks` ``padded=True`` or
+    alike) gathered over ``tp_group`` in one all-gather (none for tp = 1), for
+    ``_math.merge_stats(batch_invariant=bool(cfg.batch_invariant))``.
 
-    Returns ``[tp, NUM_STATS, T]`` shard statistics, or for ``batch_invariant="tp"``
-    ``[tp * nb, NUM_STATS, T]`` per-block statistics in global column order (nb blocks of
-    ``BLOCK`` columns per shard; a view of the gathered tensor, no copy: merge it with
-    :func:`merge_tokens_per_pass`). ``argmax``: one more row, ``_math.STAT_ARGMAX`` (each part's
-    first maximum, for ``_math.merge_first_max``). One all-gather (none for tp = 1). With label
-    smoothing the parts' smoothing rows are made relative to the merged maximum
-    (``_math.rebase_zsum_``), in passes of :func:`merge_tokens_per_pass` tokens.
-    """
+    Returns ``[tp, NUM_STATS, T]``, or for ``batch_invariant="tp"`` ``[tp * nb, NUM_STATS, T]``
+    per-block statistics in global column order (a view, no copy; merge it in passes of
+    :func:`merge_tokens_per_pass`). ``argmax``: one more row, ``_math.STAT_ARGMAX``. With label
+    smoothing the ``a_r`` rows come rebased on the merged maximum (``_math.rebase_zsum_``)."""
     zsum = has_target and cfg.label_smoothing > 0.0
     opts = dict(layout=cfg.layout, entropy=cfg.entropy != "off", zsum=zsum,
                 temperature=cfg.temperature, argmax=argmax)
@@ -143,20 +127,16 @@ def row_argmax(parts: torch.Tensor, cfg: StatsConfig, shape) -> torch.Tensor | N
 
 
 def merge_tokens_per_pass(cfg: StatsConfig, num_parts: int) -> int | None:
-    """``tokens_per_pass`` of :func:`~.._math.merge_stats` for ``num_parts`` gathered parts per
-    token (:func:`gathered_stats`): None (one pass) except for ``batch_invariant="tp"``, whose
-    ``tp * nb`` parts would make the merge's temporaries several times the gathered statistics;
-    there, as many tokens as keep its ~8 fp32 ``[parts, tokens]`` temporaries near one fp32
-    ``[chunk, W]`` buffer."""
+    """``merge_stats``'s ``tokens_per_pass`` for ``num_parts`` parts per token: None except for
+    ``batch_invariant="tp"``, whose ``tp * nb`` parts would make the merge's temporaries large;
+    there, as many tokens as keep its ~8 fp32 ``[parts, tokens]`` near one ``[chunk, W]``."""
     if cfg.batch_invariant != "tp":
         return None
     return max(1, cfg.chunk_size * padded_width(cfg.layout.width, True) // (8 * num_parts))
 
 
 def targets_in_range(target1d, cfg: StatsConfig):
-    """``[T]`` bool: the flattened target ids in ``[0, vocab_size)`` (``_math.target_in_range``),
-    None without targets. Out-of-range ids (with ``validate=False``) get a NaN logprob and no
-    logprob gradient (``merge_stats(in_range=...)``, ``grad_coefficients(in_range=...)``)."""
+    """``_layout.target_in_range`` of the flattened targets, None without targets."""
     return None if target1d is None else target_in_range(target1d, cfg.layout.vocab_size)
 
 
@@ -170,11 +150,9 @@ def flatten_target(target, ignore_index: int):
 
 
 def logits_grad(logits2d, target1d, valid, cfg: StatsConfig, grad: ChunkGrad) -> torch.Tensor:
-    """The backward of an op on logits: ``grad`` of every chunk of ``logits2d`` ``[T, W]``
-    (recomputed by :func:`logits_chunks`) written into one preallocated ``[T, W]``
-    tensor of the logits' dtype, which is returned. No collective. A
-    :class:`~.kernel.StatsGrad` runs on ``cfg.kernel``'s backend (the Triton kernel reads the
-    logits as they are); other :class:`~.kernel.ChunkGrad` objects always on the torch chunks."""
+    """The backward of an op on logits: ``grad`` of every chunk of ``logits2d`` ``[T, W]`` into
+    a new ``[T, W]`` tensor of its dtype, returned; no collective. On ``cfg.kernel``'s backend
+    for a :class:`~.kernel.StatsGrad`, else on the torch chunks."""
     grad_logits = torch.empty_like(logits2d)
     kernels = grad_backend(cfg, grad)
     grad = kernels.stats_grad(grad, cfg.temperature)

@@ -2,9 +2,8 @@
 forward.
 
 Backward recomputes each chunk's logits, turns them into their gradient by the op's
-:class:`~.kernel.ChunkGrad` (the seam) and then into ``dX = g @ W`` and ``dW += g.T @ h`` right
-away; the op hands its gradient over as an object, the engine never calls back into the op. The
-forward-gradient mode of ``linear_vocab_parallel_stats(grad_weights=...)`` takes statistics and
+:class:`~.kernel.ChunkGrad` and at once into ``dX = g @ W`` and ``dW += g.T @ h``. The
+forward-gradient mode (``linear_vocab_parallel_stats(grad_weights=...)``) takes statistics and
 gradients in one pass and only scales them in backward.
 """
 
@@ -36,14 +35,10 @@ from .wgrad import (
 
 def forward_with_grads(hidden2d, weight, target1d, valid, grad_weights, bufs,
                        cfg: LinearStatsConfig, tp_group, merge):
-    """The forward-gradient pass: statistics, and for the upstream gradient ``grad_weights`` of
-    the logprobs the per-shard ``dX`` ([T, H], model dtype) and the fp32 ``dW`` sums: 3 matmuls
-    per chunk, no recompute.
-
-    Each chunk's statistics are merged across the shards at once (one all-gather of the chunk's
-    statistics per chunk), because its gradient needs the global logsumexp.
-    Returns ``(MergedStats, dX or None, dW sums or None)``.
-    """
+    """The forward-gradient pass: ``(MergedStats, dX or None, dW sums or None)``, the gradients
+    those of upstream ``grad_weights`` on the logprobs (``dX`` [T, H] per shard, model dtype;
+    fp32 ``dW`` sums): 3 matmuls per chunk, no recompute, and one all-gather per chunk (its
+    gradient needs the global logsumexp)."""
     sc = cfg.stats
     kernels = backend_of(sc)
     in_range = targets_in_range(target1d, sc)  # NaN logprob, no gradient
@@ -115,12 +110,10 @@ SCALE_RTOL = 1e-4
 
 
 def upstream_scale(grad_logprobs, grad_weights, valid, cfg: LinearStatsConfig, tp_group):
-    """The scalar c with ``grad_logprobs = c * grad_weights`` on the scored positions (0-d fp32).
-
-    Least squares ``c = <g, w> / <w, w>`` (0 when every weight is 0), no host sync. With
-    ``validate`` (outside CUDA graph capture) the residual is checked and a mismatch raises
-    ``ValueError`` on every rank (one tiny all-gather under tp > 1).
-    """
+    """The 0-d fp32 c with ``grad_logprobs = c * grad_weights`` on the scored positions: least
+    squares ``<g, w> / <w, w>`` (0 when every weight is 0), no host sync. With ``validate``
+    (outside capture) a residual above ``SCALE_RTOL * max|g|`` raises ``ValueError`` on every
+    rank (one tiny all-gather under tp > 1)."""
     g = torch.where(valid, grad_logprobs.reshape(-1).float(), 0.0)
     w = torch.where(valid, grad_weights.reshape(-1).float(), 0.0)
     norm = (w * w).sum()
@@ -144,19 +137,14 @@ def upstream_scale(grad_logprobs, grad_weights, valid, cfg: LinearStatsConfig, t
 
 def recompute_backward(hidden, weight, target1d, valid, cfg: LinearStatsConfig, tp_group,
                        main_grad, grad: ChunkGrad) -> tuple:
-    """``(grad_hidden, grad_weight)`` of a fused op by recomputing each chunk's logits.
+    """``(grad_hidden, grad_weight)`` of a fused op by recomputing each chunk's logits (None for
+    a gradient ``cfg`` does not ask for).
 
-    ``grad`` (the op's :class:`~.kernel.ChunkGrad`) is called as ``grad(chunk, out)`` with
-    ``out`` the chunk buffer (model dtype ``[n, W]``): it turns the chunk's logits (in
-    ``chunk.logits``, which is ``out``; ``chunk.z`` their fp32 upcast, ``chunk.scratch`` an fp32
-    ``[chunk, W]`` buffer) into their gradient in place, or, for a :class:`~.kernel.StatsGrad` on
-    a backend that computes the logits itself (Triton), writes the gradient of a chunk without
-    logits (:func:`.linear.tile_chunks`) into ``out``; each chunk's gradient then becomes
-    ``dX = g @ W`` and ``dW += g.T @ h`` right away (cuBLAS).
-    ``hidden`` is this rank's (sequence-parallel) shard; ``target1d``/``valid`` the flattened
-    targets (None without); ``main_grad`` the weight's ``main_grad`` under gradient-accumulation
-    fusion, else None. ``None`` for a gradient ``cfg`` does not ask for.
-    """
+    ``grad(chunk, out)`` turns the chunk's logits in ``out`` (model dtype ``[n, W]``, also
+    ``chunk.logits``) into their gradient in place, or, for a :class:`~.kernel.StatsGrad` on a
+    ``tiles`` backend, writes it from a chunk without logits (:func:`.linear.tile_chunks`).
+    ``hidden``: this rank's (sequence-parallel) shard; ``target1d``/``valid``: the flattened
+    targets (None without); ``main_grad``: the weight's, under gradient-accumulation fusion."""
     sc = cfg.stats
     total = full_hidden(hidden, cfg, tp_group)
     hidden2d = total.reshape(-1, total.shape[-1])

@@ -18,14 +18,11 @@ _WGRAD_MODES: dict[str, str] = {}
 def wgrad_mode(device_type: str) -> str:
     """How this device adds ``g.T @ h`` (bf16/fp16 operands) into an fp32 accumulator.
 
-    ``"addmm"``: one GEMM with fp32 output accumulating in place (CUDA builds whose
-    ``addmm(out_dtype=float32)`` accepts an fp32 ``self``, like Megatron's
+    ``"addmm"``: one fp32-output GEMM accumulating in place (like Megatron's
     ``wgrad_gemm_accum_fp32``); ``"mm"``: an fp32-output GEMM into a ``[W, H]`` temporary, then an
-    add; ``"upcast"``: fp32 copies of the chunk operands and an fp32 GEMM (exact; the CPU path,
-    where torch has no mixed-dtype GEMM). Probed once per device type, on the first call outside
-    CUDA graph capture (the probe reads a value on the host); during a capture before any probe,
-    ``"upcast"`` (always correct) without probing.
-    """
+    add; ``"upcast"``: fp32 copies of the operands and an fp32 GEMM (exact; the CPU's, where torch
+    has no mixed-dtype GEMM). Probed on the first call outside CUDA graph capture (the probe reads
+    a value on the host); during a capture before any probe, ``"upcast"``."""
     if device_type != "cuda":
         return "upcast"
     if device_type not in _WGRAD_MODES:
@@ -74,9 +71,8 @@ def accumulate_wgrad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor,
 
 def input_grads_of_chunk(grad, h, weight, dx_rows, acc, bufs: ChunkBuffers, *,
                          fresh: bool = False) -> None:
-    """From one chunk's logits gradient ``grad`` [n, W]: ``dx_rows = grad @ weight`` (if given) and
-    ``acc += grad.T @ h`` (if given; ``fresh``: ``acc = grad.T @ h``, see
-    :func:`accumulate_wgrad`)."""
+    """``dx_rows = grad @ weight`` and :func:`accumulate_wgrad` into ``acc``, each if given, from
+    one chunk's logits gradient ``grad`` [n, W]."""
     if dx_rows is not None:
         torch.matmul(grad, weight, out=dx_rows)
     if acc is not None:
@@ -95,21 +91,17 @@ def weight_grad_buffer(weight, main_grad, *, fresh: bool = False) -> torch.Tenso
 
 def fresh_weight_grad(main_grad, tiles: bool) -> bool:
     """Whether the first chunk writes the weight-gradient sums instead of adding to them: for a
-    backend that computes the logits itself (the Triton kernels, whose bits are their own) and
-    sums of our own (not an fp32 ``main_grad``). The torch path keeps its zero fill and
-    additions, bit for bit."""
+    ``tiles`` backend (bits of its own) into sums of our own, not an fp32 ``main_grad``; the
+    torch path keeps its zero fill and additions, bit for bit."""
     return tiles and (main_grad is None or main_grad.dtype != torch.float32)
 
 
 def finish_weight_grad(acc, weight, main_grad, cfg: LinearStatsConfig):
-    """The gradient to return for ``weight`` given its fp32 sums ``acc``.
-
-    Without ``accumulate_into_main_grad``: ``acc`` cast to the weight dtype. With it, Megatron's
-    gradient-accumulation-fusion contract (``tensor_parallel.layers``): ``acc`` is added into
-    ``main_grad`` unless it is ``main_grad``; if the weight has ``grad_added_to_main_grad``, that is
-    set to True and a dummy gradient returned (zeros if ``weight.zero_out_wgrad``, else
-    uninitialised), otherwise None.
-    """
+    """The gradient to return for ``weight`` given its fp32 sums ``acc``: ``acc`` in the weight
+    dtype, or with ``accumulate_into_main_grad`` Megatron's gradient-accumulation-fusion contract
+    (``tensor_parallel.layers``): ``acc`` added into ``main_grad`` (unless it is it); with a
+    ``grad_added_to_main_grad`` attribute, that set True and a dummy gradient returned (zeros if
+    ``weight.zero_out_wgrad``, else uninitialised), otherwise None."""
     if not cfg.accumulate_into_main_grad:
         return acc.to(weight.dtype)
     if acc is not main_grad:

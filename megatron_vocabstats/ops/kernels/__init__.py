@@ -1,10 +1,8 @@
 """Kernel backends behind the engine's per-chunk seam (:mod:`..engine.kernel`), and their choice.
 
-The values of the ops' ``kernel`` argument, the environment variable that forces one for
-``kernel="auto"``, the resolution of the choice, and the Triton kernels' block and tile sizes.
-The Triton kernels (:mod:`.triton_kernels`, host side :mod:`.triton_stats`, building blocks
-:mod:`.triton_tiles`) import ``triton``: nothing here does (``importlib.util.find_spec`` only),
-so importing the package never needs triton or a GPU.
+The ops' ``kernel`` values and their resolution, and the Triton kernels' block and tile sizes.
+Nothing here imports ``triton`` (``importlib.util.find_spec`` only), so importing the package
+never needs triton or a GPU; the Triton modules (host side: :mod:`.triton_stats`) do.
 """
 
 from __future__ import annotations
@@ -22,15 +20,11 @@ from ..options import KERNEL_CHOICES, KERNELS
 # narrow shards) and MAX_BLOCK_BYTES of logits: 4 KiB per program and step in flight.
 MAX_BLOCK_N = 2048
 MAX_BLOCK_BYTES = 4096
-# The fused LM-head kernels' tiles (bf16/fp16): BLOCK_M rows x BLOCK_N columns for the
-# statistics (GRAD_BLOCK_N for the gradient), BLOCK_K of the hidden size per tl.dot, SPLIT_N
-# columns (a multiple of BLOCK_N) per statistics program, GROUP_M row tiles per group of the
-# launch order (triton_tiles.tile_order), and the launch's warps and pipeline stages. Fixed,
-# never autotuned (a row's reduction order must not depend on the batch). Chosen with the static
-# H200 model (docs/gpu-model.md): 128 x 256 gradient tiles in two warpgroups load 2 bytes from L2
-# per 85 FLOPs; the statistics tiles are 128 x 128, because 128 x 256 with the online softmax's
-# state spills registers on Triton 3.8 and 3.9 (tests/unit/_triton_compile.py); 2,048-column
-# splits give T = 4096 over 2,000 programs.
+# The fused LM-head kernels' tiles (bf16/fp16): BLOCK_M x BLOCK_N for the statistics
+# (GRAD_BLOCK_N columns for the gradient), BLOCK_K of H per tl.dot, SPLIT_N columns (a multiple
+# of BLOCK_N) per statistics program, GROUP_M row tiles per launch group (triton_tiles.tile_order),
+# warps and stages. Fixed, never autotuned: a row's reduction order must not depend on the batch.
+# Chosen with the static H200 model, spill-free (docs/gpu-model.md, docs/kernels.md).
 LINEAR_BLOCKS = dict(BLOCK_M=128, BLOCK_N=128, GRAD_BLOCK_N=256, BLOCK_K=64, SPLIT_N=2048,
                      GROUP_M=16, num_warps=8, num_stages=3)
 # fp32 models: IEEE fp32 products on the CUDA cores (no tensor cores), tiles that fit in
@@ -46,20 +40,17 @@ def linear_blocks(dtype: torch.dtype, blocks: dict | None = None) -> dict:
 
 
 def block_columns(width: int, itemsize: int = 2, max_block: int = MAX_BLOCK_N) -> int:
-    """``BLOCK_N`` of the unfused Triton kernels for a shard of ``width`` columns of
-    ``itemsize`` bytes: the next power of two >= width, at least 16, at most ``max_block`` (a
-    power of two) and :data:`MAX_BLOCK_BYTES` of logits. Here, not in :mod:`.triton_stats`, so
-    that the tests' error bounds can read it without triton."""
+    """``BLOCK_N`` of the unfused Triton kernels for ``width`` columns of ``itemsize`` bytes: the
+    next power of two >= width, at least 16, at most ``max_block`` and :data:`MAX_BLOCK_BYTES`
+    (here so that the tests' error bounds can read it without triton)."""
     cap = min(max_block, MAX_BLOCK_BYTES // itemsize)
     return max(16, min(cap, 1 << (max(width, 1) - 1).bit_length()))
 
 
 # Forces the backend of kernel="auto" (for tests and A/B runs): "torch" or "triton".
 KERNEL_ENV = "VOCABSTATS_KERNEL"
-# Whether "auto" takes Triton for CUDA logits. Off until the kernels have passed the GPU parity
-# step of tests/gpu/run.sh on a device (they are tested on CPU under Triton's interpreter and
-# compiled for sm_90 offline, never run on a GPU yet): an untested default must not reach the
-# users' GPUs. kernel="triton" or VOCABSTATS_KERNEL=triton opts in.
+# Whether "auto" takes Triton for CUDA logits: off until the kernels pass the GPU parity step of
+# tests/gpu/run.sh (an untested default must not reach users' GPUs); kernel="triton" opts in.
 AUTO_TRITON_ON_CUDA = False
 
 
@@ -76,23 +67,18 @@ def interpreting() -> bool:
 
 
 def forced_kernel() -> str:
-    """The value of :data:`KERNEL_ENV` (``""`` when unset): the backend it forces on
-    ``kernel="auto"``, checked by :func:`resolve_kernel`."""
+    """The value of :data:`KERNEL_ENV` (``""`` when unset), checked by :func:`resolve_kernel`."""
     return os.environ.get(KERNEL_ENV, "")
 
 
 def resolve_kernel(kernel, device: torch.device) -> str:
     """The backend (one of :data:`KERNELS`) of one call of the unfused op or the fused LM head.
 
-    ``kernel``: ``"auto"`` (the :data:`KERNEL_ENV` value if set, else ``"triton"`` for CUDA
-    logits when triton imports and :data:`AUTO_TRITON_ON_CUDA` is on, ``"torch"`` otherwise),
-    ``"torch"`` or ``"triton"``. Every batch-invariant mode runs on either backend (the Triton
-    kernels keep a row's reduction order fixed, ``triton_stats``).
-
-    Raises ``ValueError`` naming the argument for a value not in :data:`KERNEL_CHOICES` (or a bad
-    :data:`KERNEL_ENV`), and for ``"triton"`` (given or forced) without the triton package or
-    with logits that are not on CUDA outside the interpreter (``TRITON_INTERPRET=1``).
-    """
+    ``"auto"``: the :data:`KERNEL_ENV` value if set, else ``"triton"`` for CUDA tensors when
+    triton is installed and :data:`AUTO_TRITON_ON_CUDA` is on, else ``"torch"``. Raises
+    ``ValueError`` naming the argument for a value not in :data:`KERNEL_CHOICES` (or a bad
+    :data:`KERNEL_ENV`), and for ``"triton"`` (given or forced) without the triton package or,
+    outside the interpreter (``TRITON_INTERPRET=1``), with tensors that are not on CUDA."""
     check_choice("kernel", kernel, KERNEL_CHOICES)
     source = f"kernel={kernel!r}"
     if kernel == "auto":

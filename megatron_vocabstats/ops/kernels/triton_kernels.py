@@ -1,13 +1,12 @@
-"""The ``@triton.jit`` kernels of the chunk statistics and gradient (host wrappers:
-:mod:`.triton_stats`; building blocks: :mod:`.triton_tiles`; their arithmetic:
-``docs/numerics.md``, "Triton kernels"; their cost on an H200: ``docs/gpu-model.md``).
+"""The ``@triton.jit`` kernels of the chunk statistics and gradient (host side:
+:mod:`.triton_stats`; arithmetic: ``docs/numerics.md``, "Triton kernels"; cost:
+``docs/gpu-model.md``).
 
-Unfused, one row of stored logits per program: the statistics read the row once in blocks of
-``LANES x GROUP`` columns, each lane keeping its own running statistics, merged once per row; the
-gradient writes the row once (a row that is not valid as zeros, without reading it). Fused LM
-head, ``ROWS`` rows times one split of the columns per program: the statistics of ``tl.dot``
-tiles of ``hidden @ weight.T`` (or per-block statistics of stored logits), and the gradient one
-recomputed tile at a time, written once in the model dtype. Padding columns are never read.
+Unfused, one row of stored logits per program, read once in blocks of ``LANES x GROUP`` columns
+(each lane with its own running statistics, merged once per row) and written once by the
+gradient. Fused LM head, ``ROWS`` rows times one column split per program: statistics of
+``tl.dot`` tiles of ``hidden @ weight.T`` (or per-block statistics of stored logits), the
+gradient one recomputed tile at a time, cast once. Padding columns are never read.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def _row_stats_kernel(x_ptr, stride_xm, stride_xk, index_ptr, owned_ptr, out_ptr
                       stride_tok, n_cols, real_width, temperature, zscale,
                       HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
                       SCALE: tl.constexpr, LANES: tl.constexpr, GROUP: tl.constexpr):
-    """Row ``program_id(0)``'s shard statistics ``out[k, row]`` (max, sum-exp, entropy sum,
-    target logit, smoothing sum; relative to the row's maximum, the last scaled by ``zscale``)."""
+    """Row ``program_id(0)``'s shard statistics ``out[k, row]`` (``_math.chunk_stats``'s)."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     lanes = tl.arange(0, LANES)
@@ -84,8 +82,8 @@ def _row_grad_kernel(x_ptr, stride_xm, stride_xk, out_ptr, stride_om, stride_on,
                      HAS_H: tl.constexpr, HAS_TARGET: tl.constexpr, SMOOTH: tl.constexpr,
                      HAS_VALID: tl.constexpr, SCALE: tl.constexpr, ROUND: tl.constexpr,
                      GPU: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row ``program_id(0)``'s ``d loss / d logits``, written once in the model dtype (``out``
-    may be the logits: the target's logit is read before the row is overwritten)."""
+    """Row ``program_id(0)``'s ``d loss / d logits`` in the model dtype (``out`` may be the
+    logits: the target's logit is read before the row is overwritten)."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     o_row = out_ptr + row.to(tl.int64) * stride_om

@@ -1,23 +1,14 @@
-"""The host side of the Triton kernels behind the engine's per-chunk seam: statistics and
-gradient of a chunk, from stored logits (the unfused op) or from hidden states (the fused LM
-head), through the seam's objects :class:`TritonShardStats` and :class:`TritonStatsGrad`.
+"""The host side of the Triton kernels behind the engine's per-chunk seam
+(:class:`TritonShardStats`, :class:`TritonStatsGrad`): a chunk's statistics and gradient from
+stored logits (the unfused op) or from hidden states (the fused LM head).
 
-Same formulas as the torch path (``docs/numerics.md``), not the same bits. The statistics of the
-fused head's column splits are merged by ``_math.reduce_blocks`` as per-block statistics are; its
-logits tiles are never stored unless the caller gives a buffer (the forward-gradient mode). The
-gradient is written once in the model dtype, in place of the chunk's logits (unfused) or into
-the fused head's gradient buffer, from which cuBLAS makes ``dX`` and ``dW``. A row's statistics
-depend only on its own logits, the shard width and the tile sizes and splits (fixed, no
-autotuning), so ``batch_invariant=True`` holds as it is; ``"tp"`` takes per-block statistics,
-which the torch merge combines in its fixed tree.
-
-Supported: logits or hidden/weight bf16/fp16/fp32 with any strides, W >= 1, H >= 1, any n;
-fp32 statistics; int64 target index. Logits below ``Z_FLOOR`` (-inf too) and padding columns
-(local id >= ``real_width``) count as the floor; a row with a NaN logit gets NaN statistics;
-``+inf`` gives NaN as in the torch path.
-
-Imports ``triton`` at import time: only :mod:`..engine.backends` imports this module, lazily,
-once ``kernels.resolve_kernel`` chose ``"triton"``.
+Same formulas as the torch path (``docs/numerics.md``), not the same bits. A row's statistics
+depend only on its logits, the shard width and the fixed tiles and splits (never autotuned), so
+``batch_invariant=True`` holds as it is; ``"tp"`` takes per-block statistics. Supported:
+bf16/fp16/fp32 logits or hidden/weight with any strides, W >= 1, H >= 1, any n; int64 target
+index. Logits below ``Z_FLOOR`` (-inf too) and padding columns count as the floor; a NaN logit
+gives NaN statistics, ``+inf`` NaN as in the torch path. Imports ``triton``: only
+:mod:`..engine.backends` imports this module, lazily, once ``"triton"`` was chosen.
 """
 
 from __future__ import annotations
@@ -51,11 +42,9 @@ def _block(block_n: int | None, width: int, itemsize: int) -> int:
     return block_n
 
 
-# Floating-point contraction (a * b + c as one FMA) of the compiled kernels, given at every
-# launch: Triton's default comes from TRITON_DEFAULT_FP_FUSION (on until 3.9, off from 3.10), and
-# the kernels' bits must not depend on it. On: the bits the kernels were compiled and checked with
-# (tests/unit/_triton_compile.py); each FMA rounds once instead of twice, within the bounds of
-# docs/numerics.md. The interpreter never contracts.
+# FP contraction (a * b + c as one FMA), given at every launch so that the bits do not depend on
+# TRITON_DEFAULT_FP_FUSION (docs/kernels.md). On: the bits tests/unit/_triton_compile.py checked,
+# one rounding per FMA, within the bounds of docs/numerics.md.
 FP_FUSION = True
 
 
@@ -77,9 +66,8 @@ def _flag(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _dense(x: torch.Tensor | None) -> torch.Tensor | None:
-    """A ``[n]`` per-row vector as the kernels read it (``ptr + row``): contiguous (a copy only
-    of a strided one: an upstream gradient may have any strides, e.g. a ``sum``'s expanded one,
-    and the coefficients and lse sliced from it keep them)."""
+    """A ``[n]`` per-row vector as the kernels read it (``ptr + row``): contiguous, a copy only
+    of a strided one (an upstream gradient may be, e.g. a ``sum``'s expanded one)."""
     return None if x is None else x.contiguous()
 
 
@@ -97,11 +85,9 @@ def _operands(logits, hidden, weight):
 def _tiles(x, hidden_size: int, blocks: dict | None, per_block: bool = False,
            store: bool = False, grad: bool = False) -> tuple:
     """``(launch constexprs and options, columns per split, row tiles per group)`` of the fused
-    kernels for ``x``'s dtype. Per-block statistics: 128-column tiles (``_layout.BLOCK``).
-    ``grad``: the gradient kernel's tiles (``GRAD_BLOCK_N`` columns). Storing the logits too:
-    half the K step and one more stage (registers for the store). An H
-    that is no multiple of the K step: steps of 16 (the masked loads of an H that is no multiple
-    of 16 are scalar; wider steps spill registers). All fixed by the dtype and H alone."""
+    kernels, fixed by ``x``'s dtype and H alone: ``per_block`` 128-column tiles, ``grad``
+    ``GRAD_BLOCK_N`` columns, ``store`` half the K step and one more stage (registers for the
+    store), K steps of 16 for an H that is no multiple of the K step (wider masked ones spill)."""
     t = linear_blocks(x.dtype, blocks)
     block_n = BLOCK if per_block else t["GRAD_BLOCK_N" if grad else "BLOCK_N"]
     block_k, stages = t["BLOCK_K"], t["num_stages"]
@@ -119,25 +105,21 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
                 temperature: float, entropy: bool, zsum: bool, per_block: bool = False,
                 hidden=None, weight=None, block_n: int | None = None,
                 blocks: dict | None = None, store: torch.Tensor | None = None) -> None:
-    """Write the shard statistics of a chunk into ``out``, as ``_math.chunk_stats`` of
-    ``load_chunk(logits)`` does (same rows written, same units).
+    """Write a chunk's shard statistics into ``out`` as ``_math.chunk_stats`` of
+    ``load_chunk(logits)`` does (same rows, same units).
 
-    The chunk: ``logits`` ``[n, W]`` (bf16/fp16/fp32, this shard's columns, any strides), or
-    with ``logits=None`` its rows ``hidden`` ``[n, H]`` and the weight shard ``weight`` ``[W,
-    H]`` (same dtype): the logits ``hidden @ weight.T`` tile by tile, rounded to that dtype, and
-    written into ``store`` (``[n, W]``, that dtype) if given. ``out``: fp32 ``[NUM_STATS, n]``
-    (any strides), or with ``per_block`` ``[NUM_STATS, n, nb]`` (``_math.block_stats``: blocks of
-    ``BLOCK`` columns, nb = ceil(W / BLOCK)). ``index``/``owned``: ``[n]`` int64 / bool from
-    ``local_target_index`` or None. ``block_n``: columns per step of the unfused pass (a power
-    of two in [16, 2048]; default :func:`block_columns`); ``blocks``: the fused tiles (keys of
-    ``LINEAR_BLOCKS``).
-    Method: one pass over the columns with online rescaling (Milakov & Gimelshein 2018,
-    "Online normalizer calculation for softmax", extended to the entropy and smoothing sums,
-    :mod:`.triton_tiles`), per lane of a row (unfused) or per split of the columns (fused),
-    the parts merged by ``_math.reduce_blocks``; the fused tiles as in cut cross-entropy
-    (Wijmans et al. 2024, arXiv:2411.09009): never stored unless asked.
-    Raises ``ValueError`` for a misshaped ``out`` or ``store``, bad ``block_n`` or mismatched
-    hidden/weight.
+    The chunk: ``logits`` ``[n, W]`` (bf16/fp16/fp32, any strides), or with ``logits=None``
+    ``hidden`` ``[n, H]`` and the weight shard ``weight`` ``[W, H]`` (same dtype), whose logits
+    ``hidden @ weight.T`` are rounded to that dtype and written into ``store`` (``[n, W]``) if
+    given. ``out``: fp32 ``[NUM_STATS, n]`` (any strides), or with ``per_block``
+    ``[NUM_STATS, n, ceil(W / BLOCK)]`` (``_math.block_stats``). ``index``/``owned``: as for
+    ``chunk_stats``. ``block_n``: columns per step of the unfused pass (a power of two in
+    [16, 2048], default :func:`block_columns`); ``blocks``: fused tiles (``LINEAR_BLOCKS`` keys).
+    Method: one pass of online rescaling (:mod:`.triton_tiles`) per lane of a row (unfused,
+    merged in the kernel) or per column split (fused, merged by ``_math.reduce_blocks``), the
+    fused tiles never stored unless asked, as in cut cross-entropy (Wijmans et al. 2024,
+    arXiv:2411.09009). Raises ``ValueError`` for a misshaped ``out`` or ``store``, a bad
+    ``block_n`` or mismatched hidden/weight.
     """
     x, w, hidden_size, width, fused = _operands(logits, hidden, weight)
     n = x.shape[0]
@@ -160,8 +142,7 @@ def shard_stats(logits, index, owned, out: torch.Tensor, *, layout: ShardLayout,
         block = _block(block_n, width, x.element_size())
         group = min(16 // x.element_size(), block)  # one 16-byte load per lane and step
         lanes = block // group
-        # One lane per thread for the widest blocks (256 lanes: 8 warps); 4 warps spilled
-        # registers there on Triton 3.8 (tests/unit/_triton_compile.py).
+        # One lane per thread for the widest blocks (256 lanes: 8 warps; 4 spill: docs/kernels.md)
         launch(_row_stats_kernel, (n,), x, x.stride(0), x.stride(1), *targets, out,
                out.stride(0), out.stride(1), width, layout.real_width, *scalars,
                LANES=lanes, GROUP=group, num_warps=max(4, min(8, lanes // 32)), **flags)
@@ -202,16 +183,13 @@ def stats_grad(logits, out: torch.Tensor, *, lse, ent, coef_lp, coef_h, index, o
                layout: ShardLayout, label_smoothing: float, temperature: float, hidden=None,
                weight=None, block_n: int | None = None, blocks: dict | None = None,
                lse_lo=None) -> None:
-    """Write ``d loss / d logits`` of a chunk into ``out`` (``[n, W]``, the model dtype).
+    """Write ``d loss / d logits`` of a chunk into ``out`` (``[n, W]``, the model dtype) by
+    ``_grad.chunk_grad``'s closed form: one row per program (unfused; ``out`` may be ``logits``,
+    each row read before the same program writes it), one recomputed tile per program (fused;
+    ``out`` must not overlap ``hidden``/``weight``).
 
-    The chunk as in :func:`shard_stats`: ``logits`` (then ``out`` may be ``logits`` itself:
-    each row is read before it is written, by the same program) or ``hidden``/``weight``
-    (``out`` then must not overlap them). The other arguments are those of
-    ``_grad.chunk_grad`` (``[n]`` fp32 vectors of this chunk's rows; ``coef_lp``/``coef_h``
-    already carry ``1 / temperature``; ``lse_lo``, the rounding error of the fp32 ``lse``, None
-    for zeros); ``block_n``/``blocks`` as in :func:`shard_stats`.
-    Method: ``_grad.chunk_grad``'s closed form (``docs/numerics.md``): one row per program
-    (unfused, the target's term added once per row), one recomputed tile per program (fused).
+    The chunk, ``block_n`` and ``blocks`` as in :func:`shard_stats`; the rest as in
+    ``_grad.chunk_grad`` (``[n]`` fp32 vectors of the chunk's rows; ``lse_lo`` None: zeros).
     Raises ``ValueError`` for a misshaped ``out`` or neither coefficient given.
     """
     x, w, hidden_size, width, fused = _operands(logits, hidden, weight)
@@ -258,9 +236,8 @@ def _chunk_source(chunk) -> dict:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TritonShardStats:
-    """:class:`~..engine.kernel.ChunkStats` of :func:`shard_stats` (the fields of
-    ``engine.kernel.ShardStats`` plus the temperature, which the torch path applies in
-    ``load_chunk``); ``blocks`` for batch-invariant mode "tp"."""
+    """:class:`~..engine.kernel.ChunkStats` of :func:`shard_stats`: ``engine.kernel.ShardStats``'s
+    fields plus the temperature (the torch path's ``load_chunk`` applies it)."""
 
     layout: ShardLayout
     entropy: bool

@@ -4,15 +4,12 @@ statistics or gradient out.
 A tile is loaded (or computed as ``hidden @ weight.T`` by ``tl.dot``, rounded once to the model
 dtype), scaled and floored as ``_math.load_chunk`` makes it, and folded into running statistics
 by online rescaling (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax",
-extended to the entropy and smoothing sums; the formulas: ``docs/numerics.md``, "Triton
-kernels"), or turned into the gradient of ``_grad.chunk_grad``. A NaN logit makes the running
-maximum and the sums NaN, as torch's ``amax`` and sums do (:func:`max_nan`, :func:`amax_nan`:
-NaN propagated explicitly, whatever ``tl.maximum``'s default does on this Triton).
+extended to the entropy and smoothing sums; ``docs/numerics.md``, "Triton kernels"), or turned
+into the gradient of ``_grad.chunk_grad``. A NaN logit makes the maxima and sums NaN, as in torch.
 
 Only constructs that compile on CUDA GPUs as they run under ``TRITON_INTERPRET=1``: power-of-two
 blocks, masked loads and stores, ``tl.dot`` with every dimension >= 16, constexpr flags for every
-optional part, scalar branches. Imports ``triton`` at import time (only the Triton kernel modules
-import this one).
+optional part, scalar branches.
 """
 
 from __future__ import annotations
@@ -35,17 +32,16 @@ ROUND_FP32, ROUND_BF16, ROUND_FP16 = 0, 1, 2
 
 @triton.jit
 def exp_(x):
-    """``e^x`` as ``2^(x log2 e)``: the product rounds once and ``log2 e`` is an fp32 constant
-    (relative error ``2 u |x|`` on top of exp2's 2 ulp, ``docs/numerics.md``)."""
+    """``e^x`` as ``2^(x log2 e)``: ``2 u |x|`` more relative error than exp2's 2 ulp
+    (``docs/numerics.md``)."""
     return tl.exp2(x * LOG2E)
 
 
 @triton.jit
 def round_bf16(x):
-    """fp32 -> bf16 rounded to nearest even, by integer ops on the bits: the same bits as the GPU's
-    ``cvt.rn.bf16.f32`` (overflow gives inf), and in the interpreter, whose own fp32 -> bf16 cast
-    truncates. Every NaN becomes the quiet NaN ``0x7FC0`` (adding the rounding bias to a NaN
-    with low payload bits, as the GPU's arithmetic makes them, would carry into the exponent)."""
+    """fp32 -> bf16 to nearest even by integer ops on the bits: the GPU's ``cvt.rn.bf16.f32``
+    bits (overflow gives inf), also in the interpreter, whose own cast truncates. Every NaN
+    becomes ``0x7FC0`` (the rounding bias would carry a low-payload NaN into the exponent)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + (0x7FFF + ((bits >> 16) & 1))
     bits = tl.where(x != x, 0x7FC00000, bits)
@@ -80,13 +76,11 @@ def load_logits(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
 def matmul_logits(h_ptr, stride_hm, stride_hk, w_ptr, stride_wn, stride_wk, rows, cols, n_rows,
                   n_cols, hidden, ROUND: tl.constexpr, BLOCK_K: tl.constexpr,
                   EVEN_K: tl.constexpr, GPU: tl.constexpr):
-    """The logits tile ``h[rows] @ w[cols].T`` ``[BLOCK_M, BLOCK_N]`` fp32: ``tl.dot`` over
-    ``hidden`` in ``BLOCK_K`` steps (fp32 accumulation; IEEE fp32 products, never TF32, for fp32
-    models), rounded once to the model dtype (``ROUND``) as the output layer's GEMM is; 0 outside
-    the rows and columns. ``EVEN_K``: ``hidden`` is a multiple of ``BLOCK_K`` (no K mask). The K
-    order is fixed by ``BLOCK_K`` alone (batch-invariant). Outside a GPU (the interpreter, whose
-    ``tl.dot`` misreads bf16 operands) bf16/fp16 operands are upcast first: their products are
-    exact in fp32 either way."""
+    """The fp32 logits tile ``h[rows] @ w[cols].T`` ``[BLOCK_M, BLOCK_N]`` (0 outside), which the
+    caller rounds to the model dtype ``ROUND``: ``tl.dot`` in ``BLOCK_K`` steps (a fixed K order;
+    fp32 accumulation; IEEE fp32 products for fp32 models, never TF32); ``EVEN_K``: no K mask.
+    Off a GPU bf16/fp16 operands are upcast first (the interpreter's ``tl.dot`` misreads bf16;
+    the products are exact in fp32 either way)."""
     ks = tl.arange(0, BLOCK_K).to(tl.int64)  # offsets in int64: any strides
     row_in = (rows < n_rows)[:, None]
     col_in = (cols < n_cols)[None, :]
@@ -112,9 +106,8 @@ def matmul_logits(h_ptr, stride_hm, stride_hk, w_ptr, stride_wn, stride_wk, rows
 
 @triton.jit
 def max_nan(a, b):
-    """``max(a, b)``, NaN if either is NaN (torch's ``maximum``/``amax``): explicit, because
-    ``tl.maximum``'s default skips NaN in compiled code and, from Triton 3.8, in the
-    interpreter, but propagates it in older interpreters."""
+    """``max(a, b)``, NaN if either is (torch's ``maximum``): explicit, as ``tl.maximum``'s
+    default differs between compiled code and interpreters (``docs/kernels.md``)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -129,17 +122,15 @@ def scaled_z(x, temperature, SCALE: tl.constexpr):
 
 @triton.jit
 def amax_nan(x, AXIS: tl.constexpr):
-    """``x``'s maximum along ``AXIS``, NaN where a NaN is (:func:`max_nan` as the combine: not
-    ``tl.max``, whose NaN handling differs between Triton versions as ``tl.maximum``'s)."""
+    """``x``'s maximum along ``AXIS`` with :func:`max_nan` (not ``tl.max``, which may skip NaN)."""
     return tl.reduce(x, AXIS, max_nan)
 
 
 @triton.jit
 def tile_order(pid, row_tiles, col_tiles, GROUP: tl.constexpr):
-    """``(row tile, column tile)`` of program ``pid`` in grouped order: ``GROUP`` consecutive row
-    tiles take each column tile in turn, so the programs resident together share a few weight
-    tiles and a few hidden tiles in the L2. Plain integer arithmetic: the host (the GPU model)
-    calls ``tile_order.fn`` with ints to get the same order."""
+    """``(row tile, column tile)`` of program ``pid``: ``GROUP`` consecutive row tiles take each
+    column tile in turn, so resident programs share weight and hidden tiles in the L2. Integer
+    arithmetic only: the host (the GPU model) calls ``tile_order.fn`` with ints alike."""
     per_group = GROUP * col_tiles
     first = (pid // per_group) * GROUP
     size = row_tiles - first
@@ -152,12 +143,10 @@ def tile_order(pid, row_tiles, col_tiles, GROUP: tl.constexpr):
 @triton.jit
 def online_update(z, live, seen, m, s, u, a, floor, zscale, ENTROPY: tl.constexpr,
                   ZSUM: tl.constexpr):
-    """Fold ``z`` ``[R, C]`` into the running maximum ``m``, sum ``s`` of ``e^(z - m)``, entropy
-    sum ``u`` of ``e^(z - m)(z - m)``, smoothing sum ``a`` of ``zscale (z - m)`` over the real
-    columns (``seen`` of them came before) and floor flag ``floor`` of each of its R rows (a
-    tile's rows, or the lanes of one row: ``GROUP`` consecutive columns each, in one thread, so
-    the reductions stay inside it). ``live``: which entries are real columns (broadcast to
-    ``z``), or None for all."""
+    """Fold ``z`` ``[R, C]`` into each row's running max ``m``, sum ``s`` of ``e^(z - m)``,
+    entropy sum ``u`` of ``e^(z - m)(z - m)``, smoothing sum ``a`` of ``zscale (z - m)`` over the
+    real columns (``seen`` of them before) and ``floor`` flag. A row: a tile's, or a lane of one
+    row (``GROUP`` columns in one thread). ``live``: the real columns (broadcast), None for all."""
     m_new = max_nan(m, amax_nan(z, 1))
     d = m - m_new
     scale = exp_(d)
@@ -214,11 +203,9 @@ def merge_lanes(m, s, u, a, floor, counts, zscale, ENTROPY: tl.constexpr, ZSUM: 
 @triton.jit
 def store_stats(ptrs, mask, stride_stat, m, s, u, a, t, floor, own, has_real,
                 HAS_TARGET: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
-    """Store one part's statistics at ``ptrs`` (``[R]`` pointers to the max row, the other rows
-    ``stride_stat`` apart): max (-inf where no column is live), sums (0 there), target logit
-    where this shard owns the target (0 elsewhere), smoothing sum (-inf when a real column is at
-    the floor, 0 where the part has no real column, ``has_real``). A NaN sum (a NaN logit) is
-    live, so it reaches the merged results."""
+    """Store one part's statistics at ``ptrs`` (``[R]`` pointers to the max row, the others
+    ``stride_stat`` apart) as ``_math.chunk_stats`` does; 0 smoothing sum without ``has_real``.
+    A NaN sum (a NaN logit) is live, so it reaches the merged results."""
     live = (m > FLOOR) | (s != s)
     tl.store(ptrs + _MAX * stride_stat, tl.where(live, m, float("-inf")), mask=mask)
     tl.store(ptrs + _SUMEXP * stride_stat, tl.where(live, s, 0.0), mask=mask)
@@ -247,11 +234,9 @@ def target_rows(rows, mask, index_ptr, owned_ptr, HAS_TARGET: tl.constexpr):
 @triton.jit
 def grad_rows(rows, mask, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr, valid_ptr,
               HAS_LP: tl.constexpr, HAS_H: tl.constexpr, HAS_VALID: tl.constexpr):
-    """The per-row inputs of :func:`grad_values` for ``rows``: ``(lse, lse_lo, shift, c_lp, c_h,
-    valid)``, 0 / True where a flag turns one off; ``lse_lo``: the rounding error of the fp32
-    ``lse`` (``_grad.split_lse``); ``shift = c_h H + c_lp``. A row that is not valid gets
-    ``lse = +inf`` (and ``lse_lo = 0``), so its ``p`` is ``e^-inf = 0``: no exp of a placeholder
-    lse."""
+    """``(lse, lse_lo, shift, c_lp, c_h, valid)`` of ``rows`` for :func:`grad_values` (0 / True
+    where a flag turns one off; ``shift = c_h H + c_lp``). A row not valid gets ``lse = +inf``,
+    ``lse_lo = 0``: its ``p`` is ``e^-inf = 0``, no exp of a placeholder lse."""
     valid = tl.load(valid_ptr + rows, mask=mask, other=0) != 0 if HAS_VALID else mask | True
     lse = tl.load(lse_ptr + rows, mask=mask, other=0.0)
     lse = tl.where(valid, lse, float("inf"))
@@ -269,9 +254,8 @@ def grad_rows(rows, mask, lse_ptr, lse_lo_ptr, ent_ptr, coef_lp_ptr, coef_h_ptr,
 
 @triton.jit
 def grad_values(z, lse, lse_lo, shift, c_lp, c_h, HAS_H: tl.constexpr):
-    """``p (-c_h log p - shift)`` (``shift = c_h H + c_lp``) of logits ``z`` for per-row ``lse``
-    etc. (scalars, or ``[R]`` expanded by the caller to ``z``'s shape); fp32. ``log p`` is
-    ``(z - lse) - lse_lo``: the logsumexp at full precision, as the torch path forms it."""
+    """fp32 ``p (-c_h log p - shift)`` of ``z``, ``log p = (z - lse) - lse_lo`` as in
+    ``_grad.chunk_grad`` (per-row values: scalars, or ``[R]`` expanded by the caller)."""
     logp = (z - lse) - lse_lo
     p = exp_(logp)
     if HAS_H:

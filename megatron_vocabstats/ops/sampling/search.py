@@ -1,8 +1,7 @@
-"""The sampler log-probs' radix threshold search and per-chunk math, shared by ``from_logits.py``
-and ``from_hidden.py``: order-preserving integer keys of the fp32 values, the radix search over
-them (one all-gather per step) for top-k, then top-p over what min-p and top-k keep, the kept
-mass and the top-p tie split, the forward pass over the engine's chunks and the gradient. Method
-and communication: ``docs/rollout.md``.
+"""The sampler log-probs' threshold search and per-chunk math, shared by ``from_logits.py`` and
+``from_hidden.py``: a radix search over order-preserving integer keys of the fp32 values (one
+all-gather per step) for top-k, then top-p over what min-p and top-k keep, with vLLM's split of
+the top-p tie. Method and communication: ``docs/rollout.md``.
 """
 
 from __future__ import annotations
@@ -61,10 +60,8 @@ def _scaled(z, m, rows) -> torch.Tensor:
 
 
 def _kept(z, rows, thresholds, real_width: int, min_p=None, scaled=None, drop=None):
-    """The kept columns of one chunk: at or above the row's threshold value, and with
-    ``min_p`` also ``scaled >= min_p`` (``scaled``: :func:`_scaled` of the chunk); padding
-    columns never. ``drop`` (``[T]`` int64, optional): per row, how many of this shard's
-    columns equal to the threshold are dropped, the lowest ids first (the top-p tie split)."""
+    """The kept real columns of one chunk: ``z >= threshold``, with ``min_p`` also ``scaled >=
+    min_p``, less the ``drop[row]`` lowest-id columns equal to the threshold (the tie split)."""
     at_least = thresholds[rows].unsqueeze(1)
     keep = z >= at_least
     if real_width < z.shape[1]:
@@ -78,13 +75,10 @@ def _kept(z, rows, thresholds, real_width: int, min_p=None, scaled=None, drop=No
 
 
 def _largest_key(passes, weight, target_of, num_tokens, device, tp_group) -> torch.Tensor:
-    """Per row the largest key ``t`` with ``S(key >= t) >= target``, where ``S`` sums
-    ``weight(z, keys, rows)`` (fp32, >= 0) over every column of the row (all shards);
-    ``_KEY_MIN`` (keep every column) where even the whole row falls short. ``target_of(total)``
-    gives the targets from the row totals. Radix search (:data:`_DIGITS`), one all-gather per
-    step; the buckets are summed in float64.
-
-    Returns ``(t, S(key > t), target, short)``: ``[T]`` int64, float64, float64, bool."""
+    """``(t, S(key > t), target, short)`` (``[T]`` int64, float64, float64, bool): per row the
+    largest key ``t`` with ``S(key >= t) >= target = target_of(row total)``, ``S`` the sum of
+    ``weight(z, keys, rows)`` (fp32, >= 0) over the whole row (all shards); ``_KEY_MIN`` (keep
+    all) where the row falls short. Radix steps of :data:`_DIGITS`, one all-gather each."""
     lo = torch.full((num_tokens,), _KEY_MIN, dtype=torch.int64, device=device)
     above = torch.zeros(num_tokens, dtype=torch.float64, device=device)
     short = target = None
@@ -171,18 +165,13 @@ def _kept_mass(chunks, m, thresholds, min_p, real_width, num_tokens, device,
 
 def _split_tie(chunks, m, thresholds, boundary: TopPBoundary, cfg: SamplerConfig, target1d,
                num_tokens, device, tp_group):
-    """vLLM's split of the tie on the top-p boundary, and the kept mass.
-
-    vLLM sorts ascending (a stable sort: equal values in id order) and drops tokens while the
-    cumulative probability is ``<= 1 - top_p``; of the ``c`` columns equal to the threshold it
-    keeps the ``n = ceil((goal - above) / p_tie)`` highest ids (``1 <= n <= c``; ``p_tie`` the
-    mass of one of them). One all-gather of ``[3, T]`` float64 per rank (the mass strictly
-    above, the tie count, the tied columns with id <= target) replaces the kept-mass gather.
+    """vLLM's split of the top-p tie (``docs/rollout.md``): of the ``c`` columns equal to the
+    threshold the ``n = ceil((goal - above) / p_tie)`` highest ids stay (``1 <= n <= c``,
+    ``p_tie`` the mass of one). One ``[3, T]`` float64 all-gather, instead of the kept mass's.
 
     Returns ``(mass [T] float64, drop [T] int64, target_dropped [T] bool)``: the kept mass, how
-    many of this shard's tied columns are dropped (the lowest ids, lower ranks' first), and
-    where the target is a dropped tied column.
-    """
+    many of this shard's tied columns are dropped (lowest ids, lower ranks first), and where the
+    target is one of them."""
     layout = cfg.stats.layout
     local = torch.zeros((3, num_tokens), dtype=torch.float64, device=device)
     for chunk in chunks():
@@ -210,17 +199,13 @@ def _split_tie(chunks, m, thresholds, boundary: TopPBoundary, cfg: SamplerConfig
 
 
 def sampled_pass(chunks, target1d, valid, cfg: SamplerConfig, num_tokens, device, tp_group):
-    """Forward of the sampler log-probs over ``chunks``, a callable returning a fresh iterator of
-    :class:`~.engine.kernel.Chunk` (z: the fp32 chunk of ``load_chunk``, whose -0.0 the search's
-    keys turn into +0.0; index/owned: the rows' targets in this shard), called once per pass.
+    """Forward of the sampler log-probs over ``chunks()``, a fresh iterator of
+    :class:`~.engine.kernel.Chunk` with targets per pass (z's -0.0 become +0.0).
 
-    Returns ``(logprobs [T], outside [T], saved)`` with ``saved = (m, lse, lse_lo, thresholds,
-    scored, drop)`` for :func:`sampled_chunk_grad`: the kept set's logsumexp as an fp32 pair
-    ``lse + lse_lo`` (here ``m`` and ``log(mass)``; on every row, scored or not), where the
-    target is scored and kept, and
-    the top-p tie split (``drop``, None without top-p). ``log q`` is formed in float64 from the
-    fp32 target logit and maximum and the float64 kept mass, and rounded to fp32 once.
-    """
+    Returns ``(logprobs [T], outside [T], saved)``, ``saved = (m, lse, lse_lo, thresholds,
+    scored, drop)`` for :func:`sampled_chunk_grad`: the kept set's logsumexp as the pair
+    ``(m, log(mass))`` on every row, where the target is scored and kept, and the tie split
+    (``drop``, None without top-p). ``log q`` is formed in float64, rounded to fp32 once."""
     sc = cfg.stats
 
     def passes():
@@ -291,10 +276,8 @@ def grad_coefficient(grad, saved, temperature: float) -> torch.Tensor:
 
 def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerConfig) -> None:
     """Write the chunk's logits gradient ``coef (1[j = y] - q_j)`` (q on the kept set, held
-    constant) into ``out`` (one cast). ``q_j = exp((z_j - lse) - lse_lo)``: ``z - lse <= 0``
-    on every row (the kept set holds the maximum), and rows whose target is not scored and
-    kept get exactly 0 by selection (never ``0 * exp(...)``: NaN or inf logits there stay
-    out)."""
+    constant) into ``out``, cast once; ``q_j = exp((z_j - lse) - lse_lo)``, ``z - lse <= 0``.
+    Rows not scored and kept get exactly 0 by selection (never ``0 * exp``: NaN or inf stay out)."""
     m, lse, lse_lo, thresholds, scored, drop = saved
     scaled = _scaled(z, m, rows) if cfg.min_p else None
     keep = _kept(z, rows, thresholds, cfg.stats.layout.real_width, cfg.min_p, scaled, drop)
@@ -307,9 +290,8 @@ def sampled_chunk_grad(z, rows, index, owned, out, *, coef, saved, cfg: SamplerC
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SampledGrad:
-    """The sampler log-probs' :class:`~.engine.kernel.ChunkGrad`: :func:`sampled_chunk_grad` of a
-    chunk (``coef`` the ``[T]`` fp32 of :func:`grad_coefficient`, ``saved`` what
-    :func:`sampled_pass` returned for backward)."""
+    """The sampler log-probs' :class:`~.engine.kernel.ChunkGrad`: :func:`sampled_chunk_grad` with
+    :func:`grad_coefficient`'s ``coef`` and :func:`sampled_pass`'s ``saved``."""
 
     coef: torch.Tensor
     saved: tuple

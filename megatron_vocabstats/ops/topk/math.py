@@ -1,8 +1,6 @@
-"""The top-k ops' math and passes over the chunks, shared by ``from_logits.py`` and
-``from_hidden.py``: each shard's candidates and their merge (ranked by one int64 key per column:
-value descending, id ascending), the log-probs at given ids, the gradient of
-``sum_k g_k log p(i_k)`` (the engine's :class:`~.engine.kernel.ChunkGrad` for it), and the passes
-over the engine's chunks, one all-gather each.
+"""The top-k ops' math and passes over the engine's chunks (one all-gather each), shared by
+``from_logits.py`` and ``from_hidden.py``: candidates ranked by one int64 key per column (value
+descending, id ascending), log-probs at given ids, and the gradient of ``sum_k g_k log p(i_k)``.
 """
 
 from __future__ import annotations
@@ -47,12 +45,9 @@ class TopKConfig:
 
 
 def rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering ``(value descending, id ascending)``: larger key = earlier in the top-k.
-
-    ``values``: fp32; ``ids``: int64 in ``[0, 2**32)``, broadcastable to ``values``. Equal values
-    (-0.0 and +0.0 included) differ only by id, so ``torch.topk`` on the keys is deterministic.
-    Any NaN (either sign) ranks above +inf.
-    """
+    """int64 keys ordering fp32 ``values`` descending, then int64 ``ids`` (in ``[0, 2**32)``,
+    broadcastable) ascending: larger key = earlier in the top-k. Equal values (-0.0 and +0.0
+    too) differ only by id, so ``torch.topk`` on the keys is deterministic; NaN ranks above +inf."""
     bits = torch.where(values == 0, 0.0, values)
     bits = torch.where(torch.isnan(bits), float("nan"), bits).view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
@@ -60,11 +55,9 @@ def rank_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_candidates(z: torch.Tensor, layout: ShardLayout, k_local: int):
-    """This shard's top ``k_local`` of a ``[n, W]`` fp32 chunk from ``load_chunk``:
-    ``(values fp32 [n, k_local], global ids int64 [n, k_local])``. Padding columns (at the floor)
-    rank after every real column of equal value, having higher ids. A shard narrower than
-    ``k_local`` (unequal shards) fills the rest with floor values at ids ``>= vocab_size +
-    vocab_start``, which rank after every column of every shard."""
+    """This shard's top ``k_local`` ``(values fp32, global ids int64)``, ``[n, k_local]`` each, of
+    a ``[n, W]`` chunk from ``load_chunk`` (padding, at the floor, after equal real columns: higher
+    ids). A shard narrower than ``k_local`` fills up with floor values at ids past every shard's."""
     ids = torch.arange(layout.vocab_start, layout.vocab_start + layout.width, device=z.device)
     top = rank_keys(z, ids).topk(min(k_local, layout.width), dim=1).indices
     values, top_ids = z.gather(1, top), top + layout.vocab_start
@@ -78,9 +71,8 @@ def chunk_candidates(z: torch.Tensor, layout: ShardLayout, k_local: int):
 
 
 def logprobs_of(values: torch.Tensor, m: torch.Tensor, log_sumexp: torch.Tensor) -> torch.Tensor:
-    """``(z - m) - log S`` for fp32 logits ``values`` ``[T, k]`` (-inf where z is at the floor,
-    NaN where it is NaN); the same rounding as the core op's ``merge_stats``, so equal inputs give
-    equal bits."""
+    """``(z - m) - log S`` of fp32 ``values`` ``[T, k]`` (-inf at the floor, NaN at NaN): the core
+    op's ``merge_stats`` rounding, so equal inputs give equal bits."""
     lp = (values - m.unsqueeze(1)) - log_sumexp.unsqueeze(1)
     return torch.where(values <= Z_FLOOR, float("-inf"), lp)
 
@@ -96,10 +88,8 @@ def merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int):
 
 
 def locate(indices2d: torch.Tensor, valid: torch.Tensor, layout: ShardLayout):
-    """``(local column clamped to [0, W), owned, in_range)`` of global ids ``[T, k]``.
-
-    ``in_range``: the id lies in ``[0, V)``; ``owned``: in range, on this shard, and the row valid.
-    """
+    """``(local column clamped to [0, W), owned, in_range)`` of global ids ``[T, k]``: ``in_range``
+    the id in ``[0, V)``, ``owned`` also on this shard and the row valid."""
     ids = indices2d.long()
     local = ids - layout.vocab_start
     in_range = (ids >= 0) & (ids < layout.vocab_size)
@@ -109,11 +99,9 @@ def locate(indices2d: torch.Tensor, valid: torch.Tensor, layout: ShardLayout):
 
 def picked_logits(chunk: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
                   temperature: float) -> torch.Tensor:
-    """``z`` at the owned columns of a ``[n, W]`` chunk in its storage dtype, as ``[k, n]`` fp32.
-
-    Gather first, then upcast the ``[n, k]`` result only; ``/ temperature`` and the floor exactly
-    as ``load_chunk`` does, so the values equal the fp32 chunk's bit for bit. 0 where not owned.
-    """
+    """``z`` at the owned columns of a ``[n, W]`` chunk in its storage dtype as ``[k, n]`` fp32
+    (0 where not owned): gathered, then upcast, divided and floored as ``load_chunk`` does (same
+    bits)."""
     z = chunk.gather(1, local).float()
     if temperature != 1.0:
         z = z / temperature
@@ -122,13 +110,10 @@ def picked_logits(chunk: torch.Tensor, local: torch.Tensor, owned: torch.Tensor,
 
 def chunk_topk_grad(z, scratch, out, *, lse, coef, hits, local, valid, layout: ShardLayout,
                     lse_lo=None):
-    """Write the gradient of ``sum_k g_k log p(i_k)`` for one ``[n, W]`` chunk into ``out``.
-
-    ``coef = sum_k g_k / tau`` per row and ``hits = g_k / tau`` at owned ids (0 elsewhere), both
-    already 0 at invalid rows; ``lse``/``lse_lo`` the logsumexp pair of ``_math.split_lse``.
-    ``chunk_grad`` leaves ``-coef * p`` in fp32 in ``scratch``, the
-    hits are scatter-added there (duplicate ids accumulate), then one cast into ``out``.
-    """
+    """Write the gradient ``hits - coef p`` of ``sum_k g_k log p(i_k)`` for one ``[n, W]`` chunk
+    into ``out``, cast once from fp32 (duplicate ids accumulate): ``coef = sum_k g_k / tau`` per
+    row, ``hits = g_k / tau`` at owned ids (0 elsewhere), both 0 at invalid rows; ``lse``/``lse_lo``
+    as in ``_grad.chunk_grad``."""
     n = z.shape[0]
     grad = scratch[:n]
     chunk_grad(z, scratch, grad, lse=lse, lse_lo=lse_lo, ent=None, coef_lp=coef, coef_h=None,
@@ -149,10 +134,8 @@ def backward_terms(grad, indices, valid, lse, lse_lo, cfg: StatsConfig):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TopKGrad:
-    """The top-k log-probs' :class:`~.engine.kernel.ChunkGrad`: :func:`chunk_topk_grad` of a chunk
-    from the per-token terms of :func:`backward_terms` (``local``/``hits`` ``[T, k]``,
-    ``coef``/``lse``/``lse_lo`` ``[T]``, fp32 but ``local`` int64) and the rows' ``valid``
-    ``[T]`` bool."""
+    """The top-k log-probs' :class:`~.engine.kernel.ChunkGrad`: :func:`chunk_topk_grad` from the
+    per-token terms of :func:`backward_terms` and the rows' ``valid``."""
 
     local: torch.Tensor
     coef: torch.Tensor
@@ -174,13 +157,9 @@ class TopKGrad:
 
 
 def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> TopK:
-    """Top-k over ``chunks``, an iterable of :class:`~.engine.kernel.Chunk` (without targets): z the
-    fp32 chunk of ``load_chunk`` (overwritten), scratch an fp32 buffer of at least its size.
-
-    Packs per shard ``[NUM_STATS + 2 k_local, T]`` int32: the statistics and candidate values as
-    fp32 bits, then the candidate ids; one all-gather; merged in rank order on every rank.
-    Returns flat ``[T, k]`` results.
-    """
+    """Flat ``[T, k]`` top-k over ``chunks`` (:class:`~.engine.kernel.Chunk` without targets; z
+    overwritten). One all-gather of ``[NUM_STATS + 2 k_local, T]`` int32 per shard (statistics
+    and candidate values as fp32 bits, candidate ids), merged in rank order on every rank."""
     layout = cfg.stats.layout
     # Every rank sends as many candidates (one all-gather shape): k, or its width when all equal.
     k_local = min(cfg.k, layout.width) if layout.even else cfg.k
@@ -210,14 +189,10 @@ def topk_pass(chunks, num_tokens: int, device, cfg: TopKConfig, tp_group) -> Top
 
 
 def picked_pass(chunks, indices2d, valid, cfg: StatsConfig, tp_group):
-    """Log-probs at ``indices2d`` ``[T, k]`` over ``chunks`` (iterable of
-    :class:`~.engine.kernel.Chunk` without targets, read in their storage dtype ``chunk.logits``
-    and as ``chunk.z``, as in :func:`topk_pass`); one all-gather of ``[NUM_STATS + k, T]`` fp32.
-
-    Returns ``(logprobs [T, k], lse [T], lse_lo [T])``: 0 at rows not ``valid``, NaN at ids
-    outside ``[0, V)`` (a loud result when ``validate`` is off and cannot reject them); the
-    logsumexp as the pair of ``_math.split_lse``.
-    """
+    """``(logprobs [T, k], lse [T], lse_lo [T])`` at ``indices2d`` ``[T, k]`` over ``chunks`` (as
+    in :func:`topk_pass`; ``chunk.logits`` read too): 0 at rows not ``valid``, NaN at ids outside
+    ``[0, V)`` (let through with ``validate`` off); the logsumexp as ``_grad.split_lse``'s pair.
+    One all-gather of ``[NUM_STATS + k, T]`` fp32."""
     num_tokens, k = indices2d.shape
     local, owned, in_range = locate(indices2d, valid, cfg.layout)
     packed = torch.zeros((NUM_STATS + k, num_tokens), dtype=torch.float32, device=valid.device)
