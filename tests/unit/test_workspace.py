@@ -143,7 +143,8 @@ def test_ops_reuse_buffers_across_calls_with_unchanged_results(monkeypatch, fuse
         third, grad3 = run()
     finally:
         workspace.configure_workspace(max_buffers=workspace.DEFAULT_MAX_BUFFERS)
-    assert all(torch.equal(a, b) for a, b in zip(first[:3], third[:3])) and torch.equal(grad1, grad3)
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], third[:3]))
+    assert torch.equal(grad1, grad3)
 
 
 def test_an_abandoned_chunk_loop_gives_its_buffers_back():
