@@ -11,7 +11,7 @@ a bf16 output layer (Megatron's ``ColumnParallelLinear``, so bf16 logits ``[s, b
 * ``unfused_ours``: ``import megatron_vocabstats.patch`` with ``lm_head_chunk_size=0``: the same
   logits, our ``vocab_parallel_stats`` as the loss;
 * ``fused``: ``lm_head_chunk_size=CHUNK``: every head's loss (and the acceptance counts, from the
-  op's ``return_argmax``) from its hidden states, no logits.
+  op's ``argmax`` output) from its hidden states, no logits.
 
 Reported: the peak (MemTracker on CPU, ``max_memory_allocated`` on GPU; the inputs and their
 gradients included; the ops' cached chunk buffers are dropped before each step, so that they are

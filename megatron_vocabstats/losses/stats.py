@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..ops import VocabStats, vocab_parallel_stats
 from ..ops.agreement import Field, checked_on_every_rank, tensor_checksum
-from ..ops.options import IGNORE_INDEX, MIN_TEMPERATURE, check_bool, check_number
+from ..ops.options import IGNORE_INDEX, check_bool, check_number, check_option
 from .inputs import _EVERY_RANK_HINT, LossOutput, _token_mask
 from .token import nll_loss, score_tokens
 
@@ -23,9 +23,9 @@ from .token import nll_loss, score_tokens
 class StatsOptions:
     """How per-token statistics are computed from a model output (see :func:`token_stats`).
 
-    The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name
-    and are validated there; the number fields and ``validate`` (a bool, numpy's too) also on
-    construction (``TypeError`` / ``ValueError`` naming the field, as the op's). ``validate``
+    The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name,
+    checked on construction by the op's own checks (``TypeError`` / ``ValueError`` naming the
+    field; the kernel's resolution waits for the op, which knows the device). ``validate``
     defaults to False here (unlike the op): its checks read tensor values on the host once per
     call, which a training step should not pay; turn it on while debugging a data pipeline.
     ``batch_invariant`` is False, True or ``"tp"``; ``kernel`` is ``"auto"``, ``"torch"`` or
@@ -47,17 +47,15 @@ class StatsOptions:
     kernel: str = "auto"
 
     def __post_init__(self):
-        # The number fields and validate by the ops' own checkers (ops.options.check_number,
-        # check_bool), at construction: an error names the field here rather than at the first
-        # loss call (validate is read before the op, by the losses' own cross-rank checks). The
-        # other fields are checked by the op.
-        top = 2**63 - 1
-        for name, rule in (("vocab_size", dict(integer=True, low=1, high=top, none_ok=True)),
-                           ("chunk_size", dict(integer=True, low=1, high=top, none_ok=True)),
-                           ("temperature", dict(low=MIN_TEMPERATURE)),
-                           ("label_smoothing", dict(low=0.0, high=1.0, high_open=True))):
-            object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
-        object.__setattr__(self, "validate", check_bool("validate", self.validate))
+        # The ops' own checks of each field (ops.options), at construction: an error names the
+        # field here rather than at the first loss call (validate is read before the op, by the
+        # losses' own cross-rank checks). vocab_size's range depends on the shards: the op's.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "vocab_size":
+                value = check_number(f.name, value, integer=True, low=1, high=2**63 - 1,
+                                     none_ok=True)
+            object.__setattr__(self, f.name, check_option(f.name, value))
 
     def op_kwargs(self, **extra) -> dict[str, Any]:
         """These options as keyword arguments of the ops, plus ``extra`` (``tp_group``,

@@ -1,10 +1,9 @@
-"""The options of the vocabulary statistics: their allowed values, defaults and validated bundle.
+"""The options of the ops, each declared once, and the checked options of one call.
 
-Public (``megatron_vocabstats.ops.options``), for the ops, the losses and the Megatron settings
-alike: the options' constants and defaults, the keyword sets the op wrappers take as
-``**options`` (``TypedDict`` s for ``Unpack``), :class:`StatsConfig` (the frozen options of one
-call, built by ``_checks.checked_config``) and the checkers of options of :mod:`._argtypes`.
-What each option means: ``docs/options.md``.
+Each keyword is one :class:`Option` in the keyword set (a ``TypedDict``) of the ops that take it;
+the ops' signatures (:func:`takes_options`), their checks and cross-rank agreement
+(``_checks``), :class:`StatsConfig`, the losses' ``StatsOptions`` and the Megatron settings read
+it from there. What each option means: ``docs/options.md``.
 """
 
 from __future__ import annotations
@@ -122,7 +121,11 @@ def _choice(choices: tuple) -> Callable[[str, object], object]:
     return check
 
 
-_COUNT = functools.partial(check_number, integer=True, low=1, high=INT64_RANGE[1], none_ok=True)
+def _number(**rule) -> Callable[[str, object], object]:
+    return functools.partial(check_number, **rule)
+
+
+_INT64 = dict(integer=True, low=INT64_RANGE[0], high=INT64_RANGE[1])
 
 
 class ShardKwargs(TypedDict, total=False):
@@ -132,42 +135,41 @@ class ShardKwargs(TypedDict, total=False):
 
     vocab_size: Annotated[int | None, Option(None)]
     vocab_start: Annotated[int | None, Option(None)]
-    chunk_size: Annotated[int | None, Option(None, _COUNT)]
+    chunk_size: Annotated[int | None, Option(None, _number(**_INT64 | dict(low=1), none_ok=True))]
     validate: Annotated[bool, Option(True, check_bool)]
 
 
 class ScaledKwargs(ShardKwargs, total=False):
     """:class:`ShardKwargs` and ``temperature`` (logits are divided by it)."""
 
-    temperature: Annotated[float, Option(1.0, functools.partial(check_number,
-                                                                low=MIN_TEMPERATURE),
-                                         "temperature", "float")]
+    temperature: Annotated[float, Option(1.0, _number(low=MIN_TEMPERATURE),
+                                         agree="temperature", kind="float")]
 
 
 class TargetKwargs(ScaledKwargs, total=False):
     """:class:`ScaledKwargs` and ``ignore_index`` (targets holding it are not scored)."""
 
-    ignore_index: Annotated[int, Option(IGNORE_INDEX, functools.partial(
-        check_number, integer=True, low=INT64_RANGE[0], high=INT64_RANGE[1]), "ignore_index")]
+    ignore_index: Annotated[int, Option(IGNORE_INDEX, _number(**_INT64), agree="ignore_index")]
 
 
 class StatsKwargs(TargetKwargs, total=False):
     """:class:`TargetKwargs`, ``label_smoothing`` (in [0, 1)) and ``batch_invariant``."""
 
-    label_smoothing: Annotated[float, Option(0.0, functools.partial(
-        check_number, low=0.0, high=1.0, high_open=True), "label_smoothing", "float")]
+    label_smoothing: Annotated[float, Option(0.0, _number(low=0.0, high=1.0, high_open=True),
+                                             agree="label_smoothing", kind="float")]
     batch_invariant: Annotated[bool | str, Option(
-        False, lambda name, value: check_batch_invariant(value), "batch_invariant", "choice",
-        BATCH_INVARIANT_MODES)]
+        False, lambda _, value: check_batch_invariant(value), agree="batch_invariant",
+        kind="choice", choices=BATCH_INVARIANT_MODES)]
 
 
 class VocabStatsKwargs(StatsKwargs, total=False):
     """:class:`StatsKwargs` and ``kernel`` (``"auto"``, ``"torch"`` or ``"triton"``: the backend
-    of the statistics and their gradient, resolved by ``ops.kernels.resolve_kernel``; the ranks
-    compare the resolved one): the keywords of the ops' wrappers (log-probs, entropy,
-    cross-entropy)."""
+    of the statistics and their gradient, resolved with the call's device by
+    ``ops.kernels.resolve_kernel``; the ranks compare the resolved one): the keywords of the
+    ops' wrappers (log-probs, entropy, cross-entropy)."""
 
-    kernel: Annotated[str, Option("auto", None, "kernel (resolved)", "choice", KERNELS)]
+    kernel: Annotated[str, Option("auto", agree="kernel (resolved)", kind="choice",
+                                  choices=KERNELS)]
 
 
 class OutputKwargs(TypedDict, total=False):
@@ -175,9 +177,9 @@ class OutputKwargs(TypedDict, total=False):
     (``"off"``: None, ``"metric"``: no gradient, ``"grad"``) and ``argmax`` (the global id of
     each row's largest logit; torch kernel only)."""
 
-    entropy: Annotated[str, Option("grad", _choice(ENTROPY_MODES), "entropy mode", "choice",
-                                   ENTROPY_MODES)]
-    argmax: Annotated[bool, Option(False, check_bool, "argmax", "bool")]
+    entropy: Annotated[str, Option("grad", _choice(ENTROPY_MODES), agree="entropy mode",
+                                   kind="choice", choices=ENTROPY_MODES)]
+    argmax: Annotated[bool, Option(False, check_bool, agree="argmax", kind="bool")]
 
 
 class StatsOpKwargs(VocabStatsKwargs, OutputKwargs, total=False):
@@ -185,16 +187,47 @@ class StatsOpKwargs(VocabStatsKwargs, OutputKwargs, total=False):
     :class:`StatsConfig`."""
 
 
-class LinearHeadKwargs(TypedDict, total=False):
-    """The fused LM head's own keywords (see
-    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`): ``hidden`` is this rank's
-    sequence shard, dW is added into ``weight.main_grad``, dX is left unsummed over tp."""
+class FusedKwargs(TypedDict, total=False):
+    """The keywords of every differentiable op from hidden states (the fused LM head):
+    ``hidden`` is this rank's sequence shard (gathered inside), and the fp32 weight gradient is
+    added into ``weight.main_grad`` (Megatron's gradient-accumulation fusion)."""
 
-    sequence_parallel: Annotated[bool, Option(False, check_bool, "sequence_parallel", "bool")]
-    accumulate_into_main_grad: Annotated[bool, Option(False, check_bool,
-                                                      "accumulate_into_main_grad", "bool")]
-    partial_hidden_grad: Annotated[bool, Option(False, check_bool, "partial_hidden_grad",
-                                                "bool")]
+    sequence_parallel: Annotated[bool, Option(False, check_bool, agree="sequence_parallel",
+                                              kind="bool")]
+    accumulate_into_main_grad: Annotated[bool, Option(
+        False, check_bool, agree="accumulate_into_main_grad", kind="bool")]
+
+
+class LinearHeadKwargs(FusedKwargs, total=False):
+    """:class:`FusedKwargs` and ``partial_hidden_grad`` (dX left unsummed over tp): the keywords
+    of :func:`~megatron_vocabstats.linear_vocab_parallel_stats` beyond the core op's."""
+
+    partial_hidden_grad: Annotated[bool, Option(False, check_bool, agree="partial_hidden_grad",
+                                                kind="bool")]
+
+
+class LinearTopKKwargs(ScaledKwargs, FusedKwargs, total=False):
+    """The keywords of the fused top-k ops."""
+
+
+class SamplerKwargs(TypedDict, total=False):
+    """The inference sampler's filters (vLLM's), each None when off: ``top_k`` (an int >= 1),
+    ``top_p`` (in (0, 1]) and ``min_p`` (in [0, 1)); the ranks compare them in the sampler
+    ops' own agreement entries."""
+
+    top_k: Annotated[int | None, Option(None, _number(integer=True, low=1, none_ok=True))]
+    top_p: Annotated[float | None, Option(None, _number(low=0.0, high=1.0, low_open=True,
+                                                        none_ok=True))]
+    min_p: Annotated[float | None, Option(None, _number(low=0.0, high=1.0, high_open=True,
+                                                        none_ok=True))]
+
+
+class SamplingKwargs(TargetKwargs, SamplerKwargs, total=False):
+    """The keywords of :func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs`."""
+
+
+class LinearSamplingKwargs(SamplingKwargs, FusedKwargs, total=False):
+    """The keywords of the fused sampler log-probs."""
 
 
 class LinearStatsKwargs(VocabStatsKwargs, LinearHeadKwargs, total=False):
@@ -216,6 +249,7 @@ def declared(kwargs: type) -> dict[str, Option]:
 # The options of the core statistics (:class:`StatsConfig`) and of the fused LM head.
 STATS_OPTIONS = declared(StatsOpKwargs)
 LINEAR_HEAD_OPTIONS = declared(LinearHeadKwargs)
+SAMPLER_OPTIONS = declared(SamplerKwargs)
 # The options that define the shard layout (``StatsConfig.layout``) rather than a field.
 LAYOUT_OPTIONS = ("vocab_size", "vocab_start")
 
@@ -231,12 +265,13 @@ def takes_options(op):
     """Decorator of an op ``op(..., **options: Unpack[K])``: its signature (``help``,
     ``inspect.signature``) lists K's keywords with their declared defaults, and a keyword K
     does not declare raises ``TypeError`` as Python's own does, naming the ones it does."""
-    kwargs = eval(op.__annotations__["options"], op.__globals__).__args__[0]  # Unpack[K]
-    options = {**STATS_OPTIONS, **LINEAR_HEAD_OPTIONS}
+    # (the annotation is a string, "Unpack[K]": the modules use postponed annotations)
+    keyword_set = eval(op.__annotations__["options"], op.__globals__).__args__[0]
+    options = declared(keyword_set)
     signature = inspect.signature(op)
     params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     taken = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
-    hints = get_type_hints(kwargs, include_extras=True)
+    hints = get_type_hints(keyword_set, include_extras=True)
     names = [name for name in hints if name not in taken]
     allowed = frozenset(taken | set(names))
     listed = ", ".join(sorted(names))

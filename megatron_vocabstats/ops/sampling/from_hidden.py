@@ -16,7 +16,7 @@ from ..engine.chunks import flatten_target
 from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
 from ..engine.recompute import recompute_backward
 from ..hidden_checks import checked_linear_config
-from ..options import TargetKwargs, takes_options
+from ..options import LinearSamplingKwargs, takes_options
 from ..workspace import untracked
 from .from_logits import SamplingLogprobs, sampler_config
 from .search import (
@@ -69,12 +69,7 @@ def linear_vocab_parallel_sampling_logprobs(
     target: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    accumulate_into_main_grad: bool = False,
-    **options: Unpack[TargetKwargs],
+    **options: Unpack[LinearSamplingKwargs],
 ) -> SamplingLogprobs:
     """:func:`~megatron_vocabstats.vocab_parallel_sampling_logprobs` of ``hidden @ W.T`` without
     the logits.
@@ -90,18 +85,14 @@ def linear_vocab_parallel_sampling_logprobs(
     results equal the unfused op on those chunk products. ``hidden``, ``weight``,
     ``sequence_parallel``, ``accumulate_into_main_grad`` and the errors are those of
     ``linear_vocab_parallel_stats``; the filters, the other keywords
-    (:class:`~megatron_vocabstats.ops.options.TargetKwargs`), results and communication those of
-    ``vocab_parallel_sampling_logprobs`` (plus the sequence-parallel gather of ``hidden``, and
-    in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's chunk buffers,
-    chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
+    (:class:`~megatron_vocabstats.ops.options.LinearSamplingKwargs`), results and communication
+    those of ``vocab_parallel_sampling_logprobs`` (plus the sequence-parallel gather of
+    ``hidden``, and in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's
+    chunk buffers, chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
     """
     def check(_logits, target_, group, **kwargs):
-        return checked_linear_config(hidden, weight, target_, None, group,
-                                     sequence_parallel=sequence_parallel,
-                                     accumulate_into_main_grad=accumulate_into_main_grad,
-                                     **kwargs)
+        return checked_linear_config(hidden, weight, target_, None, group, **kwargs)
 
-    cfg, lcfg = sampler_config(None, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
-                               check=check, **options)
+    cfg, lcfg = sampler_config(None, target, tp_group, check=check, **options)
     return SamplingLogprobs(*_LinearSamplingLogprobs.apply(hidden, weight, target, cfg, lcfg,
                                                            tp_group))

@@ -19,11 +19,10 @@ from typing import NamedTuple, Unpack
 import torch
 import torch.distributed as dist
 
-from .._argtypes import check_number
 from .._checks import checked_config, first_order_backward
 from ..agreement import bits_float, float_bits
 from ..engine.chunks import flatten_target, logits_chunks, logits_grad
-from ..options import TargetKwargs, takes_options
+from ..options import SAMPLER_OPTIONS, SamplingKwargs, takes_options
 from ..workspace import untracked
 from .search import (
     SampledGrad,
@@ -55,14 +54,11 @@ class SamplingLogprobs(NamedTuple):
 
 
 def sampler_problem(top_k, top_p, min_p) -> Exception | None:
-    """The first bad filter argument as an exception naming it (``check_number``'s: a wrong
-    type is an ``InputTypeError``, a value out of range a ``ValueError``), or None."""
-    rules = (("top_k", top_k, dict(integer=True, low=1)),
-             ("top_p", top_p, dict(low=0.0, high=1.0, low_open=True)),
-             ("min_p", min_p, dict(low=0.0, high=1.0, high_open=True)))
-    for name, value, rule in rules:
+    """The first bad filter argument as an exception naming it (a wrong type an
+    ``InputTypeError``, a value out of range a ``ValueError``), or None."""
+    for (name, option), value in zip(SAMPLER_OPTIONS.items(), (top_k, top_p, min_p)):
         try:
-            check_number(name, value, none_ok=True, **rule)
+            option.check(name, value)
         except ValueError as exc:  # InputTypeError included
             return exc
     return None
@@ -94,10 +90,11 @@ class _SamplingLogprobs(torch.autograd.Function):
         return grad_logits.view(logits.shape), None, None, None
 
 
-def sampler_config(logits, target, tp_group, *, top_k, top_p, min_p, local_error=None,
-                   check=checked_config, **options) -> tuple[SamplerConfig, object]:
+def sampler_config(logits, target, tp_group, *, local_error=None, check=checked_config,
+                   **options) -> tuple[SamplerConfig, object]:
     """Validate one call (the core checks through ``check``, the filters, their agreement
     across ranks): ``(SamplerConfig, what check returned)``."""
+    top_k, top_p, min_p = (options.pop(name, None) for name in SAMPLER_OPTIONS)
     problem = local_error or sampler_problem(top_k, top_p, min_p)
     if target is None and problem is None:
         problem = ValueError("target is required: the sampled token ids to score")
@@ -125,10 +122,7 @@ def vocab_parallel_sampling_logprobs(
     target: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    **options: Unpack[TargetKwargs],
+    **options: Unpack[SamplingKwargs],
 ) -> SamplingLogprobs:
     """``log q(target)`` under the inference sampler's truncated, renormalised distribution q.
 
@@ -151,7 +145,7 @@ def vocab_parallel_sampling_logprobs(
             never modified.
         target: int64 global ids shaped like ``logits.shape[:-1]`` (the sampled tokens).
         tp_group, **options: as :func:`~megatron_vocabstats.vocab_parallel_stats`
-            (:class:`~megatron_vocabstats.ops.options.TargetKwargs`); ``temperature`` > 0.
+            (:class:`~megatron_vocabstats.ops.options.SamplingKwargs`); ``temperature`` > 0.
         top_k: an int >= 1 (ties at the k-th value kept); None = off (vLLM's -1); a k of V or
             more keeps everything.
         top_p: in (0, 1]; None or 1 = off. A tie on the boundary keeps its highest ids.
@@ -175,6 +169,5 @@ def vocab_parallel_sampling_logprobs(
         TypeError: a filter of the wrong Python type (``InputTypeError``, also a ``ValueError``).
         RuntimeError: on double backward.
     """
-    cfg, _ = sampler_config(logits, target, tp_group, top_k=top_k, top_p=top_p, min_p=min_p,
-                            **options)
+    cfg, _ = sampler_config(logits, target, tp_group, **options)
     return SamplingLogprobs(*_SamplingLogprobs.apply(logits, target, cfg, tp_group))

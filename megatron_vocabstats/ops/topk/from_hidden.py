@@ -23,7 +23,7 @@ from ..agreement import host_checks_enabled
 from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
 from ..engine.recompute import recompute_backward
 from ..hidden_checks import checked_linear_config, lead_shape
-from ..options import ScaledKwargs, takes_options
+from ..options import LinearTopKKwargs, takes_options
 from ..workspace import untracked
 from .checks import agreement, index_problem, k_problem, real_vocab, valid_rows
 from .math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
@@ -74,10 +74,8 @@ def linear_vocab_parallel_topk_logprobs(
     indices: torch.Tensor,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
     mask: torch.Tensor | None = None,
-    accumulate_into_main_grad: bool = False,
-    **options: Unpack[ScaledKwargs],
+    **options: Unpack[LinearTopKKwargs],
 ) -> torch.Tensor:
     """Log-probs of ``hidden @ W.T`` at given global ids, normalised over the full vocabulary,
     without the logits.
@@ -102,11 +100,12 @@ def linear_vocab_parallel_topk_logprobs(
             (the gathered ``[s, ...]`` under ``sequence_parallel``, as Megatron's labels).
         tp_group, mask, **options: as
             :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (``mask`` shaped like the
-            leading shape of ``indices``; :class:`~megatron_vocabstats.ops.options.ScaledKwargs`,
-            ``chunk_size`` in tokens, default ``engine.linear.auto_linear_chunk_size``).
-        sequence_parallel: ``hidden`` is the local sequence shard; ignored for tp = 1.
-        accumulate_into_main_grad: Megatron's gradient-accumulation fusion: the fp32 weight
-            gradient is added into ``weight.main_grad`` (and a dummy or None returned).
+            leading shape of ``indices``; ``chunk_size`` in tokens, default
+            ``engine.linear.auto_linear_chunk_size``), and ``sequence_parallel`` (``hidden`` is
+            the local sequence shard; ignored for tp = 1) and ``accumulate_into_main_grad``
+            (the fp32 weight gradient is added into ``weight.main_grad``) as for
+            :func:`~megatron_vocabstats.linear_vocab_parallel_stats`
+            (:class:`~megatron_vocabstats.ops.options.LinearTopKKwargs`).
 
     Returns:
         fp32 ``[..., k]`` log-probs, identical on every rank (0 at masked rows).
@@ -124,15 +123,14 @@ def linear_vocab_parallel_topk_logprobs(
             ``indices``/``mask``; under ``validate`` and tp > 1 on every rank, including ``k``,
             ``indices`` or ``mask`` that differ across the ranks.
     """
-    lead = lead_shape(hidden, sequence_parallel, _comm.group_rank_size(tp_group)[1])
+    lead = lead_shape(hidden, options.get("sequence_parallel"),
+                      _comm.group_rank_size(tp_group)[1])
     problem = None
     if lead is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
         problem = index_problem(indices, mask, lead, hidden.device,
                                 real_vocab(weight.shape[0], tp_group, options.get("vocab_size")),
                                 host_checks_enabled(options.get("validate", True), hidden.device))
-    cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
-                         accumulate_into_main_grad=accumulate_into_main_grad,
-                         local_error=problem,
+    cfg = _linear_config(hidden, weight, tp_group, local_error=problem,
                          agree=agreement(lambda: indices.shape[-1], indices, mask), **options)
     valid = valid_rows(mask, math.prod(lead), hidden.device)
     return _LinearTopKLogprobs.apply(hidden, weight, indices, valid, cfg, tp_group)
@@ -145,8 +143,7 @@ def linear_vocab_parallel_topk(
     k: int,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    **options: Unpack[ScaledKwargs],
+    **options: Unpack[LinearTopKKwargs],
 ) -> TopK:
     """The teacher's global top-k of ``hidden @ W.T`` without the logits: equals
     :func:`~megatron_vocabstats.vocab_parallel_topk` on the chunk products (see
@@ -163,9 +160,8 @@ def linear_vocab_parallel_topk(
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         vocab = real_vocab(weight.shape[0], tp_group, options.get("vocab_size"))
         problem = k_problem(k, vocab) if vocab is not None else None
-    cfg = _linear_config(hidden, weight, tp_group, sequence_parallel=sequence_parallel,
-                         local_error=problem, agree=agreement(k), differentiable=False,
-                         **options)
+    cfg = _linear_config(hidden, weight, tp_group, local_error=problem, agree=agreement(k),
+                         differentiable=False, **options)
     sc, k = cfg.stats, int(k)  # (checked: an integral number, numpy's included)
     with torch.no_grad():
         total = full_hidden(untracked(hidden).detach(), cfg, tp_group)
