@@ -301,4 +301,26 @@ def test_argmax_refused_by_the_triton_statistics(monkeypatch):
     monkeypatch.setattr(_checks, "resolve_kernel", lambda kernel, device: "triton")
     with pytest.raises(ValueError, match="argmax=True is computed by the torch"):
         _bad(argmax=True)()
+    with pytest.raises(ValueError, match="argmax=True is computed by the torch"):
+        vocab_parallel_stats(torch.randn(3, 8), torch.tensor([1, 2, 3]), argmax=True)
+
+
+def test_argmax_is_an_optional_field_of_the_one_result_type():
+    """``argmax=True`` fills ``VocabStats.argmax`` (int64, ties to the lowest id, padding never
+    wins) and changes no other field, from logits and from hidden states; without it the
+    field is None and the type is the same."""
+    hidden, weight, target = make_problem(1)
+    logits = hidden @ weight.T
+    logits[0, :] = 0.0  # a row of ties: the lowest id wins
+    for stats in (lambda **kw: vocab_parallel_stats(logits, target, vocab_size=101, **kw),
+                  lambda **kw: linear_vocab_parallel_stats(hidden, weight, target,
+                                                           vocab_size=101, **kw)):
+        plain, with_argmax = stats(), stats(argmax=True)
+        assert type(plain) is type(with_argmax) and plain.argmax is None
+        for a, b in zip(plain[:3], with_argmax[:3]):
+            assert torch.equal(a, b)
+        assert with_argmax.argmax.dtype == torch.int64
+        assert with_argmax.argmax.shape == target.shape
+    full = vocab_parallel_stats(logits, target, vocab_size=101, argmax=True).argmax
+    assert (full[0] == 0).all() and torch.equal(full[1:], logits[1:].argmax(-1))
 
