@@ -166,7 +166,7 @@ def _check_local(logits, target, tp_group, options: dict) -> StatsConfig:
             value = int(target[bad].reshape(-1)[0])
             hint = (f"; tp_group is None, so {_holder(logits)} must hold the whole vocabulary: "
                     "for one rank's vocabulary shard pass its tp_group"
-                    if tp_group is None and value >= cfg.layout.vocab_size else "")
+                    if tp_group is None and value >= logits.shape[-1] else "")
             raise ValueError(
                 f"target holds id {value}, outside [0, vocab_size={cfg.layout.vocab_size}) and "
                 f"not ignore_index={cfg.ignore_index}{hint}"

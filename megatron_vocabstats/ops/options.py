@@ -274,14 +274,14 @@ def takes_options(op):
     hints = get_type_hints(keyword_set, include_extras=True)
     names = [name for name in hints if name not in taken]
     allowed = frozenset(taken | set(names))
-    listed = ", ".join(sorted(names))
+    listed = ", ".join(sorted({p.name for p in params if p.kind is p.KEYWORD_ONLY} | set(names)))
 
     @functools.wraps(op)
     def checked(*args, **kwargs):
         unknown = [key for key in kwargs if key not in allowed]
         if unknown:
             raise TypeError(f"{op.__name__}() got an unexpected keyword argument "
-                            f"{unknown[0]!r} (its options: {listed})")
+                            f"{unknown[0]!r} (its keywords: {listed})")
         return op(*args, **kwargs)
 
     checked.__signature__ = signature.replace(parameters=[*params, *(

@@ -144,7 +144,7 @@ def linear_vocab_parallel_stats(
     grad_weights: torch.Tensor | None = None,
     **options: Unpack[LinearStatsOpKwargs],
 ) -> VocabStats:
-    """Exact per-token log-probs, entropy and logsumexp of ``hidden @ W.T`` without the logits.
+    """Exact per-token log-probs, entropy, logsumexp (and argmax) of ``hidden @ W.T``, no logits.
 
     Reference semantics (one process; ``W`` the full output weight, the shards of ``tp_group``
     stacked in rank order; ``h`` the full sequence, the shards of ``hidden`` concatenated along
@@ -153,13 +153,11 @@ def linear_vocab_parallel_stats(
         logits = h @ W.T                      # in the model dtype, as Megatron's output layer
         vocab_parallel_stats(logits, target, vocab_size=..., entropy=..., temperature=..., ...)
 
-    computed chunk by chunk of tokens: a chunk's logits exist only in a ``[chunk, W]`` buffer
-    (``W`` = padded V / tp) and the statistics are the core op's; backward recomputes each
-    chunk's logits and turns its gradient into ``dX = g @ W`` and ``dW += g.T @ h`` right away.
-    Outputs are bitwise those of ``vocab_parallel_stats`` on the chunk products (numerics:
-    ``docs/options.md``). Method: chunked linear cross-entropy (Wijmans et al. 2024, "Cut Your
-    Losses in Large-Vocabulary Language Models", arXiv:2411.09009) made vocab-parallel with the
-    core op's exact statistics.
+    chunk by chunk of tokens: a chunk's logits live only in a ``[chunk, W]`` buffer, backward
+    recomputes them and turns their gradient into ``dX = g @ W`` and ``dW += g.T @ h`` at once.
+    Outputs are bitwise ``vocab_parallel_stats``'s on the chunk products (``docs/options.md``).
+    Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) with the core
+    op's exact vocab-parallel statistics.
 
     Args:
         hidden: ``[..., H]`` bf16/fp16/fp32 hidden states (Megatron ``[s, b, H]``, THD
@@ -179,21 +177,18 @@ def linear_vocab_parallel_stats(
             gradients are computed in forward (forward-gradient mode; entropy not "grad").
         accumulate_into_main_grad: add the fp32 weight gradient into ``weight.main_grad``.
         partial_hidden_grad: return this rank's share of ``dX``, not summed over ``tp_group``.
-
         Each option is stated once, with its checks and costs, in ``docs/options.md``.
 
     Returns:
         :class:`~megatron_vocabstats.VocabStats` ``(logprobs, entropy, logsumexp, argmax)``,
         shaped like ``target``, bitwise identical on every rank of ``tp_group``.
 
-    Communication: forward, one all-gather of ``[5, T]`` fp32 statistics (per chunk with
-    ``grad_weights``), a few int64 with ``validate``, the sequence-parallel gather of ``hidden``.
-    Backward: one all-reduce of ``dX``, or under sequence parallelism the gather of ``hidden``
-    again and a reduce-scatter; none with ``partial_hidden_grad``, and with ``grad_weights`` the
-    ``dX`` reduction happens in forward. Memory beyond inputs and outputs: the reused chunk
-    buffers, ``O(tp * T)`` fp32 vectors, the gathered ``hidden`` under sequence parallelism, and
-    in backward ``dX`` and the fp32 ``[W, H]`` weight-gradient sums (none extra with an fp32
-    ``main_grad``).
+    Communication: forward, the core op's all-gather (per chunk with ``grad_weights``) and the
+    sequence-parallel gather of ``hidden``; backward, one all-reduce of ``dX`` (under sequence
+    parallelism the gather of ``hidden`` again and a reduce-scatter; none with
+    ``partial_hidden_grad``; in forward with ``grad_weights``). Memory beyond inputs and
+    outputs: the reused chunk buffers, ``O(tp * T)`` fp32 vectors, the gathered ``hidden``, and in
+    backward ``dX`` and fp32 ``[W, H]`` weight-gradient sums (none with an fp32 ``main_grad``).
 
     Raises:
         ValueError: naming the argument: what :func:`vocab_parallel_stats` raises, misshaped or

@@ -115,7 +115,7 @@ def vocab_parallel_stats(
     tp_group: dist.ProcessGroup | None = None,
     **options: Unpack[StatsOpKwargs],
 ) -> VocabStats:
-    """Exact per-token log-probs, entropy and logsumexp from vocab-parallel logits.
+    """Exact per-token log-probs, entropy, logsumexp (and argmax) from vocab-parallel logits.
 
     Reference semantics (one process, full vocabulary, ``z = logits.float() / temperature`` with
     columns ``>= vocab_size`` removed)::
@@ -125,9 +125,8 @@ def vocab_parallel_stats(
         entropy = -(logp.exp() * logp).sum(-1)
         logsumexp = torch.logsumexp(z, -1)
 
-    computed without gathering the vocabulary, without an fp32 copy of the shard and without a
-    one-hot. Method: per-shard sufficient statistics (max, sum of exp, exp-weighted logits, target
-    logit) merged across ranks, ``H = logZ - E_p[z]``: ``docs/numerics.md``.
+    without gathering the vocabulary, an fp32 copy of the shard or a one-hot. Method: per-shard
+    sufficient statistics merged across ranks, ``H = logZ - E_p[z]`` (``docs/numerics.md``).
 
     Args:
         logits: this rank's vocabulary shard ``[..., W]`` (W = padded V / tp), bf16, fp16 or fp32,
@@ -147,29 +146,26 @@ def vocab_parallel_stats(
         batch_invariant: ``False``, ``True`` (bitwise per row) or ``"tp"`` (also across tp).
         kernel: ``"auto"``, ``"torch"`` or ``"triton"``.
         argmax: also each row's global argmax id (``VocabStats.argmax``; torch kernel only).
-
         Each option is stated once, with its checks and costs, in ``docs/options.md``.
 
     Returns:
         :class:`VocabStats` ``(logprobs, entropy, logsumexp, argmax)``, shaped like
         ``logits.shape[:-1]``, identical on every rank of ``tp_group``.
 
-    Communication: one all-gather of ``[5, T]`` fp32 in forward (plus one of 5 int64 when
-    ``validate``), none in backward. Memory beyond the inputs: two fp32 ``[chunk, W]`` buffers
-    (reused across calls: ``ops.workspace`` gives their lifetime under streams and CUDA graphs)
-    and ``O(tp * T)`` fp32 vectors; backward
-    allocates the logits gradient once, in the logits dtype. No host synchronisation with
-    ``validate=False`` (graph-capturable).
+    Communication: one all-gather of ``[5, T]`` fp32 (``[6, T]`` with ``argmax``) in forward,
+    plus one of a few int64 with ``validate``; none in backward. Memory beyond the inputs: two
+    reused fp32 ``[chunk, W]`` buffers (``ops.workspace``) and ``O(tp * T)`` fp32 vectors;
+    backward allocates the logits gradient once, in the logits dtype. No host synchronisation
+    with ``validate=False`` (graph-capturable).
 
     Raises:
         TypeError: an argument of the wrong Python type, naming it (``InputTypeError``, also a
             ``ValueError``).
-        ValueError: naming the argument: a bad shape or dtype, an empty shard (width 0), an
-            option out of range (``chunk_size <= 0``, ...), a missing ``tp_group``, and with
-            ``validate`` target ids outside ``[0, V)``, full logits replicated on every rank,
-            inputs or options that differ across ranks (each rank's value printed; raised on
-            every rank), and scored rows whose logits are NaN, +inf or all -inf, or overflow
-            fp32 after the temperature (reported as a too small ``temperature``).
+        ValueError: naming the argument: a bad shape or dtype, an empty shard, an option out of
+            range, a missing ``tp_group``; with ``validate``, target ids outside ``[0, V)``, full
+            logits replicated on every rank, inputs or options that differ across ranks (raised
+            on every rank), scored rows with no finite logsumexp (NaN, +inf, all -inf, or a too
+            small ``temperature``).
         RuntimeError: on double backward (``create_graph=True``), which is not supported.
     """
     cfg = checked_config(logits, target, tp_group, **options)
