@@ -1,10 +1,7 @@
-"""The vocab-parallel ops and their public API: statistics of this rank's shard of the vocabulary
-(log-probs, entropy, cross-entropy, top-k, sampler log-probs and their gradients) from its logits
-or, fused with the LM head, from hidden states, without gathering the vocabulary.
-
-Math is kept apart from communication: pure tensor math in ``_math`` and ``_grad``, collectives
-in ``_comm``, the chunk engine every op shares in ``engine/``, one folder per op family
-(``stats/``, ``topk/``, ``sampling/``). What lives where: ``docs/layout.md``.
+"""The vocab-parallel ops and their public API: log-probs, entropy, cross-entropy, top-k and
+sampler log-probs (and their gradients) from this rank's vocabulary shard of the logits or, fused
+with the LM head, from hidden states, without gathering the vocabulary. What lives where:
+``docs/layout.md``.
 """
 
 from .sampling.from_hidden import linear_vocab_parallel_sampling_logprobs

@@ -1,10 +1,7 @@
-"""Cross-rank agreement of input checks: a bad input on one rank raises on every rank.
-
-Public (``megatron_vocabstats.ops.agreement``), shared by the ops' checks (``ops/_checks.py``) and
-the packages above ``ops/`` (losses, packing, distillation). Under tensor (or context) parallelism
-every rank first decides locally, then all ranks exchange one small int64 vector (an error flag,
-then values that must be equal on every rank), built by :class:`CrossRankCheck`, so that a bad
-input on one rank raises on every rank instead of leaving the others waiting in a collective.
+"""Cross-rank agreement of input checks, for the ops' checks and the packages above ``ops/``:
+every rank decides locally, then one small int64 all-gather (an error flag, then values that
+must be equal on every rank) makes a bad input on one rank raise on every rank instead of
+leaving the others waiting in a collective (docs/checks.md).
 """
 
 from __future__ import annotations
@@ -82,12 +79,8 @@ def bits_float(bits: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Field:
-    """One compared column of :func:`agree_across_ranks` and how a difference is reported.
-
-    ``show`` maps the exchanged int back to the value printed for each rank (default: the int);
-    ``checksum=True`` prints no values (they are meaningless hashes), only the ranks whose value
-    differs from rank 0's.
-    """
+    """One compared column of :func:`agree_across_ranks`: ``show`` maps the exchanged int to the
+    value printed per rank; ``checksum=True`` prints only the ranks that differ from rank 0."""
 
     name: str
     show: Callable[[int], object] = int
@@ -122,13 +115,11 @@ def agree_across_ranks(error: Exception | None, values: list[int] | None,
     """Make a local input error, or a disagreement between ranks, raise on every rank.
 
     One all-gather of ``[error flag, *values]`` (int64) over ``group``: this rank re-raises its
-    own ``error`` (any exception); the others raise a ``ValueError`` naming the ranks that
-    rejected their inputs; otherwise the first of ``names`` whose value differs across ranks is
-    reported with ``hint``. A name is a string (the ints are printed) or a :class:`Field` (printed
-    through its ``show``, or as a checksum). ``values`` may be None when ``error`` is set; its
-    last ``extra`` columns are exchanged but not compared; each must fit int64. ``device``: where
-    the exchange runs; None picks it from the group's backend (``_comm.exchange_device``).
-    Returns the table of every rank's row (flag first).
+    own ``error``, the others raise a ``ValueError`` naming the ranks that rejected their inputs;
+    else the first of ``names`` (strings or :class:`Field`) whose value differs raises with
+    ``hint``. ``values`` (int64; None when ``error`` is set) ends with ``extra`` columns that are
+    exchanged, not compared. ``device`` None: the group backend's (``_comm.exchange_device``).
+    Returns every rank's row (flag first).
     """
     fields = tuple(as_field(name) for name in names)
     if device is None:
@@ -148,21 +139,14 @@ def agree_across_ranks(error: Exception | None, values: list[int] | None,
 
 
 class CrossRankCheck:
-    """The check builder: one call's rank-local checks, made to raise on every rank of ``group``.
+    """One call's rank-local checks, made to raise on every rank of ``group``.
 
-    Collects this rank's first problem (an exception of a check run through :meth:`run`, or one
-    handed to :meth:`fail`, e.g. a rank-local error found by the caller) and its row of values
-    that must agree across ranks (the ``row`` of :meth:`run`), then :meth:`finish` does the single
-    exchange (:func:`agree_across_ranks` over ``fields``, then ``extra`` columns exchanged but not
-    compared): this rank re-raises its own problem, the others a ``ValueError`` naming it, or a
-    disagreement raises with ``hint`` on every rank.
-
-    The exchange runs (``enabled``) only with ``validate`` on a group of size > 1 and not under
-    CUDA graph capture nor tracing (``device``: where it runs; None picks it from the group's
-    backend).
-    Otherwise :meth:`run` raises a check's exception at once and :meth:`finish` raises a problem
-    handed to :meth:`fail`, on this rank only (no collective, no host read). Raises
-    :class:`InputTypeError` at once if ``group`` is neither a ``ProcessGroup`` nor None.
+    Collects this rank's first problem (from a check run by :meth:`run`, or handed to
+    :meth:`fail`) and its row of values to agree on; :meth:`finish` does the single exchange
+    (:func:`agree_across_ranks` over ``fields`` and ``extra``). The exchange runs (``enabled``)
+    only with ``validate`` on a group of size > 1, outside CUDA graph capture and tracing;
+    otherwise problems raise on this rank only, with no collective and no host read. Raises
+    :class:`InputTypeError` if ``group`` is neither a ``ProcessGroup`` nor None.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, *, validate, device: torch.device | None,
@@ -185,12 +169,9 @@ class CrossRankCheck:
 
     def run(self, check: Callable[[], object],
             row: Callable[[object], list[int]] | None = None) -> object:
-        """``check()`` and, when the exchange runs, ``row(result)`` (this rank's values of
-        ``fields`` then the ``extra`` columns, ints that fit int64); returns ``check``'s result.
-
-        Skipped (None) once a problem is recorded. With the exchange, an exception of either is
-        recorded for :meth:`finish` (None is returned); without, it raises here.
-        """
+        """``check()`` and, when the exchange runs, ``row(result)`` (this rank's int64 values of
+        ``fields`` then ``extra``); returns ``check``'s result, or None once a problem is recorded
+        (with the exchange an exception is recorded for :meth:`finish`; without, it raises)."""
         if self.error is not None:
             return None
         try:
@@ -205,8 +186,8 @@ class CrossRankCheck:
         return result
 
     def finish(self) -> list[list[int]] | None:
-        """The single exchange: raises as described above, else returns every rank's row (flag
-        first; see :func:`agree_across_ranks`), or None when the exchange does not run."""
+        """The single exchange: raises, or returns every rank's row (flag first), or None when
+        the exchange does not run."""
         if not self.enabled:
             if self.error is not None:
                 raise self.error
@@ -219,16 +200,12 @@ class CrossRankCheck:
 def checked_on_every_rank(check: Callable[[], object], tp_group: dist.ProcessGroup | None, *,
                           validate: bool, device: torch.device | None,
                           agree: tuple[tuple, ...] = (), hint: str) -> object:
-    """``check()`` (a caller's own input checks, run before any collective of the call), made to
-    raise on every rank of ``tp_group``; returns what it returns.
+    """``check()`` (a caller's input checks, run before any collective), made to raise on every
+    rank of ``tp_group``; returns what it returns.
 
-    With ``validate`` on a group of size > 1 (and not under CUDA graph capture or tracing) this
-    costs one all-gather of ``1 + len(agree)`` int64 numbers: an exception of ``check`` on one
-    rank raises there and a ``ValueError`` naming that rank on the others, instead of leaving
-    them blocked in the op's collectives; ``agree`` entries (as ``checked_config``'s, but
-    ``value_fn`` takes what ``check`` returned) must be equal on every rank. Otherwise
-    ``check()`` runs alone and its exception raises on this rank only (no collective, no host
-    read).
+    With the exchange (as :class:`CrossRankCheck`) it costs one all-gather of
+    ``1 + len(agree)`` int64; ``agree`` entries are ``checked_config``'s, but ``value_fn`` takes
+    what ``check`` returned.
     """
     checks = CrossRankCheck(tp_group, validate=validate, device=device, hint=hint,
                             fields=tuple(agree_field(entry) for entry in agree))

@@ -1,12 +1,6 @@
 """The fused LM head's side of the chunk engine: chunk logits ``hidden @ weight.T`` without ever
-holding ``[T, W]``.
-
-The validated options of one fused call (:class:`LinearStatsConfig`: ``options.StatsConfig`` plus
-sequence parallelism, main_grad fusion, forward-gradient mode, which gradients), the fused ops'
-chunk policy and reused buffers, the per-chunk GEMM (:data:`INVARIANT_ROWS` rows per GEMM in
-batch-invariant mode; none for a backend that computes the logits itself, as Triton's ``tl.dot``
-tiles do), and ``ColumnParallelLinear``'s collectives for the input and its gradient
-(sequence-parallel gather / reduce-scatter, or all-reduce).
+holding ``[T, W]``. The fused call's validated options, its chunk size and reused buffers, the
+per-chunk GEMM, and ``ColumnParallelLinear``'s collectives for the input and its gradient.
 """
 
 from __future__ import annotations
@@ -23,36 +17,21 @@ from ..workspace import WORKSPACE
 from .backends import backend_of
 from .kernel import Chunk
 
-# CPU auto chunking: tokens per chunk from the bytes of one fp32 [chunk, W] buffer. Unlike the
-# core op, whose chunks only stream logits, every chunk here re-reads the whole [W, H] weight for
-# the logits, dX and dW products and adds a [W, H] fp32 product into the weight-gradient sums,
-# which only amortises over a few hundred tokens. Measured (benchmarks/bench_fused_linear.py
-# --sweep-chunk, V=151,936, tp=2, T=512, process CPU ms per forward+backward) at chunk
-# 32/64/128/256/512: H=512 2304/1649/1603/1575/1748, H=1024 3703/3262/3096/2740/3027. 64 MiB
-# (220 tokens at W=76,032) sits at the optimum for 167 MB of chunk buffers.
+# CPU auto chunking: bytes of one fp32 [chunk, W] buffer. Every chunk re-reads the whole [W, H]
+# weight, which amortises only over a few hundred tokens (docs/benchmarks.md, "The fused LM head").
 CPU_LINEAR_CHUNK_BYTES = 64 * 2**20
-# GPU chunks of a backend that computes the logits itself (Triton: no fp32 chunk buffers), for the
-# backward and the forward-gradient mode. Every chunk reads and writes the fp32 [W, H] dW sums
-# (8 W H bytes) around a dW GEMM of 2 chunk W H FLOPs: at TILE_CHUNK_ROWS rows that traffic is
-# 4 x 989e12 / (4096 x 3.35e12) = 0.29 of the GEMM's time at H100/H200 peaks (the torch path's
-# 441 rows at V = 151,936: 2.7 times the GEMM). Its one buffer, [chunk, W] in the model dtype,
-# stays within TILE_CHUNK_BYTES: the torch path's three buffers at 441 rows (670 MB); whole
-# 128-row tiles (docs/gpu-model.md).
+# GPU chunks of a backend that computes the logits itself (Triton): large enough that each chunk's
+# read-modify-write of the fp32 [W, H] dW sums hides under its dW GEMM (docs/gpu-model.md).
 TILE_CHUNK_ROWS = 4096
 TILE_CHUNK_BYTES = 640 * 2**20
 
 
 def auto_linear_chunk_size(width: int, device: torch.device, *, tiles: bool = False,
                            itemsize: int = 2) -> int:
-    """Tokens per chunk of ``linear_vocab_parallel_stats`` (and every fused op) when
-    ``chunk_size=None``.
-
-    CPU: ``CPU_LINEAR_CHUNK_BYTES // (4 * width)`` (220 tokens at W = 76,032; see the comment on
-    the constant). Other devices: the core op's ``auto_chunk_size`` (256 MiB per fp32 buffer),
-    or with ``tiles`` (a backend that computes the logits itself; ``itemsize``: bytes of the
-    model dtype) :data:`TILE_CHUNK_ROWS` within :data:`TILE_CHUNK_BYTES` (2,176 rows at W =
-    151,936 in bf16), a multiple of 128.
-    """
+    """Tokens per chunk of every fused op when ``chunk_size=None``: on CPU one fp32 buffer of
+    :data:`CPU_LINEAR_CHUNK_BYTES`; else the core op's ``auto_chunk_size``, or with ``tiles``
+    :data:`TILE_CHUNK_ROWS` within :data:`TILE_CHUNK_BYTES` of the model dtype (``itemsize``),
+    a multiple of 128."""
     if device.type == "cpu":
         return max(1, CPU_LINEAR_CHUNK_BYTES // (4 * int(width)))  # (int: as auto_chunk_size)
     if tiles:
@@ -63,14 +42,9 @@ def auto_linear_chunk_size(width: int, device: torch.device, *, tiles: bool = Fa
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinearStatsConfig:
-    """Options of one ``linear_vocab_parallel_stats`` call (or another fused op's), validated.
-
-    ``stats``: the core op's options (layout, chunk size, entropy mode, ...). ``grad_hidden`` /
-    ``grad_weight``: which input gradients are produced. ``forward_grad``: gradients computed in
-    forward for the upstream gradient ``c * grad_weights`` (see ``grad_weights``).
-    ``partial_hidden_grad``:
-    ``dX`` is left as this rank's share, not summed over the shards.
-    """
+    """Validated options of one fused-op call: ``stats`` (the core op's), the fused head's own
+    (``docs/options.md``), ``forward_grad`` (the ``grad_weights`` mode) and which input
+    gradients (``grad_hidden``, ``grad_weight``) are produced."""
 
     stats: StatsConfig
     sequence_parallel: bool
@@ -81,26 +55,18 @@ class LinearStatsConfig:
     partial_hidden_grad: bool = False
 
 
-# Batch-invariant mode: the logits are computed INVARIANT_ROWS rows per matmul, from a copy of the
-# rows in a reused buffer (tail rows zero), so every GEMM has the same shape and alignment whatever
-# the token count, the chunk size or the row's position.
+# Batch-invariant mode: rows per logits GEMM (zero-padded), so that every GEMM has one shape.
 INVARIANT_ROWS = 64
 
 
 class ChunkBuffers:
-    """The reused buffers of one pass over the chunks (all with ``chunk`` rows).
+    """The reused workspace buffers of one pass over the chunks, given back by :meth:`release`.
 
-    ``logits``: model dtype ``[chunk, W]``, the chunk's logits and then its logits gradient;
-    ``z``/``scratch``: fp32 ``[chunk, W]`` for the core math; ``z_blocks``/``scratch_blocks``: the
-    same memory as ``[chunk, padded W]`` for :func:`~.._math.block_stats` (the same tensors unless
-    ``batch_invariant`` and W is not a multiple of 128); ``h32``/``grad32``: fp32 ``[chunk, H]``
-    / ``[chunk, W]``, for the upcast weight-gradient path (``grad32`` is ``z`` when there is one,
-    else made on first use). ``tiles`` (a backend that computes the logits itself,
-    ``Backend.tiles``): only ``logits``, which then holds the gradient alone (no ``z``/``scratch``,
-    no batch-invariant GEMM rows). With
-    ``batch_invariant`` the rows (the chunk, or fewer tokens) are rounded up to a multiple of
-    :data:`INVARIANT_ROWS`. All come from the workspace cache (:mod:`..workspace`);
-    :meth:`release` gives them back.
+    ``logits``: model dtype ``[chunk, W]``, the logits and then their gradient; ``z``/``scratch``:
+    fp32 ``[chunk, W]``, also viewed ``[chunk, padded W]`` as ``z_blocks``/``scratch_blocks``;
+    ``h32``/``grad32``: fp32 ``[chunk, H]`` / ``[chunk, W]`` made on first use (``grad32`` is
+    ``z``). With ``tiles`` only ``logits``; with ``batch_invariant`` whole :data:`INVARIANT_ROWS`
+    blocks of rows.
     """
 
     def __init__(self, hidden2d: torch.Tensor, width: int, chunk: int, *,
@@ -170,16 +136,10 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bufs: ChunkBuffers,
 
 def linear_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: ChunkBuffers, *,
                   padded: bool = False):
-    """Yield a :class:`~.kernel.Chunk` ``(rows, z, scratch, index, owned, logits)`` per chunk
-    of tokens.
-
-    ``logits``: ``hidden2d[rows] @ weight.T`` in the model dtype, in ``bufs.logits`` (one matmul,
-    fp32 accumulation inside, one rounding, as Megatron's output layer; :data:`INVARIANT_ROWS`
-    rows per matmul in batch-invariant mode); ``z``: its fp32 upcast from ``load_chunk``
-    (temperature applied, padding at the floor), in ``bufs.z_blocks`` if ``padded`` else
-    ``bufs.z``; ``scratch``: ``bufs.scratch_blocks`` if ``padded`` else ``bufs.scratch``;
-    ``index``/``owned``: the rows' targets in this shard (None without targets).
-    """
+    """Yield a :class:`~.kernel.Chunk` per chunk of tokens: ``logits`` the chunk's
+    ``hidden @ weight.T`` in the model dtype (one rounding, as Megatron's output layer), ``z`` its
+    fp32 ``load_chunk`` (in the ``_blocks`` buffers if ``padded``), ``index``/``owned`` the
+    targets in this shard (None without targets)."""
     num_tokens = hidden2d.shape[0]
     zbuf = bufs.z_blocks if padded else bufs.z
     scratch = bufs.scratch_blocks if padded else bufs.scratch
@@ -195,9 +155,7 @@ def linear_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs: Chu
 
 def tile_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, rows_per_chunk: int):
     """Yield a :class:`~.kernel.Chunk` per ``rows_per_chunk`` tokens for a backend that computes
-    the logits itself (``Backend.tiles``): ``logits``, ``z`` and ``scratch`` None, ``hidden`` the
-    chunk's rows of ``hidden2d``, ``weight`` the shard; ``index``/``owned`` as in
-    :func:`linear_chunks`. No buffer, no GEMM."""
+    the logits itself: ``hidden`` the chunk's rows, ``weight`` the shard; no buffer, no GEMM."""
     num_tokens = hidden2d.shape[0]
     for start in range(0, num_tokens, max(rows_per_chunk, 1)):
         rows = slice(start, min(start + rows_per_chunk, num_tokens))
@@ -209,10 +167,9 @@ def tile_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, rows_per_ch
 
 def fused_chunks(hidden2d, weight, target1d, valid, cfg: StatsConfig, bufs, *,
                  padded: bool = False, tiles: bool | None = None, tile_rows: int | None = None):
-    """The chunks of one pass of the fused head: :func:`linear_chunks` (the engine's GEMM per
-    chunk, in ``bufs``), or :func:`tile_chunks` of ``tile_rows`` rows (default
-    ``cfg.chunk_size``; ``bufs`` unused, may be None) when ``tiles`` (default: whether
-    ``cfg.kernel``'s backend computes the logits itself)."""
+    """:func:`linear_chunks`, or :func:`tile_chunks` of ``tile_rows`` rows (default
+    ``cfg.chunk_size``; ``bufs`` may be None) when ``tiles`` (default: whether ``cfg.kernel``'s
+    backend computes the logits itself)."""
     if tiles is None:
         tiles = backend_of(cfg).tiles
     if tiles:
@@ -226,9 +183,8 @@ def full_hidden(hidden, cfg: LinearStatsConfig, tp_group) -> torch.Tensor:
 
 
 def reduce_hidden_grad(dx2d, total_shape, cfg: LinearStatsConfig, tp_group):
-    """Sum the per-shard ``dX`` over the vocabulary shards, as ``ColumnParallelLinear``'s backward:
-    one all-reduce, or under sequence parallelism one reduce-scatter to the local shard; with
-    ``cfg.partial_hidden_grad`` none (the caller sums the shares)."""
+    """Sum the per-shard ``dX`` over the shards as ``ColumnParallelLinear``'s backward does:
+    all-reduce, or reduce-scatter under sequence parallelism; none with ``partial_hidden_grad``."""
     if cfg.partial_hidden_grad:
         return dx2d.view(total_shape)
     if cfg.sequence_parallel:

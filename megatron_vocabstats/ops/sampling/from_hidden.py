@@ -1,7 +1,5 @@
-"""The sampler's log-probs (:mod:`.from_logits`) straight from hidden states on the fused LM-head
-path: every pass of the threshold search recomputes each chunk's logits ``hidden @ W.T``, so no
-``[T, V/tp]`` tensor ever exists (the fused head's memory bound), at the price of one chunk GEMM
-per pass (14 in forward with top-k and top-p, one in backward).
+"""The sampler's log-probs (:mod:`.from_logits`) straight from hidden states: every pass of the
+threshold search recomputes each chunk's logits, so no ``[T, V/tp]`` tensor exists.
 """
 
 from __future__ import annotations
@@ -80,15 +78,13 @@ def linear_vocab_parallel_sampling_logprobs(
 
         vocab_parallel_sampling_logprobs(h @ W.T, target, temperature=..., top_k=..., ...)
 
-    with each chunk's logits computed as in
-    :func:`~megatron_vocabstats.linear_vocab_parallel_stats` (model dtype, one rounding), so the
-    results equal the unfused op on those chunk products. ``hidden``, ``weight``,
-    ``sequence_parallel``, ``accumulate_into_main_grad`` and the errors are those of
-    ``linear_vocab_parallel_stats``; the filters, the other keywords
-    (:class:`~megatron_vocabstats.ops.options.LinearSamplingKwargs`), results and communication
-    those of ``vocab_parallel_sampling_logprobs`` (plus the sequence-parallel gather of
-    ``hidden``, and in backward the all-reduce or reduce-scatter of dX). Memory: the fused head's
-    chunk buffers, chunk-sized int64 keys and float64 masses, ``O(T)`` vectors.
+    on the chunk products of :func:`~megatron_vocabstats.linear_vocab_parallel_stats` (model
+    dtype, one rounding). ``hidden``, ``weight``, ``sequence_parallel``,
+    ``accumulate_into_main_grad`` and the errors are those of ``linear_vocab_parallel_stats``; the
+    filters, the other keywords (:class:`~megatron_vocabstats.ops.options.LinearSamplingKwargs`),
+    results and communication those of ``vocab_parallel_sampling_logprobs`` (plus the
+    sequence-parallel gather of ``hidden``, and in backward the all-reduce or reduce-scatter of
+    dX). Memory: the fused head's chunk buffers, chunk-sized int64 keys and float64 masses.
     """
     def check(_logits, target_, group, **kwargs):
         return checked_linear_config(hidden, weight, target_, None, group, **kwargs)

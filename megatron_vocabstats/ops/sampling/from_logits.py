@@ -1,15 +1,8 @@
-"""Log-probs under an inference sampler's distribution (temperature, min-p, top-k, top-p) from
-vocab-parallel logits, without gathering the vocabulary.
-
-RL trainers compare their log-probs with the rollout engine's, which samples from a truncated,
-renormalised distribution q. :func:`vocab_parallel_sampling_logprobs` gives ``log q(target)`` with q
-built as vLLM's v1 sampler builds it (``vllm/v1/sample/sampler.py``: temperature, then min-p among
-the argmax-invariant logits processors, then ``apply_top_k_top_p``); SGLang's order gives another
-set when min-p and top-p are both active. Each filter keeps ``z >= threshold``; the top-k and top-p
-thresholds are found by a radix search over the shards (:mod:`.search`). Counts are exact; the top-p
-masses are summed in float64, so a token whose strictly-more-likely mass lies within about 1e-7
-relative of ``top_p`` may fall either way (vLLM's own fp32 cumulative sum is coarser), and only
-there may tp sizes differ. Order, tie rules, method and communication: ``docs/rollout.md``.
+"""Log-probs under an inference sampler's distribution (vLLM's v1 sampler: temperature, min-p,
+top-k, top-p) from vocab-parallel logits, without gathering the vocabulary; the filters'
+thresholds come from a radix search over the shards (:mod:`.search`). Order, tie rules, method,
+communication and precision (a token whose strictly-more-likely mass lies within about 1e-7
+relative of ``top_p`` may fall either way): ``docs/rollout.md``.
 """
 
 from __future__ import annotations
@@ -44,10 +37,9 @@ __all__ = [
 
 
 class SamplingLogprobs(NamedTuple):
-    """``logprobs``: fp32 ``log q(target)`` shaped like ``target`` (nats; -inf where the target
-    is outside the kept set, 0 at ``ignore_index``); ``outside``: bool, True where a scored
-    target is outside the kept set (a target whose logit is -inf included, with or without
-    filters: no sampler draws it), exactly where ``logprobs`` is -inf."""
+    """``logprobs``: fp32 ``log q(target)`` shaped like ``target`` (nats; 0 at ``ignore_index``);
+    ``outside``: bool, True where a scored target is outside the kept set (a -inf logit included,
+    with or without filters), exactly where ``logprobs`` is -inf."""
 
     logprobs: torch.Tensor
     outside: torch.Tensor
@@ -141,32 +133,29 @@ def vocab_parallel_sampling_logprobs(
         logprobs = torch.log_softmax(z.masked_fill(~keep, -inf), -1).gather(-1, target[..., None])
 
     Args:
-        logits: this rank's vocabulary shard ``[..., W]`` (bf16, fp16 or fp32); differentiable,
-            never modified.
+        logits: this rank's shard ``[..., W]`` (bf16, fp16 or fp32); differentiable, never modified.
         target: int64 global ids shaped like ``logits.shape[:-1]`` (the sampled tokens).
-        tp_group, **options: as :func:`~megatron_vocabstats.vocab_parallel_stats`
-            (:class:`~megatron_vocabstats.ops.options.SamplingKwargs`); ``temperature`` > 0.
-        top_k: an int >= 1 (ties at the k-th value kept); None = off (vLLM's -1); a k of V or
-            more keeps everything.
+        top_k: an int >= 1 (ties at the k-th value kept; k >= V keeps everything); None = off.
         top_p: in (0, 1]; None or 1 = off. A tie on the boundary keeps its highest ids.
         min_p: in [0, 1); None or 0 = off.
+        tp_group, **options: as :func:`~megatron_vocabstats.vocab_parallel_stats`
+            (:class:`~megatron_vocabstats.ops.options.SamplingKwargs`); ``temperature`` > 0.
 
     Returns:
-        :class:`SamplingLogprobs` ``(logprobs, outside)``: fp32 log q(target) (-inf where the
-        target is outside the kept set, 0 at ``ignore_index``, NaN at an id outside ``[0, V)``
-        when ``validate`` is off) and the bool mask of scored targets outside the kept set, equal
-        on every rank. Gradient w.r.t. the logits with the kept set held constant:
-        ``(1[j = y] - q_j) / temperature``; zero where the target is outside the set or ignored.
+        :class:`SamplingLogprobs`, equal on every rank; the log-prob is NaN at an id outside
+        ``[0, V)`` when ``validate`` is off. Gradient w.r.t. the logits with the kept set held
+        constant: ``(1[j = y] - q_j) / temperature``; zero where the target is outside the set or
+        ignored.
 
     Communication (tp > 1): at most 14 small all-gathers in forward (plus the check all-gather
-    with ``validate``), none in backward.
+    with ``validate``), none in backward. Memory: the core op's two fp32 ``[chunk, W]`` buffers,
+    chunk-sized int64 keys and float64 masses.
 
     Raises:
-        ValueError: naming the argument: ``top_k <= 0``, ``top_p`` outside (0, 1], ``min_p``
-            outside [0, 1), ``temperature`` not > 0, and everything
-            :func:`~megatron_vocabstats.vocab_parallel_stats` raises (under ``validate`` and
-            tp > 1 on every rank, also for filters that differ across the ranks).
-        TypeError: a filter of the wrong Python type (``InputTypeError``, also a ``ValueError``).
+        ValueError: a filter out of range, ``temperature`` not > 0, what
+            :func:`~megatron_vocabstats.vocab_parallel_stats` raises, and under ``validate`` on
+            tp > 1 (on every rank) filters that differ across the ranks. A filter of the wrong
+            type: ``InputTypeError`` (a ``TypeError`` and a ``ValueError``).
         RuntimeError: on double backward.
     """
     cfg, _ = sampler_config(logits, target, tp_group, **options)

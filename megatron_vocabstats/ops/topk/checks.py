@@ -1,10 +1,6 @@
-"""Input checks of the top-k ops (``from_logits.py``, ``from_hidden.py``): ``indices``, ``mask`` and
-``k``, the cross-rank agreement on them, and the validated config of the ops that read the logits
-at given ids (:func:`picked_config`).
-
-Every problem is returned (not raised) and routed through the core checks' one cross-rank
-exchange (``_checks.checked_config(local_error=..., agree=...)``), so that one rank's problem
-raises on every rank.
+"""Input checks of the top-k ops: ``indices``, ``mask`` and ``k`` and the cross-rank agreement
+on them. Problems are returned, not raised, for the core checks' one cross-rank exchange
+(``_checks.checked_config(local_error=..., agree=...)``) to raise on every rank.
 """
 
 from __future__ import annotations
@@ -23,10 +19,8 @@ _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 def index_problem(indices, mask, lead_shape, device, vocab_size: int | None,
                   host_checks: bool) -> ValueError | None:
-    """The first problem with ``indices`` ``[*lead_shape, k]`` and ``mask`` ``lead_shape``, or None.
-
-    With ``host_checks``, ids at unmasked rows must lie in ``[0, vocab_size)`` (reads the host).
-    """
+    """The first problem with ``indices`` ``[*lead_shape, k]`` and ``mask`` ``lead_shape``, or None;
+    with ``host_checks`` also ids at unmasked rows outside ``[0, vocab_size)``."""
     if not isinstance(indices, torch.Tensor):
         return InputTypeError(f"indices must be an int64 tensor [..., k], got "
                               f"{type(indices).__name__}")
@@ -57,8 +51,7 @@ def index_problem(indices, mask, lead_shape, device, vocab_size: int | None,
 
 
 def k_problem(k, vocab_size: int) -> ValueError | None:
-    """A ``ValueError`` for a ``k`` that is not an int in ``[1, vocab_size]``
-    (:class:`InputTypeError` if not an int at all; Python and numpy ints are), else None."""
+    """A ``ValueError`` for a ``k`` that is not an int in ``[1, vocab_size]``, else None."""
     try:
         check_number("k", k, integer=True, low=1, high=vocab_size)
     except ValueError as exc:
@@ -79,9 +72,8 @@ def real_vocab(width: int, tp_group, vocab_size) -> int | None:
 
 
 def agreement(k, indices=None, mask=None) -> tuple:
-    """``checked_config(agree=...)`` pairs: ``k`` (a callable or an int), and with ``indices`` a
-    checksum of ``mask != 0`` and one of the ids at the unmasked rows (masked rows may hold
-    anything). Each value is computed only in the agreement exchange (it reads the host)."""
+    """``checked_config(agree=...)`` pairs: ``k`` (a callable or an int), and with ``indices``
+    checksums of ``mask != 0`` and of the ids at unmasked rows, computed only in the exchange."""
     pairs = [("k", k if callable(k) else (lambda: k))]
     if indices is not None:
         def keep():
@@ -104,9 +96,8 @@ def valid_rows(mask, num_tokens: int, device) -> torch.Tensor:
 
 def picked_config(logits, indices, mask, tp_group, *, vocab_size=None, validate=True,
                   **options):
-    """``(StatsConfig, valid rows [T])`` of an op reading the logits at ``indices``: the index
-    and mask checks (:func:`index_problem`) raised through the core checks' exchange, with the
-    agreement on ``k``, the mask and the ids."""
+    """``(StatsConfig, valid rows [T])`` of an op reading the logits at ``indices``, checked
+    (:func:`index_problem`, :func:`agreement`) through the core checks' exchange."""
     problem = None
     if isinstance(logits, torch.Tensor) and logits.dim():  # else the core checks name logits
         try:

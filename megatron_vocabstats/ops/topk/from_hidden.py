@@ -1,12 +1,5 @@
-"""Top-k distillation ops straight from hidden states: the LM head fused with :mod:`.from_logits`.
-
-Each chunk's logits ``hidden_chunk @ weight.T`` exist only in the fused LM head's ``[chunk, W]``
-buffer; the per-chunk math and the merge are those of :mod:`.from_logits`, and backward recomputes
-each chunk's logits and turns their gradient into ``dX`` and ``dW`` right away, so no ``[T, V/tp]``
-tensor exists and the workspace does not grow with the sequence length. Method: chunked linear
-cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to top-k log-probs. Sequence
-parallelism and gradient-accumulation fusion (``weight.main_grad``) follow
-``ColumnParallelLinear``'s contract.
+"""Top-k distillation ops straight from hidden states: the LM head fused with :mod:`.from_logits`
+chunk by chunk, so that no ``[T, V/tp]`` tensor exists (backward recomputes each chunk's logits).
 """
 
 from __future__ import annotations
@@ -88,40 +81,31 @@ def linear_vocab_parallel_topk_logprobs(
 
     bit for bit on the logits assembled from the chunk products ``hidden_chunk @ weight.T`` (model
     dtype), as :func:`~megatron_vocabstats.linear_vocab_parallel_stats`; backward recomputes each
-    chunk. Method: the chunked linear cross-entropy of Wijmans et al. 2024 (arXiv:2411.09009)
-    applied to the top-k log-probs of ``docs/numerics.md`` ("Top-k distillation").
+    chunk. Method: chunked linear cross-entropy (Wijmans et al. 2024, arXiv:2411.09009) applied to
+    the top-k log-probs.
 
     Args:
-        hidden: ``[..., H]`` bf16/fp16/fp32 hidden states (Megatron ``[s, b, H]``), replicated
-            on the ranks of ``tp_group``; with ``sequence_parallel`` this rank's sequence shard
-            ``[s/tp, ..., H]``. Never modified.
-        weight: this rank's ``[W, H]`` shard of the output layer, same dtype and device.
-        indices: integer global ids ``[..., k]`` whose leading shape is that of ``hidden``
-            (the gathered ``[s, ...]`` under ``sequence_parallel``, as Megatron's labels).
-        tp_group, mask, **options: as
-            :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` (``mask`` shaped like the
-            leading shape of ``indices``; ``chunk_size`` in tokens, default
-            ``engine.linear.auto_linear_chunk_size``), and ``sequence_parallel`` (``hidden`` is
-            the local sequence shard; ignored for tp = 1) and ``accumulate_into_main_grad``
-            (the fp32 weight gradient is added into ``weight.main_grad``) as for
-            :func:`~megatron_vocabstats.linear_vocab_parallel_stats`
-            (:class:`~megatron_vocabstats.ops.options.LinearTopKKwargs`).
+        hidden, weight, sequence_parallel, accumulate_into_main_grad: as
+            :func:`~megatron_vocabstats.linear_vocab_parallel_stats`.
+        indices, mask, tp_group, **options: as
+            :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`
+            (:class:`~megatron_vocabstats.ops.options.LinearTopKKwargs`), with the leading
+            shape of ``hidden`` (the gathered ``[s, ...]`` under ``sequence_parallel``).
 
     Returns:
         fp32 ``[..., k]`` log-probs, identical on every rank (0 at masked rows).
 
-    Communication: forward, one all-gather of ``[5 + k, T]`` fp32 (plus, with ``validate`` on
-    tp > 1, one of a few int64, and under ``sequence_parallel`` the all-gather of ``hidden``);
-    backward, one all-reduce of ``dX``, or under ``sequence_parallel`` one reduce-scatter and the
-    all-gather of ``hidden`` again (as ``ColumnParallelLinear``). Memory: the chunk buffers,
-    ``O(tp k T)`` fp32, the gathered ``hidden``; in backward ``dX`` and the fp32 ``[W, H]``
-    weight-gradient sums (none with an fp32 ``main_grad``); nothing ``[T, W]``.
+    Communication: forward, one all-gather of ``[5 + k, T]`` fp32 (plus the check all-gather with
+    ``validate`` and the all-gather of ``hidden`` under ``sequence_parallel``); backward, as
+    ``ColumnParallelLinear``: the all-reduce of ``dX``, or the all-gather of ``hidden`` again and a
+    reduce-scatter. Memory: the chunk buffers, ``O(tp k T)`` fp32, the gathered ``hidden``; in
+    backward ``dX`` and the fp32 ``[W, H]`` weight-gradient sums (none with an fp32 ``main_grad``);
+    nothing ``[T, W]``.
 
     Raises:
-        ValueError: everything :func:`~megatron_vocabstats.linear_vocab_parallel_stats` raises
-            for ``hidden``/``weight``/options and ``vocab_parallel_topk_logprobs`` for
-            ``indices``/``mask``; under ``validate`` and tp > 1 on every rank, including ``k``,
-            ``indices`` or ``mask`` that differ across the ranks.
+        ValueError: what ``linear_vocab_parallel_stats`` raises for ``hidden``, ``weight`` and the
+            options, and what ``vocab_parallel_topk_logprobs`` raises for ``indices`` and ``mask``
+            (under ``validate`` on tp > 1, on every rank).
     """
     lead = lead_shape(hidden, options.get("sequence_parallel"),
                       _comm.group_rank_size(tp_group)[1])

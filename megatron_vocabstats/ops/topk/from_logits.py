@@ -1,27 +1,8 @@
-"""Top-k of vocab-parallel logits and log-probs at given ids, for top-k distillation.
-
-* :func:`vocab_parallel_topk` (teacher side): the global top-k log-probs and their global ids from
-  each rank's local top-k candidates. One all-gather carries, per token, every rank's k candidate
-  values and ids together with its logsumexp statistics, so the teacher costs one collective.
-* :func:`vocab_parallel_topk_logprobs` (student side): ``log p(i)`` at given global ids, normalised
-  over the full vocabulary. The k columns are picked in the logits' storage dtype and only the
-  ``[T, k]`` result is upcast; one all-gather of ``[5 + k, T]`` fp32 in forward, none in backward.
-
-Math (``docs/numerics.md``, "Top-k distillation"): per shard the statistics of ``_math.chunk_stats``
-(max and sum of exp), merged as ``log Z = m + log S``; ``log p(i) = (z_i - m) - log S``. The
-gradient of ``sum_k g_k log p(i_k)`` w.r.t. z is ``sum_k g_k 1[j = i_k] - p_j sum_k g_k``: the
-core op's ``chunk_grad`` with ``coef = sum_k g_k`` and no target, plus a scatter-add of ``g_k`` at
-the owned ids (duplicate ids add up).
-
-Ties in the top-k are broken by the lowest global id: candidates are ranked by one int64 key per
-column, the order-preserving integer image of the fp32 value in the high 32 bits and the complement
-of the id in the low 32 bits, so ``torch.topk`` sees no ties at all. A NaN ranks above everything,
-so a row holding one comes out all NaN (never a plausible top-k).
-
-Under ``validate`` on tp > 1 the ranks also agree on ``k``, ``indices`` and ``mask`` (checksums)
-before any result is used. Without ``validate`` nothing is compared: a differing ``k`` gives
-gathers of differing sizes (the collective fails or hangs until the backend's timeout),
-differing ids or masks silently wrong sums.
+"""Top-k of vocab-parallel logits for top-k distillation: the teacher's global top-k
+(:func:`vocab_parallel_topk`, :func:`vocab_parallel_topk_logits`) and the student's log-probs or
+logits at given global ids (:func:`vocab_parallel_topk_logprobs`,
+:func:`vocab_parallel_gather_logits`). Math: ``docs/numerics.md``, "Top-k distillation"; use:
+``docs/distillation.md``.
 """
 
 from __future__ import annotations
@@ -90,40 +71,29 @@ def vocab_parallel_topk(
         order = sorted(range(V), key=lambda j: (-logp[j], j))[:k]   # per token: ties -> lowest id
         TopK(logp[order], order)
 
-    Method: each rank takes the top ``min(k, W)`` of its shard chunk by chunk (fp32 chunk,
-    temperature applied, padding columns at -inf and ranked after real columns), then one
-    all-gather carries every rank's candidates (values and global ids) and logsumexp statistics
-    (``docs/numerics.md``); every rank merges them in rank order to the same global top-k.
+    Method: each rank takes its top ``min(k, W)`` (``k`` with ``vocab_start``) chunk by chunk,
+    padding columns never winning; one all-gather carries every rank's candidates and logsumexp
+    statistics, and every rank merges them in rank order to the same top-k.
 
     Args:
-        logits: this rank's vocabulary shard ``[..., W]`` (bf16, fp16 or fp32, W = padded V / tp),
-            rank r holding global ids ``[r*W, (r+1)*W)`` (or from ``vocab_start``). Never
-            modified; no gradient flows.
-        k: how many ids per token, ``1 <= k <= vocab_size``. Must be equal on all ranks.
-        tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
-        **options: :class:`~megatron_vocabstats.ops.options.ScaledKwargs`, as
-            ``vocab_parallel_stats``: ``vocab_size`` (the real V; ids ``>= V`` are never
-            returned; default ``W * tp``), ``vocab_start`` (unequal shards; every rank then sends
-            k candidates), ``temperature`` (logits are divided by it before the softmax),
-            ``chunk_size`` (results do not depend on it) and ``validate`` (the host-reading
-            checks: cross-rank agreement of shapes and options, finite logsumexp).
+        logits: this rank's shard ``[..., W]`` (bf16, fp16 or fp32); never modified, no gradient.
+        k: ids per token, an int in ``[1, V]``, equal on all ranks.
+        tp_group, **options: as ``vocab_parallel_stats``
+            (:class:`~megatron_vocabstats.ops.options.ScaledKwargs`).
 
     Returns:
         :class:`TopK` ``(logprobs fp32 [..., k], indices int64 [..., k])``, sorted by descending
-        log-prob, equal ids order by lowest id; identical on every rank. A logit of -inf gives a
-        log-prob of -inf; a row holding a NaN logit is all NaN (``validate``: an error). Not
-        differentiable (the teacher is a constant).
+        log-prob, identical on every rank, not differentiable. A logit of -inf gives -inf; a row
+        holding a NaN logit is all NaN (``validate``: an error).
 
-    Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 in forward (plus, with
-    ``validate`` on tp > 1, one of a few int64: the core checks and the agreement on ``k``).
-    Memory: the core op's two fp32 ``[chunk, W]`` buffers plus a few chunk-sized int64 keys, and
-    ``O(tp * k * T)`` for the candidates.
+    Communication: one all-gather of ``[5 + 2 min(k, W), T]`` int32 (plus, with ``validate`` on
+    tp > 1, the check all-gather of a few int64, which also compares ``k``). Memory: the core op's
+    two fp32 ``[chunk, W]`` buffers, chunk-sized int64 keys and ``O(tp k T)`` candidates.
 
     Raises:
-        ValueError: ``k`` not an int in ``[1, V]`` (``InputTypeError``, also a ``TypeError``,
-            when not an int at all), and everything ``vocab_parallel_stats`` raises
-            for the logits and options (NaN or +inf logits included, with ``validate``); under
-            ``validate`` and tp > 1 on every rank, also for a ``k`` that differs across them.
+        ValueError: ``k`` not in ``[1, V]`` (not an int: ``InputTypeError``, also a
+            ``TypeError``), what ``vocab_parallel_stats`` raises, and under ``validate`` on tp > 1
+            (on every rank) a ``k`` that differs across the ranks.
     """
     return _topk(logits, k, tp_group, normalize=True, **options)
 
@@ -153,21 +123,17 @@ def vocab_parallel_topk_logits(
     tp_group: dist.ProcessGroup | None = None,
     **options: Unpack[ShardKwargs],
 ) -> TopKLogits:
-    """Global top-k of the raw logits and their ids, without gathering the vocabulary.
+    """Global top-k of the raw logits and their ids, without gathering the vocabulary: e.g. a
+    sampler's top-k filter, or raw-logit distillation.
 
     Reference semantics (one process, full vocabulary)::
 
         torch.topk(logits.float()[..., :V], k)   # ties: the lowest id first
 
-    The same pass as :func:`vocab_parallel_topk` (same candidates, tie rule, arguments, errors and
-    one all-gather; its keywords but ``temperature``) returning the logits instead of their
-    log-probs: e.g. a sampler's top-k
-    filter, or raw-logit distillation. Logits at or below -1e30 come out -inf; a row holding a
-    NaN logit is all NaN (``validate``: an error). Not differentiable.
-
-    Returns:
-        :class:`TopKLogits` ``(logits fp32 [..., k], indices int64 [..., k])``, equal on every
-        rank.
+    :func:`vocab_parallel_topk`'s pass, arguments (no ``temperature``), communication and errors,
+    returning the logits instead of their log-probs: :class:`TopKLogits`, equal on every rank, not
+    differentiable. Logits at or below -1e30 come out -inf; a row holding a NaN logit is all NaN
+    (``validate``: an error).
     """
     return TopKLogits(*_topk(logits, k, tp_group, normalize=False, temperature=1.0, **options))
 
@@ -216,43 +182,36 @@ def vocab_parallel_topk_logprobs(
 
         torch.log_softmax(z, -1).gather(-1, indices)       # 0 at rows where mask == 0
 
-    computed without gathering the vocabulary and without an fp32 copy of the logits: the k
-    columns are picked in the storage dtype and only the ``[T, k]`` result is upcast; the
+    The k columns are picked in the storage dtype and only the ``[T, k]`` result is upcast; the
     normaliser comes from the core op's per-shard statistics (``docs/numerics.md``). For k = 1 it
     is bit for bit ``vocab_parallel_logprobs``.
 
     Args:
         logits: this rank's shard ``[..., W]`` (bf16, fp16 or fp32); differentiable; never modified.
-        indices: integer global ids ``[..., k]`` (leading shape that of ``logits``), e.g. the
-            teacher's :func:`vocab_parallel_topk` ids. Duplicates allowed (their gradients add up).
-        tp_group: the vocabulary's tensor-parallel group; None = no tensor parallelism.
+        indices: integer global ids ``[..., k]`` with the logits' leading shape, e.g. the
+            teacher's :func:`vocab_parallel_topk` ids; duplicates allowed (their gradients add up).
         mask: optional, shaped like ``logits.shape[:-1]``; rows where it is 0 get log-prob 0 and
-            exactly zero gradient whatever their ids or logits hold (padded positions with k
-            copies of id 0, all -inf logits). None = every row.
-        **options: :class:`~megatron_vocabstats.ops.options.ScaledKwargs`, as
-            ``vocab_parallel_stats``; the gradient is divided by the temperature too.
+            exactly zero gradient whatever their ids or logits hold. None = every row.
+        tp_group, **options: as ``vocab_parallel_stats``
+            (:class:`~megatron_vocabstats.ops.options.ScaledKwargs`).
 
     Returns:
         fp32 ``[..., k]`` log-probs (nats), identical on every rank; -inf where the logit is -inf;
-        NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error);
-        such an id passes no gradient.
-
-    Gradient: ``d/dz_j sum_k g_k log p(i_k) = sum_k g_k 1[j = i_k] - p_j sum_k g_k`` (divided by
-    the temperature), recomputed chunk by chunk in fp32 and cast once to the logits dtype.
+        NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it: an error), which
+        passes no gradient. Gradient: ``sum_k g_k 1[j = i_k] - p_j sum_k g_k`` divided by the
+        temperature, cast once to the logits dtype.
 
     Communication: one all-gather of ``[5 + k, T]`` fp32 in forward (plus, with ``validate`` on
-    tp > 1, one of a few int64: the core checks and the agreement on ``k``, ``mask`` and the
-    ids), none in backward. Memory: two fp32 ``[chunk, W]`` buffers, ``O(tp k T)`` fp32;
-    backward allocates the logits gradient once, in the logits dtype.
+    tp > 1, the check all-gather, which also compares ``k``, ``mask`` and the ids), none in
+    backward. Memory: two fp32 ``[chunk, W]`` buffers and ``O(tp k T)`` fp32.
 
     Raises:
-        ValueError: ``indices`` not an integer tensor ``[..., k]`` with the logits' leading shape,
-            a misshapen ``mask``, devices that differ, (with ``validate``) unmasked ids outside
-            ``[0, V)``, and everything ``vocab_parallel_stats`` raises; under ``validate`` and
-            tp > 1 on every rank, also for a ``k``, ``mask`` or ids at unmasked rows that differ
-            across the ranks (compared by checksum; the message names the ranks that differ).
-            ``indices`` not a tensor: ``InputTypeError`` (a ``TypeError`` and ``ValueError``).
-        RuntimeError: on double backward (``create_graph=True``), which is not supported.
+        ValueError: ``indices`` not an integer tensor ``[..., k]`` with the logits' leading shape
+            (not a tensor: ``InputTypeError``, also a ``TypeError``), a misshapen ``mask``,
+            devices that differ, (with ``validate``) unmasked ids outside ``[0, V)``, what
+            ``vocab_parallel_stats`` raises; under ``validate`` on tp > 1 (on every rank) a ``k``,
+            ``mask`` or unmasked ids that differ across the ranks (the message names the ranks).
+        RuntimeError: on double backward (``create_graph=True``).
     """
     cfg, valid = picked_config(logits, indices, mask, tp_group, **options)
     return _TopKLogprobs.apply(logits, indices, valid, cfg, tp_group)
@@ -302,34 +261,17 @@ def vocab_parallel_gather_logits(
     mask: torch.Tensor | None = None,
     **options: Unpack[ShardKwargs],
 ) -> torch.Tensor:
-    """The logits at global ids from vocab-parallel shards: ``logits_full.gather(-1, indices)``.
+    """The logits at given global ids from vocab-parallel shards, exact.
 
     Reference semantics (one process, full vocabulary)::
 
-        logits_full.float().gather(-1, indices)        # [..., k]
+        logits_full.float().gather(-1, indices)        # [..., k]; 0 at rows where mask == 0
 
-    Each rank picks the ids it owns (in the storage dtype, then upcast: exact), and one
-    all-gather of ``[k, T]`` fp32 sums them in rank order (every id has one owner, so the sum is
-    exact). Differentiable: the gradient goes to the owned columns (duplicate ids add up), with
-    no collective in backward.
-
-    Args:
-        logits: this rank's shard ``[..., W]`` (bf16, fp16 or fp32); never modified.
-        indices: integer global ids ``[..., k]`` with the logits' leading shape.
-        tp_group, **options: as :func:`vocab_parallel_stats`
-            (:class:`~megatron_vocabstats.ops.options.ShardKwargs`).
-        mask: optional, shaped like ``logits.shape[:-1]``: rows where it is 0 give 0 and zero
-            gradient whatever their ids hold.
-
-    Returns:
-        fp32 ``[..., k]``, equal on every rank, bit for bit the logits' values (-inf and -0.0
-        included); NaN at an unmasked id outside ``[0, V)`` when ``validate`` is off (with it:
-        an error).
-
-    Raises:
-        ValueError: as :func:`vocab_parallel_topk_logprobs` (``indices``, ``mask``, ids out of
-            range with ``validate``, and what ``vocab_parallel_stats`` raises for the logits);
-            under ``validate`` and tp > 1 on every rank. RuntimeError on double backward.
+    Each rank picks the ids it owns and one all-gather of ``[k, T]`` fp32 sums them in rank order
+    (one owner per id: bit for bit, -inf and -0.0 included). The gradient goes to the owned columns
+    (duplicate ids add up), with no collective in backward. Arguments (no ``temperature``:
+    :class:`~megatron_vocabstats.ops.options.ShardKwargs`), the NaN at out-of-range ids and the
+    errors: as :func:`vocab_parallel_topk_logprobs`.
     """
     cfg, valid = picked_config(logits, indices, mask, tp_group, temperature=1.0, **options)
     return _GatherLogits.apply(logits, indices, valid, cfg, tp_group)
