@@ -69,6 +69,9 @@ def language_module_class():
             f"megatron_vocabstats.patch needs {SUPPORTED}; importing "
             f"megatron.core.models.common.language_module failed ({exc}); installed: "
             f"{megatron_core_version()}"
+            + ("; pip install megatron-core into this environment (or this package with its "
+               "[megatron] extra)" if isinstance(exc, ModuleNotFoundError)
+               and (exc.name or "").split(".")[0] == "megatron" else "")
         ) from exc
     method = getattr(LanguageModule, "compute_language_model_loss", None)
     params = list(inspect.signature(method).parameters) if method is not None else []

@@ -82,3 +82,20 @@ def test_a_broken_megatron_training_import_patches_nothing_and_says_why():
     assert lines[0].startswith("UnsupportedMegatronError | importing megatron.training.yaml_arguments")
     assert "pydantic" in lines[0]
     assert lines[1:] == ["patched: []", "same: True"]
+
+
+def test_patch_without_megatron_core_says_how_to_install_it(tmp_path):
+    """Importing the patch where megatron-core is not installed names the missing package and
+    how to get it, instead of only the failed import."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'megatron' or name.startswith('megatron.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    run = subprocess.run([sys.executable, "-c", "import megatron_vocabstats.patch"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "pip install megatron-core into this environment" in run.stderr, run.stderr[-2000:]
