@@ -1,11 +1,6 @@
-"""Top-k distillation losses: divergences over the teacher's top-k, in Megatron's loss contract.
-
-:func:`topk_divergence` is the pure per-token divergence (forward KL, reverse KL, JSD(beta));
-:func:`distillation_loss` takes the student's log-probs at the teacher's ids from vocab-parallel
-logits or a fused LM head and returns ``(loss_sum, num_tokens, report)``. Semantics (the
-Bregman form, the tail bucket and its floor): ``docs/distillation.md``. No host sync;
-collectives only in the op.
-"""
+"""Top-k distillation: the per-token divergence over the teacher's top-k (:func:`topk_divergence`)
+and the Megatron loss function built on it (:func:`distillation_loss`). Semantics:
+``docs/distillation.md``."""
 
 from .divergence import (
            DIVERGENCES,

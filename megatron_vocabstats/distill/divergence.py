@@ -1,6 +1,4 @@
-"""The pure per-token divergences over the teacher's top-k (:func:`topk_divergence`), its options
-(:class:`DistillConfig`) and the per-bucket math.
-"""
+"""The per-token divergences over the teacher's top-k, their options and the per-bucket math."""
 
 from __future__ import annotations
 
@@ -44,19 +42,14 @@ class DistillConfig:
                              "the top-k leaves no mass outside it")
 
 
-# ---------------------------------------------------------------------------------------------
-# Pure per-bucket math
-
-
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - e^x)`` for log-masses ``x``, stably (Maechler 2012): ``log(-expm1(x))`` above
     ``-ln 2``, ``log1p(-exp(x))`` below; -inf for ``x >= 0``. Gradients stay finite."""
     live = x < 0
     xs = torch.where(live, x, -1.0)
     near = xs > -_LN2
-    # Each formula sees only the arguments it is chosen for: log1p(-exp(x)) of an x within
-    # 3e-8 of 0 is log1p(-1) = -inf in fp32, and its derivative's 0 / 0 would make the
-    # gradient NaN through the unchosen branch of the where.
+    # Each formula sees only its own arguments: log1p(-exp(x)) of x within 3e-8 of 0 is -inf in
+    # fp32, and its derivative's 0 / 0 would reach the gradient through the unchosen branch.
     out = torch.where(near, torch.log(-torch.expm1(torch.where(near, xs, -1.0))),
                       torch.log1p(-torch.exp(torch.where(near, -1.0, xs))))
     return torch.where(live, out, -_INF)
@@ -64,11 +57,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 def bregman_kl(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     """Per-bucket ``p (r - 1 + e^{-r})`` with ``r = lp - lq`` (log-masses): >= 0, exactly 0 where
-    ``lp == lq``; ``q`` where ``p = 0``, +inf where ``q = 0 < p``, NaN where an input is NaN.
-
-    ``p (r + expm1(-r))`` for ``r > -1`` (no cancellation near 0), ``p r - p + q`` below; a clamp
-    at 0 absorbs the last rounding.
-    """
+    ``lp == lq``; ``q`` where ``p = 0``, +inf where ``q = 0 < p``, NaN where an input is NaN."""
     finite = ~(torch.isneginf(lp) | torch.isneginf(lq))  # NaN stays NaN
     lp_s, lq_s = torch.where(finite, lp, 0.0), torch.where(finite, lq, 0.0)
     r = lp_s - lq_s
@@ -88,9 +77,8 @@ def _mixture(lp: torch.Tensor, lq: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def _buckets(logprobs: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
-    """The ``[..., k]`` log-masses the divergence sees: renormalised over the top-k, or with the
-    floored tail ``log(1 - sum_k p)`` appended, or as they are. A row with no top-k mass stays -inf
-    under ``renormalize`` and has tail 0 with ``tail_bucket``; gradients stay finite."""
+    """The log-masses the divergence sees: renormalised over the top-k, or with the floored tail
+    ``log(1 - sum_k p)`` appended, or as they are."""
     if not (cfg.renormalize or cfg.tail_bucket):
         return logprobs
     # logsumexp's gradient over a row of -inf only is exp(-inf - -inf) = NaN: take it over zeros
@@ -119,34 +107,22 @@ def topk_divergence(
 
     With ``p`` the teacher's and ``q`` the student's probabilities at the same k ids (plus the
     tail ``1 - sum_k`` with ``tail_bucket``; divided by their top-k sums with ``renormalize``) and
-    ``D(a || b) = sum_i [a_i log(a_i / b_i) - a_i + b_i]`` (``docs/distillation.md``):
+    ``D(a || b) = sum_i [a_i log(a_i / b_i) - a_i + b_i]``:
 
     * ``"forward_kl"``: ``D(p || q)`` (mode-covering; Hinton et al. 2015);
     * ``"reverse_kl"``: ``D(q || p)`` (mode-seeking; Gu et al. 2024, MiniLLM);
-    * ``"jsd"``: ``beta D(p || m) + (1 - beta) D(q || m)``, ``m = beta p + (1 - beta) q``: beta
-      weights the teacher (Agarwal et al. 2024, GKD; TRL's ``generalized_jsd_loss``); 0.5 is the
-      ordinary Jensen-Shannon divergence.
+    * ``"jsd"``: ``beta D(p || m) + (1 - beta) D(q || m)``, ``m = beta p + (1 - beta) q``, beta in
+      (0, 1) weighting the teacher (Agarwal et al. 2024, GKD; TRL's ``generalized_jsd_loss``).
 
-    Args:
-        student_logprobs: floating ``[..., k]`` log q at the teacher's ids (nats, normalised over
-            the full vocabulary, e.g. :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`);
-            differentiable.
-        teacher_logprobs: floating ``[..., k]`` log p of the teacher's top-k (same ids, same
-            order); a constant. -inf allowed.
-        loss_mask: ``[...]`` (the leading shape), non-zero where a token counts. Required.
-        divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-        beta: in (0, 1), for ``"jsd"`` only (0 and 1 raise, see :class:`DistillConfig`).
-        tail_bucket: add the mass outside the top-k as one more bucket.
-        renormalize: normalise both sides over the top-k instead of the full vocabulary.
+    ``student_logprobs``: floating ``[..., k]`` log q at the teacher's ids, normalised over the
+    full vocabulary (:func:`~megatron_vocabstats.vocab_parallel_topk_logprobs`), differentiable;
+    ``teacher_logprobs``: the same for p, a constant (-inf allowed); ``loss_mask``: ``[...]``.
+    Edge cases (floors, -inf, masked rows): ``docs/distillation.md``.
 
-    Returns:
-        fp32 (float64 for float64 inputs) ``[...]``, >= 0; exactly 0 with zero gradient at masked
-        positions whatever they hold, and where student and teacher log-probs are equal. +inf
-        where one side has mass on a bucket the other gives none.
-
-    Raises:
-        ValueError: ``loss_mask`` None or misshapen, non-floating or misshapen log-probs, an
-            unknown ``divergence``, ``beta`` outside (0, 1), ``tail_bucket`` with ``renormalize``.
+    Returns fp32 (float64 for float64 inputs) ``[...]``, >= 0; exactly 0 with zero gradient at
+    masked positions and where both sides are equal. Raises ``ValueError``: ``loss_mask`` None or
+    misshapen, non-floating or misshapen log-probs, an unknown ``divergence``, ``beta`` outside
+    (0, 1), ``tail_bucket`` with ``renormalize``.
     """
     cfg = DistillConfig(divergence=divergence, beta=beta, tail_bucket=tail_bucket,
                         renormalize=renormalize)

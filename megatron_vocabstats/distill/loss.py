@@ -44,12 +44,8 @@ def _teacher_parts(teacher) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_teacher_values(logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    """``ValueError`` if a counted row of the teacher's log-probs holds NaN, a value above 0, or
-    probabilities summing above 1 (reads the host).
-
-    Tolerance of the sum: a log-prob stored with unit roundoff u moves its probability by at most
-    ``p |log p| u``, and ``sum_k p |log p| <= log k``; the teacher's fp32 softmax adds a few ulps.
-    """
+    """``ValueError`` if a counted row holds NaN, a log-prob above 0, or probabilities summing above
+    1 beyond rounding: u moves p by ``p |log p| u``, ``sum_k p |log p| <= log k`` (host read)."""
     lp = torch.where(mask.unsqueeze(-1), logprobs.detach().double(), float("-inf"))
     rows = lp.reshape(-1, lp.shape[-1])
     k = rows.shape[-1]
@@ -114,26 +110,16 @@ def distillation_loss(
         num_tokens = m.sum()
 
     computed by :func:`~megatron_vocabstats.vocab_parallel_topk_logprobs` without gathering the
-    vocabulary or upcasting the logits (one all-gather of ``[5 + k, T]`` fp32 under tensor
-    parallelism; with ``validate``, one of a few int64 before). More: ``docs/distillation.md``.
+    vocabulary or upcasting the logits. Communication, report entries and ``validate``:
+    ``docs/distillation.md``.
 
-    Args:
-        student: this rank's logits shard ``[..., V/tp]`` (bf16, fp16, fp32), or a fused LM head
-            ``fn(indices, *, tp_group, mask, vocab_size, temperature, chunk_size, validate)``
-            returning the ``[..., k]`` log-probs at ``indices``.
-        teacher: :class:`~megatron_vocabstats.TopK` ``(logprobs, indices)``, both ``[..., k]``:
-            global ids, log-probs of any float dtype at the same ``temperature``.
-        loss_mask: ``[...]``, non-zero where a token counts; required (mask the padding out).
-        tp_group: the student vocabulary's tensor-parallel group; None: no tensor parallelism.
-        vocab_size: the student's real vocabulary size (default: shard width x tp).
-        teacher_vocab_size: the teacher's real vocabulary size, if known; must be the student's.
-        divergence, beta, tail_bucket, renormalize: as :func:`topk_divergence`.
-        temperature, chunk_size: of the student op (the logits are divided by the temperature).
-        temperature_scale: multiply the loss by ``temperature ** 2`` (Hinton et al. 2015).
-        validate: the checks that read the host and the cross-rank agreement (default off).
-
-    Returns :class:`LossOutput` (``loss_sum`` fp32, ``num_tokens`` int32) with report
-    ``"distill loss"``, ``"teacher topk mass"`` and ``"student topk mass"``.
+    ``student``: this rank's logits shard ``[..., V/tp]``, or a fused LM head ``fn(indices, *,
+    tp_group, mask, vocab_size, temperature, chunk_size, validate)`` returning the ``[..., k]``
+    log-probs at ``indices``. ``teacher``: :class:`~megatron_vocabstats.TopK` ``(logprobs,
+    indices)``, both ``[..., k]``: global ids, log-probs of any float dtype at the same
+    ``temperature``. ``vocab_size``: the student's real vocabulary (default: shard width x tp);
+    ``teacher_vocab_size``, if given, must equal it. ``divergence``, ``beta``, ``tail_bucket``,
+    ``renormalize``: as :func:`topk_divergence`; ``temperature``, ``chunk_size``: the op's.
 
     Raises ``ValueError`` naming the argument: ``loss_mask`` missing or misshapen; a ``teacher``
     not a (float, integer) pair of one ``[..., k]`` shape, k >= 1; a ``student`` of another

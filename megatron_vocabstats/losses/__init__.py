@@ -1,15 +1,8 @@
-"""Loss functions with Megatron's ``(loss_sum, num_tokens, report)`` contract, and a forward_step.
+"""Loss functions in Megatron's ``(loss_sum, num_tokens, report)`` contract, and a forward_step.
 
-Per-token losses are pure functions of per-token tensors (``logprobs`` first, ``loss_mask`` and
-``entropy`` as keywords); :func:`token_stats` gets those tensors from a model output (logits, a
-``VocabStats`` or a statistics callable), and :func:`token_loss` composes the two.
-
-Megatron's contract (``pipeline_parallel.schedules.forward_step_calc_loss``): the schedule
-divides ``loss_sum`` by ``max(num_tokens, 1)`` and by the number of microbatches, or, with
-``calculate_per_token_loss``, the sums over microbatches and data-parallel ranks by the summed
-``num_tokens``. Report values are ``[sum, count]`` pairs, summed the same way, then divided.
-No host sync (the op's ``validate`` checks excepted, off here by default) and no collective
-besides the op's.
+Per-token losses are pure functions of per-token tensors; :func:`token_stats` gets those from a
+model output and :func:`token_loss` composes the two. What every loss shares (masks, dtypes,
+reduction, host syncs): ``docs/ops.md``, "Losses for forward_step".
 """
 
 from ..ops.options import IGNORE_INDEX

@@ -1,6 +1,4 @@
-"""A ``forward_step_func`` for Megatron's schedules (:func:`make_forward_step`) and its microbatch
-type :class:`StepBatch`.
-"""
+"""A ``forward_step_func`` for Megatron's schedules (:func:`make_forward_step`) and its batch."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ FROM_MODEL = "model"
 class StepBatch(NamedTuple):
     """One microbatch as :func:`make_forward_step`'s ``batch_fn`` returns it.
 
-    ``model_inputs``: keyword arguments of the model call (``GPTModel``: ``input_ids``,
-    ``position_ids``, ``attention_mask``, ...; never ``labels``, so that the model returns logits).
-    ``labels``: int64 ``[b, s]``. ``loss_mask``: ``[b, s]``, non-zero where a token counts.
+    ``model_inputs``: keywords of the model call, never ``labels`` (the model must return logits).
+    ``labels``: int64 ``[b, s]``; ``loss_mask``: ``[b, s]``, non-zero where a token counts;
     ``loss_inputs``: extra keywords of the per-token loss (``old_logprobs``, ``advantages``, ...).
     """
 
@@ -44,11 +41,8 @@ def _module_chain(model) -> Iterator[Any]:
 
 
 def model_tp_group(model) -> dist.ProcessGroup | None:
-    """The tensor-parallel group of a (possibly wrapped) Megatron model, None = none.
-
-    Unwraps ``.module`` (DDP, ``Float16Module``, FSDP) and reads the innermost model's group as
-    :func:`megatron_vocabstats.mcore.tp_group_of` does. Never imports Megatron.
-    """
+    """The tensor-parallel group (None = none) of a Megatron model under its ``.module`` wrappers,
+    read as :func:`megatron_vocabstats.mcore.tp_group_of` does; never imports Megatron."""
     *_, inner = _module_chain(model)
     return tp_group_of(inner)
 
@@ -78,24 +72,17 @@ def make_forward_step(
     """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()``.
 
     ``forward_step(data_iterator, model, checkpoint_activations_microbatch=None, *,
-    return_schedule_plan=False)`` calls ``model(**batch.model_inputs)`` (or
-    ``model.build_schedule_plan``) on ``batch = batch_fn(data_iterator)`` and returns ``(output,
-    functools.partial(token_loss, labels=..., loss_mask=..., loss_fn=loss_fn, loss_inputs=...,
-    tp_group=..., options=stats))``; ``output`` is the logits ``[b, s, V/tp]`` or what a fused
-    output processor returns (:func:`token_stats`). A ``Float16Module`` that takes ``fp32_output``
-    gets False, so bf16 logits are not copied to fp32 (a value in ``model_inputs`` wins).
+    return_schedule_plan=False)`` runs ``model(**batch.model_inputs)`` (or
+    ``model.build_schedule_plan``) on ``batch = batch_fn(data_iterator)`` and returns the output
+    (logits ``[b, s, V/tp]`` or a fused head's, see :func:`token_stats`) and ``partial(token_loss,
+    labels=..., loss_mask=..., loss_fn=loss_fn, loss_inputs=..., tp_group=..., options=stats)``.
+    A ``Float16Module`` taking ``fp32_output`` gets False (bf16 logits stay bf16) unless
+    ``model_inputs`` sets it. ``tp_group``: the vocabulary's group, None = none, ``"model"``
+    (default) = :func:`model_tp_group` at each step; ``stats``: :class:`StatsOptions`.
 
-    Args:
-        batch_fn: ``data_iterator -> StepBatch``; ``loss_fn``: a per-token loss, see
-            :func:`token_loss`.
-        tp_group: the vocabulary's tensor-parallel group; None = none; ``"model"`` (default) reads
-            it from the model at each step (:func:`model_tp_group`).
-        stats: :class:`StatsOptions` (e.g. ``entropy="grad"`` for an entropy bonus).
-
-    Raises:
-        ValueError: at build time, a non-callable ``batch_fn``/``loss_fn`` or a string
-            ``tp_group`` other than ``"model"``; at each step, a ``batch_fn`` result that is not
-            a :class:`StepBatch` or whose ``model_inputs`` set ``labels``.
+    Raises ``ValueError``: at build time, a non-callable ``batch_fn``/``loss_fn`` or a string
+    ``tp_group`` other than ``"model"``; at each step, a ``batch_fn`` result that is not a
+    :class:`StepBatch` or whose ``model_inputs`` set ``labels``.
     """
     if not callable(batch_fn):
         raise ValueError(f"batch_fn must be callable, got {type(batch_fn).__name__}")

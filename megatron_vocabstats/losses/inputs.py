@@ -1,6 +1,5 @@
-"""The loss contract's result type, the checks of per-token inputs (shapes, dtypes, devices and
-options, never values) and the masked sums and ``[sum, count]`` entries the losses build on.
-"""
+"""The losses' result type, the checks of per-token inputs (never their values) and the masked
+sums and ``[sum, count]`` entries the losses build on."""
 
 from __future__ import annotations
 
@@ -10,12 +9,8 @@ import torch
 
 
 class LossOutput(NamedTuple):
-    """Megatron's loss-function result; unpacks as ``loss_sum, num_tokens, report``.
-
-    ``loss_sum``: scalar fp32 (float64 for float64 inputs), the sum to be divided by
-    ``num_tokens``. ``num_tokens``: scalar int32 on the inputs' device. ``report``: name ->
-    fp32 ``[sum, count]`` (except in :func:`score_tokens`, see there).
-    """
+    """Megatron's loss-function result; unpacks as ``loss_sum, num_tokens, report``. Dtypes and
+    the schedule's division: ``docs/ops.md``, "Losses for forward_step"."""
 
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
@@ -86,6 +81,5 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """A detached fp32 ``[sum, count]`` report entry (a copy: the schedule divides the loss in
-    place)."""
+    """A detached fp32 ``[sum, count]`` copy (the schedule divides the loss in place)."""
     return torch.stack([total.detach().float(), count.float()])

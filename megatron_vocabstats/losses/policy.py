@@ -1,6 +1,4 @@
-"""The PPO / GRPO clipped-surrogate :func:`policy_loss` and its options (:class:`PolicyLossConfig`),
-with the optional rollout correction of :mod:`megatron_vocabstats.rollout`.
-"""
+"""The PPO / GRPO clipped-surrogate :func:`policy_loss`, with an optional rollout correction."""
 
 from __future__ import annotations
 
@@ -28,9 +26,8 @@ from .inputs import (
 
 AGGREGATIONS = ("token-mean", "sequence-mean")
 KL_ESTIMATORS = ("k1", "k3")
-# Log-ratios are clamped to +-LOG_RATIO_LIMIT before exp: ratios beyond e^20 (5e8) mean the
-# rollout came from another policy; the clamp keeps exp finite so that the backward pass of a
-# clipped token (0 * ratio) stays 0 instead of 0 * inf = NaN.
+# Log-ratios are clamped to +-this before exp (e^20 = 5e8 already means another policy), so that
+# the backward of a clipped token (0 * ratio) stays 0 instead of 0 * inf = NaN.
 LOG_RATIO_LIMIT = 20.0
 
 
@@ -47,7 +44,6 @@ class PolicyLossConfig:
     aggregation: str = "token-mean"
 
     def __post_init__(self):
-        # (clip_eps < 1: the ratio floor is 1 - clip_eps)
         for name, rule in (("clip_eps", dict(low=0.0, high=1.0, low_open=True, high_open=True)),
                            ("clip_eps_high", dict(low=0.0, low_open=True, none_ok=True)),
                            ("dual_clip", dict(low=1.0, low_open=True, none_ok=True)),
@@ -58,8 +54,7 @@ class PolicyLossConfig:
 
 
 def _kl_to_reference(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) from ``log_ratio = log ref - log pi`` on samples of pi, r = ref / pi:
-    k1 = -log r, k3 = (r - 1) - log r (Schulman 2020, "Approximating KL divergence")."""
+    """Per-token KL(pi || ref) from ``log r = log(ref / pi)``: k1 = -log r, k3 = r - 1 - log r."""
     if estimator == "k1":
         return -log_ratio
     return torch.expm1(log_ratio) - log_ratio
@@ -75,8 +70,7 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str):
 
 
 def _policy_terms(lp, old, adv, mask, entropy, ref, cfg: PolicyLossConfig, weights=None):
-    """Per-token loss (0 where masked) and detached per-token metrics. The inputs are 0 where
-    masked, so everything there is finite; ``weights`` multiply the clipped surrogate only."""
+    """Per-token loss (0 where masked; ``weights`` scale the clipped surrogate only) and metrics."""
     log_ratio = (lp - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
@@ -129,44 +123,32 @@ def policy_loss(
 ) -> LossOutput:
     """PPO / GRPO clipped-surrogate policy loss in Megatron's loss contract.
 
-    Per token, with ``r = exp(logprobs - old_logprobs)`` (log-ratio clamped to +-20) and
-    advantage A (PPO: Schulman et al. 2017, eq. 7; dual clip: Ye et al. 2020, eq. 5)::
+    Per token, with ``r = exp(clamp(logprobs - old_logprobs, -20, 20))`` and advantage A::
 
         pg = max(-A r, -A clip(r, 1 - clip_eps, 1 + clip_eps_high))
         pg = min(pg, -dual_clip * A)  where A < 0
         loss_t = w_t * pg + kl_coef * KL_t - entropy_coef * entropy_t
 
-    Gradients flow into ``logprobs`` and ``entropy`` only. No collective; no host sync unless
-    ``RolloutCorrection(validate=True)``. Aggregation and report entries: ``docs/ops.md``,
-    "policy_loss in detail".
+    ``KL_t`` from ``d = ref_logprobs - logprobs``: ``-d`` (``kl_estimator="k1"``) or
+    ``exp(d) - d - 1`` (``"k3"``); ``w_t``: the detached weights of ``rollout_correction``, else
+    one. Sources, gradients, aggregation and report entries: ``docs/ops.md``, "policy_loss in
+    detail"; masks, dtypes and the common checks: "Losses for forward_step". No host sync unless
+    ``RolloutCorrection(validate=True)``.
 
-    Args:
-        logprobs: floating log pi in nats, ``[b, s]`` (any shape for token-mean). Every other
-            tensor has its shape: ``old_logprobs`` (log pi_old, the rollout policy),
-            ``advantages``, ``loss_mask`` (required, any dtype, non-zero = counted), ``entropy``
-            (nats; with a gradient if ``entropy_coef != 0``), ``ref_logprobs`` (log pi_ref;
-            required when ``kl_coef > 0``), ``rollout_logprobs`` (the engine's; alone, only
-            reported) and ``rollout_outside`` (bool: targets outside the sampler's kept set;
-            reported).
-        clip_eps: in (0, 1); clip_eps_high: > 0 (DAPO), None: ``clip_eps``.
-        dual_clip: None (off) or c > 1.
-        kl_coef, entropy_coef: weights of the KL penalty (>= 0) and of the entropy bonus.
-        kl_estimator: ``KL_t`` from ``d = ref_logprobs - logprobs``: ``"k1"`` ``-d``, ``"k3"``
-            ``exp(d) - d - 1`` (Schulman 2020; GRPO's, DeepSeekMath eq. 4).
-        aggregation: ``"token-mean"`` or ``"sequence-mean"`` (GRPO; rows: dim 0 of ``[b, s]``).
-        rollout_correction: a :class:`RolloutCorrection` (detached weights ``w_t``), or None (1).
+    ``logprobs``: floating log pi in nats, ``[b, s]`` (any shape for token-mean); every other
+    tensor has its shape: ``old_logprobs`` (log pi_old), ``advantages``, ``loss_mask``,
+    ``entropy`` (nats), ``ref_logprobs`` (log pi_ref), ``rollout_logprobs`` (the engine's; without
+    a correction only reported) and ``rollout_outside`` (bool: targets outside the sampler's kept
+    set; only reported). ``clip_eps`` in (0, 1); ``clip_eps_high`` > 0, None = ``clip_eps``;
+    ``dual_clip`` None (off) or > 1; ``kl_coef`` >= 0. ``aggregation``: ``"token-mean"`` or
+    ``"sequence-mean"`` (rows: dim 0 of ``[b, s]``; ``num_tokens`` then counts the rows with a
+    counted token).
 
-    Returns:
-        :class:`LossOutput`: ``loss_sum`` fp32 (float64 for float64 ``logprobs``), ``num_tokens``
-        int32 (counted tokens; sequence-mean: rows with one). Masked positions add exactly 0.
-
-    Raises:
-        ValueError: naming the argument: ``loss_mask`` None; mismatched shapes, dtypes or
-            devices; options out of range; ``"sequence-mean"`` or ``level="sequence"`` on inputs
-            that are not 2-D; ``kl_coef > 0`` without ``ref_logprobs``; ``entropy_coef != 0``
-            without ``entropy`` (or its gradient, where ``logprobs`` has one); a bad
-            ``rollout_correction`` or ``rollout_outside``; a correction without
-            ``rollout_logprobs`` or (``validate``) with a counted token without a log-ratio.
+    Raises ``ValueError`` naming the argument, besides the common checks: options out of range;
+    ``"sequence-mean"`` or ``level="sequence"`` on inputs that are not 2-D; ``kl_coef > 0``
+    without ``ref_logprobs``; ``entropy_coef != 0`` without ``entropy`` (or its gradient, where
+    ``logprobs`` has one); a bad ``rollout_correction`` or ``rollout_outside``; a correction
+    without ``rollout_logprobs`` or (``validate``) with a counted token without a log-ratio.
     """
     cfg = PolicyLossConfig(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,

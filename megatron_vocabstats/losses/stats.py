@@ -1,6 +1,5 @@
-"""Per-token statistics from a model output (logits, a ``VocabStats`` or a statistics callable)
-with :class:`StatsOptions`, and the losses composed with them.
-"""
+"""Per-token statistics of a model output (:func:`token_stats`, :class:`StatsOptions`) and the
+losses composed with them."""
 
 from __future__ import annotations
 
@@ -21,20 +20,11 @@ from .token import nll_loss, score_tokens
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsOptions:
-    """How per-token statistics are computed from a model output (see :func:`token_stats`).
+    """The keywords of :func:`~megatron_vocabstats.vocab_parallel_stats` that the losses pass on.
 
-    The fields are :func:`~megatron_vocabstats.vocab_parallel_stats`'s keywords of the same name,
-    checked on construction by the op's own checks (``TypeError`` / ``ValueError`` naming the
-    field; the kernel's resolution waits for the op, which knows the device). ``validate``
-    defaults to False here (unlike the op): its checks read tensor values on the host once per
-    call, which a training step should not pay; turn it on while debugging a data pipeline.
-    ``batch_invariant`` is False, True or ``"tp"``; ``kernel`` is ``"auto"``, ``"torch"`` or
-    ``"triton"`` (the backend of the unfused op and of the fused LM head).
-
-    It is the one options object of the statistics: :func:`token_stats`, :func:`sft_loss` and
-    :func:`logprobs_step` use it, and the Megatron settings build it
-    (:meth:`~megatron_vocabstats.megatron.settings.PluginSettings.stats_options`); the ops
-    receive it as keywords through :meth:`op_kwargs`.
+    Checked on construction by the op's checks (``TypeError`` / ``ValueError`` naming the field);
+    ``validate`` defaults to False here (it reads the host once per call). More:
+    ``docs/ops.md``, "Losses for forward_step".
     """
 
     vocab_size: int | None = None
@@ -47,9 +37,7 @@ class StatsOptions:
     kernel: str = "auto"
 
     def __post_init__(self):
-        # The ops' own checks of each field (ops.options), at construction: an error names the
-        # field here rather than at the first loss call (validate is read before the op, by the
-        # losses' own cross-rank checks). vocab_size's range depends on the shards: the op's.
+        # (vocab_size's range depends on the shards: the op checks it)
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "vocab_size":
@@ -58,15 +46,9 @@ class StatsOptions:
             object.__setattr__(self, f.name, check_option(f.name, value))
 
     def op_kwargs(self, **extra) -> dict[str, Any]:
-        """These options as keyword arguments of the ops, plus ``extra`` (``tp_group``,
-        ``ignore_index``, ``sequence_parallel``, ...).
-
-        Every field under its own name (the keywords of
-        :func:`~megatron_vocabstats.vocab_parallel_stats` and
-        :func:`~megatron_vocabstats.linear_vocab_parallel_stats`):
-        ``vocab_parallel_stats(logits, target, **options.op_kwargs(tp_group=g))``.
-        Raises ``TypeError`` if ``extra`` names a field.
-        """
+        """These fields as the ops' keywords, plus ``extra`` (``tp_group``, ``ignore_index``, ...):
+        ``vocab_parallel_stats(logits, target, **options.op_kwargs(tp_group=g))``. Raises
+        ``TypeError`` if ``extra`` names a field."""
         kwargs = {f.name: getattr(self, f.name) for f in fields(self)}
         clash = sorted(extra.keys() & {f.name for f in fields(self)})
         if clash:
@@ -78,11 +60,8 @@ StatsFn = Callable[..., VocabStats]
 
 
 def selected_tokens(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Bool mask of the tokens that count: ``(loss_mask != 0) & (labels != -100)``.
-
-    ``labels``: integer ``[...]``; ``loss_mask`` shaped alike, required. Raises ``ValueError`` for
-    a missing or misshapen mask or non-integer labels.
-    """
+    """Bool mask of the tokens that count: ``(loss_mask != 0) & (labels != -100)``. Raises
+    ``ValueError`` for non-integer ``labels`` or a missing or misshapen ``loss_mask``."""
     if not isinstance(labels, torch.Tensor):
         raise ValueError(f"labels must be an int64 tensor, got {type(labels).__name__}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
@@ -100,26 +79,19 @@ def token_stats(
 ) -> VocabStats:
     """Per-token statistics of ``labels`` from a model output, whatever its form.
 
-    Args:
-        output: this rank's logits shard ``[..., V/tp]`` (``GPTModel(labels=None)``: ``[b, s,
-            V/tp]``), through :func:`~megatron_vocabstats.vocab_parallel_stats`; a ``VocabStats``
-            already computed (a fused LM head), only shape-checked; or a callable ``fn(target,
-            **kwargs) -> VocabStats`` taking ``vocab_parallel_stats``'s keywords (e.g. a partial
-            of ``linear_vocab_parallel_stats``) whose statistics are shaped like ``labels`` (over
-            ``[s, b, H]`` hidden states: transpose the target to ``[s, b]``, the results back).
-        labels: int64 ``[...]`` target ids, the leading shape of the logits.
-        selected: bool, shaped like ``labels`` (:func:`selected_tokens`); the other tokens go to
-            the op as ``ignore_index=-100`` (logprob, entropy and gradient exactly 0).
-        tp_group: the vocabulary's tensor-parallel group; None = no parallelism.
-        options: :class:`StatsOptions`; default ``StatsOptions()``.
+    ``output``: this rank's logits shard ``[..., V/tp]`` (through
+    :func:`~megatron_vocabstats.vocab_parallel_stats`); a ``VocabStats`` already computed (a fused
+    LM head; only shape-checked); or ``fn(target, **kwargs) -> VocabStats`` taking the op's
+    keywords (e.g. a partial of ``linear_vocab_parallel_stats``; over ``[s, b, H]`` hidden states,
+    transpose the target to ``[s, b]`` and the results back). ``labels``: int64 ids, the leading
+    shape of the logits. ``selected``: bool, shaped like ``labels`` (:func:`selected_tokens`); the
+    other tokens go to the op as ``ignore_index=-100`` (logprob, entropy and gradient exactly 0).
+    ``tp_group``: the vocabulary's tensor-parallel group, None = none.
 
-    Returns:
-        ``VocabStats``: ``logprobs`` fp32 shaped like ``labels``; ``entropy`` None when
-        ``options.entropy == "off"``.
-
-    Raises:
-        ValueError: an ``output`` of another type, statistics not shaped like ``labels``, a
-            missing ``entropy`` that ``options`` asks for, and what ``vocab_parallel_stats`` raises.
+    Returns ``VocabStats``: ``logprobs`` fp32 shaped like ``labels``; ``entropy`` None when
+    ``options.entropy == "off"``. Raises ``ValueError``: an ``output`` of another type, statistics
+    not shaped like ``labels``, a missing ``entropy`` that ``options`` asks for, and what
+    ``vocab_parallel_stats`` raises.
     """
     options = options or StatsOptions()
     if isinstance(output, VocabStats):
@@ -165,25 +137,16 @@ def token_loss(
 
     Equals ``loss_fn(stats.logprobs, loss_mask=sel, entropy=stats.entropy, **loss_inputs)`` with
     ``sel = selected_tokens(labels, loss_mask)`` and ``stats = token_stats(output, labels, sel,
-    tp_group=tp_group, options=options)``. A ``functools.partial`` fixing all but ``output`` is a
-    Megatron loss function (what :func:`make_forward_step` returns).
+    tp_group=tp_group, options=options)``; a partial fixing all but ``output`` is a Megatron loss
+    function. ``loss_fn``: :func:`nll_loss`, a partial of :func:`policy_loss`,
+    :func:`score_tokens` or a callable with their signature; ``loss_inputs``: its further keywords
+    (tensors shaped like ``labels``); ``non_loss_data`` is passed on only when True.
 
-    Args:
-        output, labels, tp_group, options: as in :func:`token_stats`.
-        loss_mask: shaped like ``labels``, non-zero where a token counts. Required.
-        loss_fn: :func:`nll_loss`, a partial of :func:`policy_loss`, :func:`score_tokens`, or any
-            callable with their signature; ``loss_inputs``: its further keywords
-            (``old_logprobs``, ``advantages``, ...), tensors shaped like ``labels``.
-        non_loss_data: passed on to ``loss_fn`` only when True (``collect_non_loss_data``).
-
-    Returns what ``loss_fn`` returns.
-
-    Raises:
-        ValueError: ``loss_inputs`` naming ``loss_mask``, ``entropy`` or ``non_loss_data``,
-            ``non_loss_data`` not a bool (also a ``TypeError``), and what :func:`selected_tokens`,
-            :func:`token_stats` and ``loss_fn`` raise. With ``options.validate`` under tensor
-            parallelism these raise on every rank, as do ``loss_inputs`` tensors that differ across
-            ranks at counted tokens (two small all-gathers); without it, on the failing rank only.
+    Raises ``ValueError``: ``loss_inputs`` naming ``loss_mask``, ``entropy`` or ``non_loss_data``,
+    ``non_loss_data`` not a bool (also a ``TypeError``), and what :func:`selected_tokens`,
+    :func:`token_stats` and ``loss_fn`` raise. With ``options.validate`` under tensor parallelism
+    these raise on every rank, as do ``loss_inputs`` that differ across ranks at counted tokens
+    (two small all-gathers); without it, on the failing rank only.
     """
     non_loss_data = check_bool("non_loss_data", non_loss_data)
     loss_inputs = dict(loss_inputs or {})
@@ -208,8 +171,7 @@ def token_loss(
 
 
 def _inputs_checksum(inputs: Mapping[str, Any], selected: torch.Tensor) -> int:
-    """One checksum of the names and values (at selected tokens) of ``inputs``' tensors (reads the
-    host)."""
+    """Checksum of the names and values (at selected tokens) of ``inputs``' tensors (host read)."""
     total = 0
     for name in sorted(inputs):
         if isinstance(inputs[name], torch.Tensor):
@@ -234,15 +196,11 @@ def sft_loss(
                               reduction="none", label_smoothing=label_smoothing)
         loss_sum = (nll * m.flatten()).sum();  num_tokens = m.sum()
 
-    computed by :func:`~megatron_vocabstats.vocab_parallel_stats` without gathering the vocabulary
-    (label smoothing over the ``vocab_size`` real columns): :func:`token_loss` with
-    :func:`nll_loss`. ``logits``: this rank's shard ``[..., V/tp]`` (bf16/fp16/fp32) or another
-    ``output`` of :func:`token_stats`; ``labels``: int64, -100 = ignored; ``loss_mask``: required;
-    ``**options``: fields of :class:`StatsOptions` (``validate`` off by default; an ``entropy``
-    other than ``"off"`` is reported as ``"entropy"`` beside ``"lm loss"``).
-
-    Raises ``ValueError`` as :func:`token_stats` and :func:`nll_loss`, and ``TypeError`` for a
-    keyword that is not a field of :class:`StatsOptions`.
+    computed without gathering the vocabulary (label smoothing over the ``vocab_size`` real
+    columns): :func:`token_loss` with :func:`nll_loss`. ``logits``: an ``output`` of
+    :func:`token_stats`; ``**options``: fields of :class:`StatsOptions` (an ``entropy`` other than
+    ``"off"`` is reported as ``"entropy"``). Raises ``ValueError`` as :func:`token_stats` and
+    :func:`nll_loss`, ``TypeError`` for a keyword that is not a field of :class:`StatsOptions`.
     """
     return token_loss(logits, labels, loss_mask, loss_fn=nll_loss, tp_group=tp_group,
                       options=StatsOptions(**options))
@@ -260,16 +218,12 @@ def logprobs_step(
 ):
     """Forward-only per-token log-probs (and entropy) of ``labels``, for scoring rollouts.
 
-    :func:`token_loss` with :func:`score_tokens` (entropy in ``"metric"`` mode); returns what
-    :func:`score_tokens` returns (fp32, shaped like ``labels``, 0 where not scored). Call it under
-    ``torch.no_grad()``; with :func:`make_forward_step`, pass ``score_tokens`` and
-    ``StatsOptions(entropy="metric")``. Arguments as :func:`sft_loss` (no ``entropy`` option;
-    ``temperature`` should be the sampling temperature; ``batch_invariant=True`` makes each row's
-    scores bitwise independent of the rest of the batch), plus ``entropy`` (also return the
-    entropy) and ``non_loss_data`` (return only the dict, Megatron's ``collect_non_loss_data``).
-
-    Raises ``ValueError`` as :func:`token_stats` and :func:`score_tokens`, and for ``entropy`` or
-    ``non_loss_data`` not a bool (also a ``TypeError``).
+    :func:`token_loss` with :func:`score_tokens` and ``StatsOptions(entropy="metric")`` (``"off"``
+    with ``entropy=False``); returns what :func:`score_tokens` returns. Call it under
+    ``torch.no_grad()``. Arguments as :func:`sft_loss` (``temperature``: the sampling one); with
+    ``non_loss_data``, only the dict. Raises ``ValueError`` as :func:`token_stats` and
+    :func:`score_tokens`, and for ``entropy`` or ``non_loss_data`` not a bool (also a
+    ``TypeError``).
     """
     entropy = check_bool("entropy", entropy)
     return token_loss(logits, labels, loss_mask, loss_fn=score_tokens, tp_group=tp_group,

@@ -1,10 +1,10 @@
 """Packed sequences (THD) and context parallelism, vectorised and free of host syncs.
 
-A packed batch is one row ``[1, T]`` of N sequences back to back, each padded to a multiple of an
-alignment, with labels shifted inside each sequence (:class:`PackedBatch`). Context parallelism
-gives rank r chunks r and ``2 * cp - 1 - r`` of the ``2 * cp`` chunks of every padded sequence
-(:func:`context_parallel_indices`). Only ``validate=True`` (the default, as in the ops) reads
-values on the host; pass ``validate=False`` in hot code. More: ``docs/ops.md``, "Packed
+Only ``validate=True`` (the default, as in the ops) reads values on the host, and never during
+CUDA graph capture; pass ``validate=False`` in hot code. It checks that cumulative lengths start
+at 0, never decrease, end at the packed length, give no sequence more real than padded tokens,
+and, under context parallelism, only padded lengths that are multiples of ``2 * cp_size``; without
+it such input gives wrong results. Layout and context-parallel split: ``docs/ops.md``, "Packed
 sequences and context parallelism".
 """
 

@@ -1,6 +1,4 @@
-"""Argument checks of the packing functions: sizes, integer tensors, cumulative lengths (shapes
-always, values with ``validate``), the sequence dimension and fill values.
-"""
+"""Argument checks of the packing functions (shapes always, values with ``validate``)."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ def _cumulative(cu, name: str, device: torch.device) -> torch.Tensor:
 
 def _check_cumulative(cu: torch.Tensor, name: str, *, total: int | None = None,
                       multiple: int = 1, why: str = "") -> None:
-    """Value checks (host read): starts at 0, non-decreasing, ends at ``total``, every step a
-    multiple of ``multiple``."""
+    """Host-read checks: from 0, non-decreasing, to ``total``, steps multiples of ``multiple``."""
     steps = cu[1:] - cu[:-1]
     end_ok = cu[-1] == total if total is not None else cu.new_ones((), dtype=torch.bool)
     flags = torch.stack([cu[0] != 0, (steps < 0).any(), ~end_ok, (steps % multiple != 0).any()])

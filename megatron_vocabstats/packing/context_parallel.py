@@ -1,6 +1,4 @@
-"""Context parallelism over packed or ``[b, s]`` batches: a rank's load-balanced (zigzag)
-positions, sharding, and its differentiable inverse (one all-gather).
-"""
+"""Context parallelism over packed or ``[b, s]`` batches: the zigzag split and its inverse."""
 
 from __future__ import annotations
 
@@ -18,11 +16,8 @@ from .layout import PackedBatch
 
 
 def _cp_positions(cu_padded: torch.Tensor, total: int, cp: int, ranks: torch.Tensor):
-    """Packed positions held by each of ``ranks`` ([K] int64): int64 ``[K, total // cp]``.
-
-    Local position j of rank r lies in sequence i (found on ``cu_padded // cp``) at offset o; with
-    half = (padded length of i) / (2 cp), it is chunk r of i for o < half, else chunk 2cp-1-r.
-    """
+    """``[K, total // cp]`` packed positions of ``ranks`` ``[K]``: local j in sequence i at offset o
+    is in chunk r of i for o < half = (padded length of i) / 2cp, else in chunk 2cp-1-r."""
     local = cu_padded // cp
     j = torch.arange(total // cp, device=cu_padded.device)
     seq = torch.searchsorted(local[1:], j, right=True).clamp_(max=local.numel() - 2)
@@ -54,24 +49,14 @@ def context_parallel_indices(cu_seqlens_padded: torch.Tensor | None, total_token
                              validate: bool = True) -> torch.Tensor:
     """Packed positions that context-parallel rank ``cp_rank`` of ``cp_size`` keeps, in its order.
 
-    Each padded sequence is cut into ``2 * cp_size`` chunks; the rank keeps chunk ``cp_rank`` then
-    chunk ``2 * cp_size - 1 - cp_rank`` of every sequence, sequence after sequence: transformer-
-    engine's ``thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, cp_size, cp_rank)``
-    (as int64). ``cu_seqlens_padded=None`` is one sequence (Megatron's split of a ``[b, s]`` batch).
+    Chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of the ``2 * cp_size`` of every padded
+    sequence: transformer-engine's ``thd_get_partitioned_indices(cu_seqlens_padded, total_tokens,
+    cp_size, cp_rank)``, int64 ``[total_tokens // cp_size]`` on ``cu_seqlens_padded``'s device
+    (else ``device``, default CPU). ``cu_seqlens_padded``: ``[N + 1]`` integer cumulative padded
+    lengths ending at ``total_tokens``, or None: one sequence (Megatron's split of ``[b, s]``).
 
-    Args:
-        cu_seqlens_padded: ``[N + 1]`` integer cumulative padded lengths ending at T, every step a
-            multiple of ``2 * cp_size``; or None.
-        total_tokens: T, a multiple of ``2 * cp_size``.
-        device: where to build the indices when ``cu_seqlens_padded`` is None (default CPU).
-        validate: check ``cu_seqlens_padded``'s values (host read; skipped during CUDA graph
-            capture).
-
-    Returns int64 ``[total_tokens // cp_size]`` on the device of ``cu_seqlens_padded``.
-
-    Raises ``ValueError`` for bad sizes or rank, T not a multiple of ``2 * cp_size``, and with
-    ``validate`` a ``cu_seqlens_padded`` not starting at 0, decreasing, not ending at T, or with a
-    step that is not a multiple of ``2 * cp_size``.
+    Raises ``ValueError`` for bad sizes or rank, ``total_tokens`` not a multiple of ``2 *
+    cp_size``, and with ``validate`` bad cumulative lengths (:mod:`~megatron_vocabstats.packing`).
     """
     validate = check_bool("validate", validate)
     cp = _positive_int(cp_size, "cp_size")
@@ -100,19 +85,13 @@ def shard_for_context_parallel(
     """This context-parallel rank's load-balanced share of ``x`` along the sequence dimension.
 
     Equals ``x.index_select(dim, context_parallel_indices(cu_seqlens_padded, x.shape[dim],
-    cp_size=cp, cp_rank=rank))``, with ``T / cp`` tokens along ``dim``. No communication.
+    cp_size=cp, cp_rank=rank))``; no communication; ``cp_group`` None (or size 1) returns ``x``.
+    A :class:`PackedBatch` has its tokens, labels, loss_mask and position_ids sharded along dim 1
+    by its own ``cu_seqlens_padded``; the rest stays global, as Megatron passes it to
+    transformer-engine.
 
-    Args:
-        x: a tensor with T tokens along ``dim`` (THD ``[1, T]``, ``[b, s]``, hidden ``[T, 1, h]``
-            with ``dim=0``), or a :class:`PackedBatch`: its tokens, labels, loss_mask and
-            position_ids are sharded along dim 1 by its own ``cu_seqlens_padded``; the rest stays
-            global, as Megatron passes it to transformer-engine under context parallelism.
-        cp_group: the context-parallel group; None (or size 1) returns ``x`` itself.
-        cu_seqlens_padded, validate: as in :func:`context_parallel_indices` (not with a
-            PackedBatch); every rank raises alike.
-
-    Raises ``ValueError`` for ``dim`` out of range, ``cu_seqlens_padded`` with a PackedBatch, and
-    what :func:`context_parallel_indices` raises.
+    Raises ``ValueError``, alike on every rank, for ``dim`` out of range, ``cu_seqlens_padded``
+    with a PackedBatch, and what :func:`context_parallel_indices` raises.
     """
     validate = check_bool("validate", validate)
     rank, cp = group_rank_size(cp_group)
@@ -169,27 +148,18 @@ def gather_from_context_parallel(
     dim: int = 1,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Per-token values of all context-parallel ranks, back in packed order: the inverse of
-    :func:`shard_for_context_parallel`.
+    """The inverse of :func:`shard_for_context_parallel`: all ranks' shards in packed order.
 
     ``gather_from_context_parallel(shard_for_context_parallel(v, g, ...), g, ...)`` equals ``v``
-    bitwise on every rank: ``[..., T, ...]`` with ``T = cp * x.shape[dim]``. The backward hands
-    each rank the upstream gradient at its own positions (no collective): the exact gradient when
-    every cp rank computes the same function of the gathered tensor, since Megatron's gradient
-    reduction over dp x cp then counts each token once. Communication: one all-gather of ``x``.
-
-    Args:
-        x: this rank's shard along ``dim``, any dtype; the same shape and dtype on every rank.
-        cp_group: the context-parallel group; None (or size 1) returns ``x`` itself.
-        cu_seqlens_padded: the global cumulative padded lengths used to shard, or None.
-        validate: check ``cu_seqlens_padded`` and, with one all-gather of a few int64, that all
-            ranks agree on shard size, dtype, other dimensions, ``cu_seqlens_padded`` and
-            ``dim``, so that bad input raises on every rank instead of hanging. Skipped during
-            CUDA graph capture. Must be equal on all ranks.
+    bitwise on every rank, with ``cp * x.shape[dim]`` tokens; one all-gather of ``x`` (same shape
+    and dtype on every rank). The backward hands each rank the gradient at its own positions, no
+    collective: exact when every cp rank computes the same function of the result (Megatron's
+    gradient reduction over dp x cp then counts each token once). ``validate`` (equal on all
+    ranks) adds one all-gather of a few int64 so that shards that disagree raise on every rank.
 
     Raises ``ValueError`` for ``dim`` out of range, an odd local token count, and with
-    ``validate`` a bad ``cu_seqlens_padded`` (as :func:`context_parallel_indices`) or shards that
-    differ across ranks, on all ranks.
+    ``validate``, on all ranks, a bad ``cu_seqlens_padded`` (as :func:`context_parallel_indices`)
+    or shards that differ across ranks (size, dtype, other dimensions, layout, ``dim``).
     """
     validate = check_bool("validate", validate)
     rank, cp = group_rank_size(cp_group)

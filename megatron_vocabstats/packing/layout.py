@@ -1,6 +1,4 @@
-"""The packed (THD) layout: :class:`PackedBatch`, the padding multiple of a parallel layout
-(:func:`sequence_alignment`) and the label shift inside sequences (:func:`shift_packed_labels`).
-"""
+"""The packed (THD) layout: :class:`PackedBatch`, its padding multiple and its label shift."""
 
 from __future__ import annotations
 
@@ -16,18 +14,13 @@ from .checks import _cu_pair, _fill_value, _is_int_tensor, _positive_int
 
 def sequence_alignment(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False,
                        fp8_multiple: int = 1) -> int:
-    """Multiple every packed sequence is padded to, for the given parallel layout.
+    """Multiple every packed sequence is padded to: ``lcm(2 * cp, cp * t * f)``.
 
-    Returns ``lcm(2 * cp, cp * t * f)`` (the ``2 * cp`` term only when ``cp > 1``), with
-    ``cp = cp_size``, ``t = tp_size`` under sequence parallelism (else 1), ``f = fp8_multiple``: the
-    smallest multiple that splits each sequence into ``2 * cp`` equal chunks, each cp rank's ``T /
-    cp`` tokens evenly over the tp ranks, and leaves each rank ``T / (cp * t)`` tokens divisible by
-    ``f`` (FP8 GEMMs: 16 for tensorwise/delayed scaling, 32 for MXFP8, 128 for blockwise). Plain
-    ``lcm(2 * cp, t, f)`` is too small e.g. at cp=2, tp=4 with sequence parallelism; Megatron's
-    multimodal ``get_padding`` uses ``2 * cp * tp``, a multiple of this value.
-
-    Raises ``ValueError`` for a size that is not a positive int or a non-bool
-    ``sequence_parallel``.
+    ``cp = cp_size`` (the ``2 * cp`` term only when ``cp > 1``), ``t = tp_size`` under sequence
+    parallelism (else 1), ``f = fp8_multiple`` (FP8 GEMMs: 16 for tensorwise/delayed scaling, 32
+    for MXFP8, 128 for blockwise): the smallest multiple that cuts each sequence into ``2 * cp``
+    equal chunks and leaves each rank ``T / (cp * t)`` tokens divisible by ``f``. Raises
+    ``ValueError`` for a size that is not a positive int or a non-bool ``sequence_parallel``.
     """
     cp = _positive_int(cp_size, "cp_size")
     tp = _positive_int(tp_size, "tp_size")
@@ -41,14 +34,14 @@ def sequence_alignment(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bo
 class PackedBatch:
     """A packed (THD) batch of N sequences in one row of T tokens.
 
-    ``tokens``: ``[1, T]`` token ids, the input's dtype (padding: ``pad_token_id``).
-    ``labels``: ``[1, T]`` same dtype: the next token inside each sequence, else ``ignore_index``.
-    ``loss_mask``: ``[1, T]`` float32, 1.0 where ``labels`` is a real next token.
-    ``position_ids``: ``[1, T]`` int64, from 0 at each padded sequence start (padding continues).
-    ``cu_seqlens`` / ``cu_seqlens_padded``: ``[N + 1]`` int32 cumulative real / padded lengths;
-    ``cu_seqlens_padded[-1] == T`` (padding up to a given total belongs to the last sequence).
-    ``max_seqlen``: int, the largest padded length, or an upper bound (see :func:`pack_sequences`).
-    ``packed_seq_params``: Megatron's ``PackedSeqParams(qkv_format="thd", ...)``, or None.
+    ``tokens``: ``[1, T]`` token ids, the input's dtype (padding: ``pad_token_id``); ``labels``:
+    ``[1, T]`` same dtype, the next token inside each sequence, else ``ignore_index``;
+    ``loss_mask``: ``[1, T]`` float32, 1.0 where ``labels`` is a real next token;
+    ``position_ids``: ``[1, T]`` int64, from 0 at each padded sequence start (padding continues);
+    ``cu_seqlens`` / ``cu_seqlens_padded``: ``[N + 1]`` int32 cumulative real / padded lengths,
+    ``cu_seqlens_padded[-1] == T`` (padding up to a given total belongs to the last sequence);
+    ``max_seqlen``: int, the largest padded length or a bound of it; ``packed_seq_params``:
+    Megatron's ``PackedSeqParams(qkv_format="thd", ...)``, or None.
     """
 
     tokens: torch.Tensor
@@ -62,8 +55,7 @@ class PackedBatch:
 
 
 def _segments(cu_padded: torch.Tensor, lengths: torch.Tensor, total: int):
-    """Per packed position ``p < total``: ``(sequence, offset in it, is a real token, next position
-    is a real token of the same sequence)``. ``cu_padded`` int64 [N + 1]."""
+    """Per packed position: ``(sequence, offset in it, real token, next one a real token too)``."""
     pos = torch.arange(total, device=cu_padded.device)
     seq = torch.searchsorted(cu_padded[1:], pos, right=True).clamp_(max=lengths.numel() - 1)
     offset = pos - cu_padded[seq]
@@ -91,20 +83,14 @@ def shift_packed_labels(
 
         labels[..., s:s + L - 1] = x[1:];  every other position = ignore_index
 
-    Args:
-        tokens: ``[T]`` or ``[1, T]`` integer token ids.
-        cu_seqlens: ``[N + 1]`` integer cumulative real lengths (ending at T without
-            ``cu_seqlens_padded``).
-        cu_seqlens_padded: ``[N + 1]`` cumulative padded lengths ending at T, or None (no padding).
-        validate: check the cumulative lengths' values (host read; skipped during CUDA graph
-            capture). Without it, bad input gives wrong labels.
-
-    Returns ``(labels, loss_mask)`` shaped like ``tokens``: labels in the tokens' dtype,
+    ``tokens``: ``[T]`` or ``[1, T]`` integer ids; ``cu_seqlens`` / ``cu_seqlens_padded``:
+    ``[N + 1]`` integer cumulative real / padded lengths, the latter (or, when None, the former)
+    ending at T. Returns ``(labels, loss_mask)`` shaped like ``tokens``: labels in its dtype,
     loss_mask float32 (1.0 where the label is a real next token).
 
     Raises ``ValueError`` for non-integer or misshapen ``tokens``/``cu_seqlens``, an
-    ``ignore_index`` the tokens' dtype does not hold, and with ``validate`` cumulative lengths not
-    starting at 0, decreasing, not ending at T, or a sequence longer than its padded length.
+    ``ignore_index`` the tokens' dtype does not hold, and with ``validate`` bad cumulative lengths
+    (:mod:`~megatron_vocabstats.packing`).
     """
     validate = check_bool("validate", validate)
     if not _is_int_tensor(tokens) or tokens.dim() not in (1, 2) or (

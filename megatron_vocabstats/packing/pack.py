@@ -1,6 +1,4 @@
-"""Packing sequences into one THD row (:func:`pack_sequences`) and Megatron's
-``PackedSeqParams`` for it (:func:`make_packed_seq_params`).
-"""
+"""Packing sequences into one THD row, and Megatron's ``PackedSeqParams`` for it."""
 
 from __future__ import annotations
 
@@ -82,32 +80,20 @@ def pack_sequences(
         labels = cat([cat([x_i[1:], full(P_i - L_i + 1, ignore_index)])[:P_i] for i])
         position_ids = cat([arange(P_i) for i]);  loss_mask = (labels != ignore_index)
 
-    No collective. Host sync: a list copies its lengths to the device, ``validate`` reads a
-    ``lengths`` tensor; a ``lengths`` tensor with ``validate=False`` is sync-free (capturable).
-    More: ``docs/ops.md``, "Packed sequences and context parallelism".
+    ``sequences``: a list of 1-D integer tensors (one dtype and device; empty ones allowed), or a
+    padded batch ``[B, S]`` whose row b holds ``lengths[b]`` real tokens on the left (``lengths``:
+    a ``[B]`` integer tensor on its device, or B ints). ``total_length``: the row length T, a
+    multiple of ``alignment`` (:func:`sequence_alignment`); default the packed length with
+    lengths on the host, else the bound ``B * ceil(S / alignment) * alignment``. ``seq_params``:
+    build :func:`make_packed_seq_params`. Host syncs, ``max_seqlen`` and ``validate``:
+    ``docs/ops.md``, "Packed sequences and context parallelism".
 
-    Args:
-        sequences: a list of 1-D integer tensors (one dtype and device; empty ones allowed), or a
-            padded batch ``[B, S]`` whose row b holds ``lengths[b]`` real tokens on the left.
-        lengths: with a padded batch only: a ``[B]`` integer tensor on its device, or B ints.
-        alignment: every sequence is padded to a multiple of it (:func:`sequence_alignment`).
-        total_length: the row length T, a multiple of ``alignment``. Default: the packed length
-            with lengths on the host, else the bound ``B * ceil(S / alignment) * alignment``.
-        seq_params: build ``packed_seq_params`` (:func:`make_packed_seq_params`).
-        validate: with a ``lengths`` tensor, check ``0 <= lengths <= S`` and that the packed length
-            fits ``total_length`` (skipped during CUDA graph capture; unchecked: wrong tokens).
-
-    Returns:
-        :class:`PackedBatch`. ``max_seqlen`` is exact when the lengths are on the host; with a
-        ``lengths`` tensor it is the bound T, and ``pad_between_seqs`` is True.
-
-    Raises:
-        ValueError: naming the argument: a malformed ``sequences`` or ``lengths`` (empty list,
-            non-integer or non-1-D sequence, mixed dtypes or devices, a padded batch without
-            ``lengths`` or with misshapen ones, ``lengths`` with a list), lengths outside ``[0,
-            S]``, a bad ``alignment``, a ``total_length`` not a multiple of it or below the packed
-            length (for a ``lengths`` tensor these two need ``validate``), a fill value the token
-            dtype does not hold, a non-bool ``seq_params``/``validate``.
+    Raises ``ValueError`` naming the argument: a malformed ``sequences`` or ``lengths`` (empty
+    list, non-integer or non-1-D sequence, mixed dtypes or devices, a padded batch without
+    ``lengths`` or with misshapen ones, ``lengths`` with a list), lengths outside ``[0, S]``, a bad
+    ``alignment``, a ``total_length`` not a multiple of it or below the packed length (for a
+    ``lengths`` tensor these two need ``validate``), a fill value the token dtype does not hold,
+    a non-bool ``seq_params``/``validate``.
     """
     seq_params = check_bool("seq_params", seq_params)
     validate = check_bool("validate", validate)
@@ -178,24 +164,13 @@ def pack_sequences(
 
 def make_packed_seq_params(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                            max_seqlen: int, *, pad_between_seqs: bool | None = None):
-    """Megatron's ``PackedSeqParams(qkv_format="thd", ...)`` for the installed megatron-core.
+    """Megatron's ``PackedSeqParams(qkv_format="thd", ...)``, or None without ``megatron.core``.
 
-    ``cu_seqlens_{q,kv} = cu_seqlens``, ``cu_seqlens_{q,kv}_padded = cu_seqlens_padded``,
-    ``max_seqlen_{q,kv} = max_seqlen``, and ``pad_between_seqs`` where the release has it (0.19;
-    else transformer-engine infers it on the host). The fields are found by feature detection
-    (0.16 and 0.19). Under context parallelism pass the global (unsharded) values, as Megatron does.
-
-    Args:
-        cu_seqlens, cu_seqlens_padded: ``[N + 1]`` int32 cumulative real / padded lengths, used
-            as given (unchecked; transformer-engine wants int32 on the attention device).
-        max_seqlen: int, the largest padded length (or an upper bound of it).
-        pad_between_seqs: whether any sequence is padded; None leaves the field unset.
-
-    Returns:
-        The ``PackedSeqParams``, or None when ``megatron.core`` is not importable.
-
-    Raises:
-        ValueError: ``pad_between_seqs`` neither a bool nor None.
+    ``cu_seqlens_{q,kv} = cu_seqlens``, ``cu_seqlens_{q,kv}_padded = cu_seqlens_padded``
+    (``[N + 1]`` int32 on the attention device, unchecked), ``max_seqlen_{q,kv} = max_seqlen``
+    (the largest padded length or a bound of it), and ``pad_between_seqs`` where the release has
+    it (0.19; None leaves it unset). Under context parallelism pass the global (unsharded) values,
+    as Megatron does. Raises ``ValueError`` for ``pad_between_seqs`` neither a bool nor None.
     """
     if pad_between_seqs is not None:
         pad_between_seqs = check_bool("pad_between_seqs", pad_between_seqs)

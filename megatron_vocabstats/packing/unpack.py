@@ -26,23 +26,14 @@ def unpack_sequences(
         out[i, :L_i] = values[s_i:s_i + L_i];  out[i, L_i:] = padding_value
         mask = arange(S_max) < L[:, None]
 
-    Differentiable w.r.t. ``values`` (gradient 0 at padding and at tokens past ``max_seqlen``).
-
-    Args:
-        values: any dtype, T packed tokens along ``dim`` (``[T]``, ``[1, T]``, ``[T, k]`` with
-            ``dim=0``); ``dim`` becomes the two dimensions ``(N, S_max)``.
-        cu_seqlens, cu_seqlens_padded: as in :func:`shift_packed_labels`.
-        max_seqlen: S_max, an int (a static shape: no device value is read for it).
-        validate: check the cumulative lengths and that no sequence exceeds ``max_seqlen``
-            (host read; skipped during CUDA graph capture).
-
-    Returns ``(out, mask)``: ``out`` of shape ``values.shape[:dim] + (N, S_max) +
-    values.shape[dim+1:]`` in the values' dtype; ``mask`` bool ``[N, S_max]``, True at real tokens.
+    Differentiable w.r.t. ``values`` (gradient 0 at padding and past ``max_seqlen``). ``values``:
+    any dtype, T packed tokens along ``dim``, which becomes the dimensions ``(N, S_max)`` of
+    ``out`` (same dtype); ``mask`` is bool. ``cu_seqlens``, ``cu_seqlens_padded``: as in
+    :func:`shift_packed_labels`; ``max_seqlen``: S_max, an int (a static shape).
 
     Raises ``ValueError`` for bad shapes or dtypes, ``dim`` out of range, a negative or non-int
-    ``max_seqlen``, a ``padding_value`` the values' dtype does not hold, and with ``validate``
-    cumulative lengths not starting at 0, decreasing, not ending at T, or a sequence longer than
-    its padded length or than ``max_seqlen``.
+    ``max_seqlen``, a ``padding_value`` the values' dtype does not hold, and with ``validate`` bad
+    cumulative lengths (:mod:`~megatron_vocabstats.packing`) or a sequence over ``max_seqlen``.
     """
     validate = check_bool("validate", validate)
     dim = _seq_dim(values, dim, "values")

@@ -1,6 +1,4 @@
-"""Trainer / rollout-engine mismatch: importance-weight corrections (:mod:`.correction`) and
-diagnostics (:mod:`.diagnostics`); methods and sources: ``docs/rollout.md``.
-"""
+"""Trainer / rollout-engine mismatch: importance-weight corrections and diagnostics."""
 
 from . import correction, diagnostics
 from .correction import (  # noqa: F401 - re-exported (__all__ below)

@@ -1,13 +1,6 @@
-"""Trainer / rollout-engine mismatch: importance-weight corrections.
-
-The engine's log-probs of the sampled tokens (``rollout_logprobs``) and the trainer's with the
-same weights (``old_logprobs``) differ (kernels, precision, MoE routing), so even the first
-update is slightly off-policy. :func:`correction_weights` turns ``rho_t = exp(old_logprobs_t -
-rollout_logprobs_t)`` into detached weights for the clipped surrogate of
-:func:`~megatron_vocabstats.losses.policy_loss`: TIS, MIS or IcePop (:class:`RolloutCorrection`;
-sources and verl / TRL equivalents: ``docs/rollout.md``, "Rollout correction"). No host sync
-unless ``validate``.
-"""
+"""Importance weights (TIS, MIS, IcePop) correcting the trainer / rollout-engine mismatch in
+:func:`~megatron_vocabstats.losses.policy_loss`. Methods, sources and the verl / TRL equivalents:
+``docs/rollout.md``, "Rollout correction"."""
 
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ ROLLOUT_MODES = ("tis", "mis", "icepop")
 ROLLOUT_LEVELS = ("token", "sequence")
 # (report suffix, quantile) of the per-token ratio reported by mismatch_diagnostics.
 RATIO_QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))
-# Log-ratios are clamped to +-this before exp (same value as losses.LOG_RATIO_LIMIT, verl's
-# SAFETY_BOUND): e^20 = 5e8 already means another policy; the clamp keeps every weight finite.
+# Log-ratios are clamped to +-this before exp (losses.LOG_RATIO_LIMIT, verl's SAFETY_BOUND).
 _LOG_RATIO_LIMIT = 20.0
 _DEFAULTS = {"tis": (2.0, None, None), "mis": (None, None, 2.0), "icepop": (None, 0.5, 5.0)}
 _FLAG_NAMES = ("truncated", "masked")
@@ -85,28 +77,22 @@ def correction_bounds(mode: str, level: str, threshold=None, low=None, high=None
 class RolloutCorrection:
     """How :func:`~megatron_vocabstats.losses.policy_loss` corrects the rollout mismatch.
 
-    Fields (validated on construction; unset bounds get the mode's defaults, so
-    ``RolloutCorrection(mode="mis") == RolloutCorrection(mode="mis", low=0.5, high=2.0)``):
+    Fields, checked on construction (formulas: :func:`correction_weights`, ``docs/rollout.md``):
 
-    * ``mode``: ``"tis"``, truncated IS (Yao et al. 2025; verl ``rollout_is``, TRL
-      ``token_truncate``); ``"mis"``, masked IS (verl ``rollout_is_mode="mask"``; Liu, Li et al.
-      2025); ``"icepop"`` (Ling Team 2025, arXiv:2510.18855): ``"mis"`` with its own band, token
-      level only. Formulas: :func:`correction_weights`.
-    * ``level``: ``"token"`` (one weight per token) or ``"sequence"`` (one per row of ``[b, s]``
-      inputs, from the row's summed log-ratio).
+    * ``mode``: ``"tis"`` (truncated IS), ``"mis"`` (masked IS) or ``"icepop"`` (``"mis"`` with
+      its own band, token level only).
+    * ``level``: ``"token"`` or ``"sequence"`` (one weight per row of ``[b, s]`` inputs).
     * ``threshold``: ``"tis"`` only, the truncation C > 0 (default 2.0).
     * ``low``, ``high``: ``"mis"``/``"icepop"`` only, the kept band ``0 < low <= 1 <= high``,
-      ``low < high``, ends inclusive. Defaults: ``"mis"`` ``high = 2``, ``low = 1 / high`` (verl);
+      ``low < high``, ends inclusive; defaults ``"mis"`` ``high = 2``, ``low = 1 / high``,
       ``"icepop"`` ``[0.5, 5]``.
-    * ``validate``: a counted token without a log-ratio (:func:`invalid_log_ratios`) raises
-      ``ValueError`` in :func:`correction_weights` (a host sync); False (default): it gets weight
-      0 and is flagged.
+    * ``validate``: a counted token without a log-ratio raises in :func:`correction_weights` (a
+      host sync) instead of getting weight 0, flagged.
 
-    Raises:
-        ValueError: naming the field: an unknown ``mode`` or ``level``, ``"icepop"`` at sequence
-            level, a bound that is not a finite positive number, ``threshold`` given to
-            ``"mis"``/``"icepop"`` or ``low``/``high`` given to ``"tis"``, ``low >= high``, or a
-            band that does not contain 1.
+    Raises ``ValueError`` naming the field: an unknown ``mode`` or ``level``, ``"icepop"`` at
+    sequence level, a bound that is not a finite positive number, ``threshold`` given to
+    ``"mis"``/``"icepop"`` or ``low``/``high`` given to ``"tis"``, ``low >= high``, or a band that
+    does not contain 1.
     """
 
     mode: str = "tis"
@@ -124,17 +110,16 @@ class RolloutCorrection:
 
     @property
     def flag_name(self) -> str:
-        """``"truncated"`` for ``"tis"``, else ``"masked"``: the meaning of the flags of
-        :func:`correction_weights` and the name of their report entry."""
+        """``"truncated"`` for ``"tis"``, else ``"masked"``: the flags' meaning and report name."""
         return "truncated" if self.mode == "tis" else "masked"
 
 
 class CorrectionWeights(NamedTuple):
-    """:func:`correction_weights`'s result; unpacks as ``weights, flags``.
+    """:func:`correction_weights`'s result, ``weights, flags``, shaped like its inputs.
 
-    ``weights``: detached, fp32 (float64 for float64 inputs), shaped like the inputs, 0 where not
-    counted. ``flags``: bool, False where not counted: tokens truncated (``"tis"``) or dropped
-    (``"mis"``/``"icepop"``) or without a log-ratio; at sequence level, a flagged row's tokens.
+    ``weights``: detached fp32 (float64 for float64 inputs), 0 where not counted. ``flags``: bool,
+    the counted tokens truncated (``"tis"``), dropped or without a log-ratio (whole rows at
+    sequence level).
     """
 
     weights: torch.Tensor
@@ -165,9 +150,8 @@ def _mask_of(mask, like: torch.Tensor, like_name: str) -> torch.Tensor:
 
 def invalid_log_ratios(trainer: torch.Tensor, rollout: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-    """Bool, shaped like the inputs: the counted tokens (``mask``, bool) whose log-ratio ``trainer -
-    rollout`` has no value: a NaN on either side, +inf on either side, or -inf on both. A single
-    -inf is a valid, extreme ratio (clamped to +-20). No host sync."""
+    """Bool: the counted tokens (``mask``, bool) whose log-ratio ``trainer - rollout`` has no value
+    (NaN or +inf on either side, or -inf on both; one -inf is a valid ratio, clamped to +-20)."""
     with torch.no_grad():
         bad = torch.isnan(trainer - rollout) | torch.isposinf(trainer) | torch.isposinf(rollout)
         return bad & mask
@@ -203,27 +187,16 @@ def correction_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     * ``"tis"``: ``w = min(rho, threshold)``; flag = ``rho > threshold``.
     * ``"mis"``, ``"icepop"``: ``w = rho`` if ``low <= rho <= high`` else 0; flag = outside.
     * a counted token without a log-ratio (:func:`invalid_log_ratios`; at sequence level its whole
-      row, and a row whose sum is -inf + inf): ``w = 0``, flagged; ``ValueError`` with
-      ``cfg.validate``.
+      row, and a row whose sum is -inf + inf): ``w = 0``, flagged.
 
-    Sources: :class:`RolloutCorrection`.
+    ``old_logprobs`` (the trainer's, nats; gradient ignored), ``rollout_logprobs`` (the engine's)
+    and ``mask`` (any dtype, non-zero = counted; values elsewhere never reach the result) share
+    one shape, ``[b, s]`` at sequence level.
 
-    Args:
-        old_logprobs: ``[...]`` (``[b, s]`` at sequence level) floating, the trainer's log-probs of
-            the sampled tokens (nats); any gradient is ignored.
-        rollout_logprobs: the rollout engine's log-probs of the same tokens, same shape.
-        mask: same shape, any dtype; a token counts where non-zero. Values elsewhere (NaN, inf)
-            never reach the result.
-        cfg: a :class:`RolloutCorrection`.
-
-    Returns:
-        :class:`CorrectionWeights`.
-
-    Raises:
-        ValueError: naming the argument: a ``cfg`` that is not a :class:`RolloutCorrection`,
-            non-tensor or non-floating log-probs, shapes or devices that differ, a missing
-            ``mask``, ``level="sequence"`` on inputs that are not 2-D; with ``cfg.validate`` (a
-            host sync) a counted token without a log-ratio.
+    Raises ``ValueError`` naming the argument: a ``cfg`` that is not a :class:`RolloutCorrection`,
+    non-tensor or non-floating log-probs, shapes or devices that differ, a missing ``mask``,
+    ``level="sequence"`` on inputs that are not 2-D; with ``cfg.validate`` (a host sync) a counted
+    token without a log-ratio.
     """
     if not isinstance(cfg, RolloutCorrection):
         raise ValueError(f"cfg must be a RolloutCorrection, got {type(cfg).__name__}")

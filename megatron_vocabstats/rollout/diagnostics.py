@@ -1,6 +1,4 @@
-"""Trainer / rollout-engine mismatch diagnostics (:func:`mismatch_diagnostics`): report entries
-in Megatron's ``[sum, count]`` convention, with no host sync.
-"""
+"""Report entries measuring the trainer / rollout-engine mismatch, with no host sync."""
 
 from __future__ import annotations
 
@@ -55,45 +53,33 @@ def mismatch_diagnostics(
     flag_name: str = "truncated",
     outside: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-step report entries measuring the trainer / rollout-engine mismatch.
+    """Per-step report entries (detached fp32 ``[sum, count]`` pairs) measuring the mismatch.
 
-    Every entry is a detached fp32 ``[sum, count]`` pair (Megatron's reduction turns token entries
-    into means over the step). With ``d_t = clamp(trainer_logprobs_t - rollout_logprobs_t, -20,
-    20)`` (the clamp keeps one -inf log-prob from making the means inf), ``r_t = exp(d_t)``, ``n``
-    the counted tokens and ``v`` those with a log-ratio (:func:`~.correction.invalid_log_ratios`),
-    ``n_v`` their count:
+    With ``d_t = clamp(trainer_logprobs_t - rollout_logprobs_t, -20, 20)``, ``r_t = exp(d_t)``,
+    ``n`` the counted tokens and ``v`` those with a log-ratio (:func:`invalid_log_ratios`), ``n_v``
+    their count:
 
     * ``"rollout |dlogprob|"``: ``[sum_v |d_t|, n_v]``, nats.
     * ``"rollout k3 kl"``: ``[sum_v (r_t - 1 - log r_t), n_v]``, Schulman's k3 estimate of
       KL(pi_rollout || pi_trainer) (nats, >= 0).
     * ``"rollout ratio p50"``, ``"p90"``, ``"p99"``, ``"max"``: quantiles of ``r_t`` over this
       microbatch's ``v`` (as ``torch.quantile``), each ``[value, 1]`` (``[0, 0]`` without such
-      tokens): after Megatron's reduction, the mean over microbatches and ranks of the
-      per-microbatch quantile, not the step's quantile.
+      tokens), so Megatron's reduction averages the per-microbatch quantiles.
     * ``"rollout invalid logprobs"``: ``[n - n_v, n]``.
     * with ``weights``: ``"rollout weight"`` ``[sum w_t, n]``.
-    * with ``flags``: ``"rollout <flag_name> fraction"`` ``[sum flags, n]``.
+    * with ``flags``: ``"rollout <flag_name> fraction"`` ``[sum flags, n]`` (``"truncated"``,
+      ``"masked"``).
     * with ``outside``: ``"rollout outside support"`` ``[sum outside_t m_t, n]``.
 
-    Args:
-        trainer_logprobs: ``[...]`` floating, the trainer's log-probs of the sampled tokens;
-            :func:`~megatron_vocabstats.losses.policy_loss` passes ``old_logprobs``, so the
-            entries measure the engines' disagreement, not the policy's drift.
-        rollout_logprobs: the engine's log-probs, same shape.
-        mask: same shape, any dtype, non-zero where a token counts; values elsewhere never reach
-            the entries.
-        weights, flags: :func:`correction_weights`'s result, or None.
-        flag_name: ``"truncated"`` or ``"masked"`` (:attr:`RolloutCorrection.flag_name`).
-        outside: optional bool, same shape: True where the target lies outside the sampler's
-            kept set (``SamplingLogprobs.outside``).
+    Keys in that order. Every tensor has ``trainer_logprobs``' shape: ``rollout_logprobs`` (the
+    engine's), ``mask`` (any dtype, non-zero = counted; values elsewhere never reach the entries),
+    ``weights`` and ``flags`` (:func:`correction_weights`'s), ``outside`` (bool: targets outside
+    the sampler's kept set). :func:`~megatron_vocabstats.losses.policy_loss` passes its
+    ``old_logprobs`` as ``trainer_logprobs``, so the entries measure the engines' disagreement.
 
-    Returns:
-        ``dict[str, Tensor]`` of ``[2]`` fp32 tensors, keys in the order above.
-
-    Raises:
-        ValueError: naming the argument: non-tensors, non-floating log-probs or weights, a
-            non-bool ``flags``/``outside``, shapes or devices that differ, a missing ``mask``,
-            an unknown ``flag_name``.
+    Raises ``ValueError`` naming the argument: non-tensors, non-floating log-probs or weights, a
+    non-bool ``flags``/``outside``, shapes or devices that differ, a missing ``mask``, an unknown
+    ``flag_name``.
     """
     _check_tensor("trainer_logprobs", trainer_logprobs)
     like = dict(like=trainer_logprobs, like_name="trainer_logprobs")
@@ -118,7 +104,6 @@ def mismatch_diagnostics(
         ratio = torch.exp(clamped)
         report = {
             "rollout |dlogprob|": _pair(clamped.abs().sum(), count_valid),
-            # 0 at uncounted positions (d = 0 there).
             "rollout k3 kl": _pair((torch.expm1(clamped) - clamped).sum(), count_valid),
         }
         one = torch.ones((), dtype=torch.int64, device=count.device)
