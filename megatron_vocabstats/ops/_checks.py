@@ -133,6 +133,9 @@ def _check_local(logits, target, tp_group, options: dict) -> StatsConfig:
             )
         if target.device != logits.device:
             raise ValueError(f"target is on {target.device} but logits on {logits.device}")
+    unknown = [name for name in options if name not in STATS_OPTIONS]
+    if unknown:  # (an internal caller's slip: the ops' own keywords are checked by takes_options)
+        raise TypeError(f"checked_config got an unknown option {unknown[0]!r}")
     values = {name: options.get(name, option.default) for name, option in STATS_OPTIONS.items()}
     for name, option in STATS_OPTIONS.items():
         if option.check is not None:

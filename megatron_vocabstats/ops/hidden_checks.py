@@ -23,10 +23,10 @@ from .options import LINEAR_HEAD_OPTIONS, LOGITS_DTYPES, STATS_OPTIONS
 
 def lead_shape(hidden, sequence_parallel, tp: int) -> tuple[int, ...] | None:
     """The leading shape of the (gathered) tokens of ``hidden`` ``[..., H]`` (under
-    ``sequence_parallel is True`` and tp > 1, dim 0 times ``tp``): that of the target,
+    ``sequence_parallel`` a bool that is true and tp > 1, dim 0 times ``tp``): that of the target,
     ``indices`` and ``mask``. None when ``hidden`` is not a tensor of the right rank (the linear
     checks then name it)."""
-    sp = sequence_parallel is True and tp > 1
+    sp = bool_error("sequence_parallel", sequence_parallel) is None and sequence_parallel and tp > 1
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1 + sp:
         return None
     lead = tuple(hidden.shape[:-1])
@@ -88,7 +88,7 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, tp: int,
             return ValueError("entropy='grad' cannot be combined with grad_weights (the "
                               "forward-gradient mode serves log-prob losses only): pass "
                               "entropy='off' or 'metric'")
-        if argmax is True:
+        if bool_error("argmax", argmax) is None and argmax:
             return ValueError("argmax=True cannot be combined with grad_weights (the "
                               "forward-gradient mode merges its statistics chunk by chunk)")
     for name, value in head.items():

@@ -117,7 +117,7 @@ class Option:
 def _choice(choices: tuple) -> Callable[[str, object], object]:
     def check(name, value):
         check_choice(name, value, choices)
-        return value
+        return choices[choices.index(value)]  # the declared object (a str for numpy's str_)
     return check
 
 
@@ -168,8 +168,8 @@ class VocabStatsKwargs(StatsKwargs, total=False):
     ``ops.kernels.resolve_kernel``; the ranks compare the resolved one): the keywords of the
     ops' wrappers (log-probs, entropy, cross-entropy)."""
 
-    kernel: Annotated[str, Option("auto", agree="kernel (resolved)", kind="choice",
-                                  choices=KERNELS)]
+    kernel: Annotated[str, Option("auto", _choice(KERNEL_CHOICES), agree="kernel (resolved)",
+                                  kind="choice", choices=KERNELS)]
 
 
 class OutputKwargs(TypedDict, total=False):
@@ -187,13 +187,18 @@ class StatsOpKwargs(VocabStatsKwargs, OutputKwargs, total=False):
     :class:`StatsConfig`."""
 
 
-class FusedKwargs(TypedDict, total=False):
-    """The keywords of every differentiable op from hidden states (the fused LM head):
-    ``hidden`` is this rank's sequence shard (gathered inside), and the fp32 weight gradient is
-    added into ``weight.main_grad`` (Megatron's gradient-accumulation fusion)."""
+class SequenceKwargs(TypedDict, total=False):
+    """The keyword of every op from hidden states: ``hidden`` is this rank's sequence shard
+    (gathered inside)."""
 
     sequence_parallel: Annotated[bool, Option(False, check_bool, agree="sequence_parallel",
                                               kind="bool")]
+
+
+class FusedKwargs(SequenceKwargs, total=False):
+    """:class:`SequenceKwargs` and, for the differentiable ops from hidden states, the fp32
+    weight gradient added into ``weight.main_grad`` (Megatron's gradient-accumulation fusion)."""
+
     accumulate_into_main_grad: Annotated[bool, Option(
         False, check_bool, agree="accumulate_into_main_grad", kind="bool")]
 
@@ -207,7 +212,11 @@ class LinearHeadKwargs(FusedKwargs, total=False):
 
 
 class LinearTopKKwargs(ScaledKwargs, FusedKwargs, total=False):
-    """The keywords of the fused top-k ops."""
+    """The keywords of the fused top-k log-probs."""
+
+
+class LinearTopKIdsKwargs(ScaledKwargs, SequenceKwargs, total=False):
+    """The keywords of the fused top-k (not differentiable)."""
 
 
 class SamplerKwargs(TypedDict, total=False):
@@ -257,7 +266,7 @@ LAYOUT_OPTIONS = ("vocab_size", "vocab_start")
 def check_option(name: str, value):
     """``value`` checked and normalised by the declared check of option ``name`` (unchanged if
     the option is checked with the call's tensors)."""
-    option = STATS_OPTIONS.get(name) or LINEAR_HEAD_OPTIONS[name]
+    option = {**STATS_OPTIONS, **LINEAR_HEAD_OPTIONS, **SAMPLER_OPTIONS}[name]
     return value if option.check is None else option.check(name, value)
 
 

@@ -6,6 +6,7 @@ The tensor-parallel and sequence-parallel cases are in ``dist/fused_linear_cases
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -281,12 +282,14 @@ def _bad(**changes):
         (_bad(argmax=1), "argmax must be a bool"),
         (_bad(argmax=True, grad_weights=torch.ones(5, 3), entropy="off"),
          "argmax=True cannot be combined with grad_weights"),
+        (_bad(argmax=np.True_, grad_weights=torch.ones(5, 3), entropy="off"),
+         "argmax=True cannot be combined with grad_weights"),
     ],
     ids=["hidden_size", "hidden_size_0", "dtype_mismatch", "dtype", "weight_1d", "weight_3d",
          "hidden_not_tensor", "target_shape", "float_target", "grad_weights_shape",
          "grad_weights_entropy", "grad_weights_no_target", "main_grad_missing",
          "sequence_parallel_type", "chunk", "temperature", "target_range", "argmax_type",
-         "argmax_grad_weights"],
+         "argmax_grad_weights", "np_argmax_grad_weights"],
 )
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):

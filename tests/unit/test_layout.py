@@ -179,6 +179,15 @@ def test_one_options_object():
             if param.name in declared and param.kind is param.KEYWORD_ONLY:
                 assert param.default == declared[param.name].default, (op, param)
     assert "argmax" in inspect.signature(mv.vocab_parallel_stats).parameters
+    # An unknown option reaching the checks is an error, not a silently dropped keyword.
+    from megatron_vocabstats.ops._checks import checked_config
+
+    with pytest.raises(TypeError, match="unknown option 'tempreature'"):
+        checked_config(__import__("torch").randn(2, 8), None, None, tempreature=0.5)
+    # The losses' options object runs the same declared checks at construction.
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        mv.StatsOptions(kernel="bogus")
+    assert type(mv.StatsOptions(entropy=__import__("numpy").str_("grad")).entropy) is str
 
 
 @pytest.mark.parametrize("call, bad", [
@@ -188,6 +197,7 @@ def test_one_options_object():
     ("linear_vocab_parallel_stats", "bogus"),
     ("vocab_parallel_topk", "kernel"),  # top-k has no Triton backend
     ("vocab_parallel_sampling_logprobs", "entropy"),
+    ("linear_vocab_parallel_topk", "accumulate_into_main_grad"),  # not differentiable
 ])
 def test_wrappers_name_an_undeclared_keyword(call, bad):
     import torch
@@ -196,7 +206,8 @@ def test_wrappers_name_an_undeclared_keyword(call, bad):
 
     logits, target = torch.randn(3, 8), torch.tensor([1, 2, 3])
     args = {"vocab_parallel_topk": (logits, 2), "vocab_parallel_topk_logits": (logits, 2),
-            "linear_vocab_parallel_stats": (torch.randn(3, 4), torch.randn(8, 4), target)}
+            "linear_vocab_parallel_stats": (torch.randn(3, 4), torch.randn(8, 4), target),
+            "linear_vocab_parallel_topk": (torch.randn(3, 4), torch.randn(8, 4), 2)}
     with pytest.raises(TypeError, match=rf"{call}\(\) got an unexpected keyword argument '{bad}'"):
         getattr(mv, call)(*args.get(call, (logits, target)), **{bad: 1})
 

@@ -48,9 +48,9 @@ class SamplingLogprobs(NamedTuple):
 def sampler_problem(top_k, top_p, min_p) -> Exception | None:
     """The first bad filter argument as an exception naming it (a wrong type an
     ``InputTypeError``, a value out of range a ``ValueError``), or None."""
-    for (name, option), value in zip(SAMPLER_OPTIONS.items(), (top_k, top_p, min_p)):
+    for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         try:
-            option.check(name, value)
+            SAMPLER_OPTIONS[name].check(name, value)
         except ValueError as exc:  # InputTypeError included
             return exc
     return None

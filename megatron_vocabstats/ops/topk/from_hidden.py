@@ -16,7 +16,7 @@ from ..agreement import host_checks_enabled
 from ..engine.linear import ChunkBuffers, LinearStatsConfig, full_hidden, linear_chunks
 from ..engine.recompute import recompute_backward
 from ..hidden_checks import checked_linear_config, lead_shape
-from ..options import LinearTopKKwargs, takes_options
+from ..options import LinearTopKIdsKwargs, LinearTopKKwargs, takes_options
 from ..workspace import untracked
 from .checks import agreement, index_problem, k_problem, real_vocab, valid_rows
 from .math import TopK, TopKConfig, TopKGrad, backward_terms, picked_pass, topk_pass
@@ -127,7 +127,7 @@ def linear_vocab_parallel_topk(
     k: int,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    **options: Unpack[LinearTopKKwargs],
+    **options: Unpack[LinearTopKIdsKwargs],
 ) -> TopK:
     """The teacher's global top-k of ``hidden @ W.T`` without the logits: equals
     :func:`~megatron_vocabstats.vocab_parallel_topk` on the chunk products (see
