@@ -1,9 +1,7 @@
 """The environment report: ``vocabstats-env`` or ``python -m megatron_vocabstats.env``.
 
-Paste its output into bug reports. It prints, one ``name: value`` line each, the versions and
-locations of what Python imports (checked against :mod:`megatron_vocabstats.versions`), the CUDA
-devices, the backend ``kernel="auto"`` picks and why, and which Megatron bindings the patch
-touches. It never applies the patch and reports a failed lookup instead of raising. Exit 0.
+What Python imports, the CUDA devices, what ``kernel="auto"`` picks and why, and the Megatron
+bindings the patch touches (docs/install.md); a failed lookup is reported, not raised.
 """
 
 from __future__ import annotations
@@ -120,7 +118,6 @@ def auto_kernel(torch) -> tuple[str, str]:
 
 
 # The Megatron bindings the patch replaces or wraps: (label, module, attribute path, needed).
-# ``needed`` False: the patch does without it (older releases, or no megatron.training).
 PATCH_TARGETS = (
     ("LanguageModule.compute_language_model_loss",
      "megatron.core.models.common.language_module.language_module",
@@ -151,8 +148,7 @@ def _lookup(module_name: str, path: str):
 
 
 def patch_targets() -> list[tuple[str, str]]:
-    """``(label, "found" | "MISSING ..." | "absent ...")`` for every binding the patch touches,
-    and which ``GPTModel`` hook the fused LM head uses in this release."""
+    """``(label, "found" | "MISSING ..." | "absent ...")`` of every binding the patch touches."""
     rows = []
     for label, module_name, path, needed in PATCH_TARGETS:
         obj, why = _lookup(module_name, path)

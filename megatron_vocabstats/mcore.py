@@ -19,11 +19,8 @@ def packed_seq_params_class():
 
 
 def tp_group_of(module) -> dist.ProcessGroup | None:
-    """The tensor-parallel group a Megatron module uses, the way its release stores it.
-
-    0.16+: ``module.tp_group``; 0.15+: ``module.pg_collection.tp``; 0.14:
-    ``module.model_comm_pgs.tp``; else Megatron's global group (``parallel_state``), else None.
-    """
+    """The tensor-parallel group of a Megatron module: ``module.tp_group`` (0.16+),
+    ``pg_collection.tp`` (0.15+), ``model_comm_pgs.tp`` (0.14), else :func:`default_tp_group`."""
     group = getattr(module, "tp_group", None)
     if group is not None:
         return group
@@ -46,18 +43,15 @@ def megatron_tp_size() -> int | None:
 
 
 def megatron_padded_vocab_size() -> int | None:
-    """``args.padded_vocab_size`` of a Megatron-LM training run where set, else None (for the ops'
-    identical-shards check)."""
+    """``args.padded_vocab_size`` of a Megatron-LM training run where set, else None."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     size = getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "padded_vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 
 def default_tp_group() -> dist.ProcessGroup | None:
-    """Megatron's tensor-parallel group if ``parallel_state`` is initialised, else None. For
-    Megatron-facing code only (``vocab_parallel_cross_entropy``'s ``tp_group=None``); the ops never
-    read it."""
-    # Megatron's parallel state can only be initialised if Megatron was imported: don't import it.
+    """Megatron's tensor-parallel group if ``parallel_state`` is initialised (never imported
+    here), else None; for Megatron-facing code only, never read by the ops."""
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return None

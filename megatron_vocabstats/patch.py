@@ -1,15 +1,6 @@
-"""``import megatron_vocabstats.patch``: one line, before the model is built, turns the plugin on.
-
-It replaces ``LanguageModule.compute_language_model_loss`` (the consumer every loss path
-reaches) with the exact, chunked vocab-parallel op; with ``lm_head_chunk_size > 0`` the heads of
-``GPTModel``, ``HybridModel`` / ``MambaModel`` and every MTP depth take their loss straight from
-the hidden states (hooks per release: ``docs/fused-head.md``). It also makes
-``FullCudaGraphWrapper.reset_cuda_graph`` reset the ops' workspace and adds the
-``--vocab-parallel-stats`` flags (:mod:`megatron_vocabstats.megatron.arguments`).
-``apply(**settings)`` / ``remove()`` give explicit control; applying twice patches once.
-
-Raises ``UnsupportedMegatronError`` (an ``ImportError``) at import when megatron-core is missing
-or lacks the names the plugin needs.
+"""``import megatron_vocabstats.patch``: one line, before the model is built, turns the plugin on
+(docs/megatron.md); ``UnsupportedMegatronError`` (an ``ImportError``) when megatron-core is
+missing or lacks the names the plugin needs.
 """
 
 from __future__ import annotations
@@ -32,8 +23,7 @@ def _log_rank0(message: str) -> None:
 
 
 def _targets():
-    """``(owner, attribute, replacement factory, label)`` of every binding to replace, resolved
-    before anything is patched so that an unsupported release fails with nothing changed."""
+    """``(owner, attribute, factory, label)`` of every binding to replace, resolved up front."""
     language_module = compat.language_module_class()
     gpt_model = compat.gpt_model_class()
     if compat.has_output_processor(gpt_model):  # 0.18+: the official output_processor hook
@@ -44,8 +34,7 @@ def _targets():
         raise compat.UnsupportedMegatronError(
             f"megatron-core {compat.megatron_core_version()}: GPTModel has neither "
             "forward(output_processor=...) nor _postprocess; the plugin supports "
-            f"{compat.SUPPORTED}"
-        )
+            f"{compat.SUPPORTED}")
     targets = [
         (language_module, "compute_language_model_loss", model.make_compute_language_model_loss,
          "LanguageModule.compute_language_model_loss"),
@@ -75,16 +64,9 @@ def _targets():
 
 
 def apply(**options) -> settings.PluginSettings:
-    """Patch Megatron and turn the plugin on with ``options`` (fields of ``PluginSettings``).
-
-    Idempotent; the given options replace the current ones. Where Megatron parses its arguments
-    later, its config hook decides from ``--vocab-parallel-stats`` whether the plugin stays on.
-    Returns the settings in force.
-
-    Raises (nothing patched then):
-        UnsupportedMegatronError: megatron-core missing or without the needed names.
-        ValueError: an unknown or invalid option.
-    """
+    """Patch Megatron (once) and turn the plugin on with ``options`` (``PluginSettings`` fields);
+    returns the settings in force. Where Megatron parses its arguments later,
+    ``--vocab-parallel-stats`` decides. Raises ``UnsupportedMegatronError`` or ``ValueError``."""
     targets = _targets()
     new_settings = settings.update(active=True, **options)
     patched = []
@@ -109,7 +91,7 @@ def apply(**options) -> settings.PluginSettings:
 
 
 def remove() -> list[str]:
-    """Restore every original Megatron object and turn the plugin off; returns what was restored."""
+    """Restore every original Megatron object and turn the plugin off; returns their names."""
     restored = PATCHER.remove_all()
     settings.reset()
     if restored:
@@ -118,7 +100,7 @@ def remove() -> list[str]:
 
 
 def is_applied() -> bool:
-    """True while any Megatron binding is replaced (between ``apply()`` and ``remove()``)."""
+    """True while any Megatron binding is replaced."""
     return bool(PATCHER.applied)
 
 

@@ -1,10 +1,6 @@
-"""The version warning, and the package's rank-0 test (:func:`is_rank0`).
-
-:func:`warn_untested` issues one :class:`UntestedVersionWarning` per component (Python, torch,
-Triton, megatron-core) outside its range in :mod:`megatron_vocabstats.versions`; the plugin
-still runs. It runs at the first op call of the process (never at import or under a tracer) and
-at the Megatron patch's first loss, once per component and process, on global rank 0 only. Why a
-Python warning and how to silence it: ``docs/install.md``, "Outside the tested ranges".
+"""The version warning and the package's rank-0 test (:func:`is_rank0`). :func:`warn_untested`
+warns once per component outside its range in :mod:`.versions`, on global rank 0, at the first
+op call and at the Megatron patch's first loss (docs/install.md, "Outside the tested ranges").
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ def _distribution_version(name: str) -> str | None:
 
 
 def package_info_release(info) -> str | None:
-    """``"0.19.2"`` (``"0.20.0rc0"`` with a pre-release tag) from a ``megatron.core.package_info``'s
-    ``VERSION`` tuple; None without one."""
+    """``"0.19.2"`` (``"0.20.0rc0"``) from a ``package_info``'s ``VERSION``; None without one."""
     version = getattr(info, "VERSION", None)
     if isinstance(version, tuple) and len(version) >= 3:
         return ".".join(str(part) for part in version[:3]) + "".join(map(str, version[3:]))
@@ -54,8 +49,7 @@ def _imported_megatron_core() -> str | None:
 
 
 def found_versions(*, megatron_core: str | None = None) -> dict[str, str]:
-    """``{component: version}`` of what this process runs, absent components left out.
-    ``megatron_core``: the imported megatron-core's release, when the caller knows it."""
+    """``{component: version}`` of what this process runs, absent components left out."""
     found = {"Python": platform.python_version()}
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -89,8 +83,7 @@ def is_rank0() -> bool:
 
 
 def warn_untested(*, megatron_core: str | None = None, stacklevel: int = 2) -> list[str]:
-    """Warn once per process about each component outside its range not yet checked; returns the
-    messages warned now (none on other ranks). ``megatron_core``: as in :func:`found_versions`."""
+    """Warn once per process per component outside its range; returns the messages warned now."""
     if len(_checked) == len(COMPONENTS) or (
             _checked and megatron_core is None and "megatron.core.package_info" not in sys.modules):
         return []   # the first call checked all but a megatron-core not imported (yet)
@@ -108,8 +101,7 @@ def warn_untested(*, megatron_core: str | None = None, stacklevel: int = 2) -> l
 
 
 def at_first_op() -> None:
-    """The ops' check, once per process (``CrossRankCheck`` calls it while :data:`op_checked` is
-    False, never under a tracer)."""
+    """The ops' check (``CrossRankCheck`` calls it while :data:`op_checked` is False)."""
     global op_checked
     op_checked = True
     warn_untested(stacklevel=4)

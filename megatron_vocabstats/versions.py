@@ -1,9 +1,6 @@
-"""The supported versions: one table, the single source of the README, pyproject and messages.
-
-:data:`SUPPORTED` lists per component the versions CI ran, the range they cover (outside it:
-:mod:`megatron_vocabstats.version_check`'s warning) and the pip requirement (a lower bound only,
-so that installing the plugin never changes the user's torch). ``tests/unit/test_versions.py``
-checks README and pyproject against it. Update the table when CI covers another version.
+"""The supported versions: one table (:data:`SUPPORTED`), the single source of the README,
+pyproject and messages (checked by ``tests/unit/test_versions.py``). Update it when CI covers
+another version.
 """
 
 from __future__ import annotations
@@ -16,13 +13,9 @@ __all__ = ["Component", "SUPPORTED", "component", "supported_range", "check_vers
 
 @dataclass(frozen=True, slots=True)
 class Component:
-    """One row of the table.
-
-    ``name``: as README and the messages write it; ``distribution``: the pip name (None for Python
-    and the GPU); ``tested``: the versions CI ran; ``supported``: the tested range (PEP 440);
-    ``requirement``: the install requirement (a PEP 440 lower bound, or None); ``declared_in``:
-    where pyproject declares it; ``note``: what the range means and how it is known.
-    """
+    """One row of the table: ``supported`` is the PEP 440 range of the ``tested`` versions (else
+    a warning); ``requirement`` the pip requirement, a lower bound only so that installing the
+    plugin never changes the user's torch; ``declared_in`` where pyproject declares it."""
 
     name: str
     distribution: str | None
@@ -75,9 +68,8 @@ def supported_range(name: str) -> str:
 
 
 def check_version(name: str, version: str) -> str | None:
-    """None if ``version`` lies in the row's supported range, else why not. Local labels and
-    pre-releases count as their release (``2.13.0a0+...nv26.06`` as 2.13.0). ``KeyError`` for an
-    unknown row."""
+    """None if ``version`` lies in the row's supported range, else why not; local labels and
+    pre-releases count as their release (``2.13.0a0+...nv26.06`` as 2.13.0)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 

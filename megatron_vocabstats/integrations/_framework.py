@@ -64,26 +64,13 @@ def _minor(version: str) -> str:
 
 @dataclass
 class Framework:
-    """One framework's bindings and how to replace them.
-
-    Attributes:
-        name: the framework as users call it ("verl", "slime", ...), used in every message.
-        distribution: its distribution's name (for its version); None where it ships no
-            package, then ``version_of`` reads the version (None if absent).
-        install_hint: what to run when it is missing.
-        tested: the releases (major.minor) the replacements were written against; another
-            release whose names and signatures match is patched with a WARNING.
-        definitions: ``{module: {name: replacement}}``, where the framework defines each
-            replaced function; the replacement's parameter names must be the original's.
-        consumers: ``{module: (name, ...)}``, modules that bind a defined name at import; their
-            binding must be the defining module's object.
-        optional: consumer modules skipped (one INFO line) when their import fails for a missing
-            third-party module (an engine whose backend is not installed cannot run); a missing
-            module of the framework itself still raises.
-        version_of: see ``distribution``.
-        error: the exception raised (a subclass of :class:`UnsupportedFrameworkError`).
-        options: the integration's ``_options.IntegrationOptions``.
-    """
+    """One framework's bindings and how to replace them, the mechanism every integration shares
+    (docs/integrations.md). ``distribution``: its pip name (None: ``version_of()`` reads the
+    version); ``tested``: the major.minor releases written against (another whose names and
+    signatures match is patched with a WARNING); ``definitions``: ``{module: {name:
+    replacement}}`` where the framework defines each function, the replacement taking its
+    parameter names; ``consumers``: ``{module: names}`` binding a defined name at import;
+    ``optional``: consumers skipped (logged) when a third-party module they import is missing."""
 
     name: str
     distribution: str | None
@@ -124,8 +111,7 @@ class Framework:
                                       f"({type(exc).__name__}: {exc})") from exc
 
     def _import_consumer(self, module_name: str, version):
-        """The consumer module, or None for an optional one that needs a missing third-party
-        module (logged)."""
+        """The module, or None for an optional one missing a third-party module (logged)."""
         try:
             return importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -141,8 +127,7 @@ class Framework:
                                       f"({type(exc).__name__}: {exc})") from exc
 
     def targets(self) -> list[tuple[object, str, object]]:
-        """``(module, name, factory)`` of every binding to replace, all resolved and checked
-        before anything is patched; raises :class:`UnsupportedFrameworkError`."""
+        """``(module, name, factory)`` of every binding to replace, resolved and checked."""
         version = self.version()
         if version is None:
             raise self.error(
@@ -179,11 +164,10 @@ class Framework:
         return targets
 
     def apply(self, options: Mapping[str, object], before: Callable[[], None] | None = None):
-        """Validate ``options`` with :attr:`options`, then replace every binding (all or
-        none); returns the validated ``PluginSettings``, now in force. ``before()`` runs once
-        every binding is checked, before any is patched. Logs one line on rank 0 when it patched
-        anything (a WARNING if torch is outside the tested range). Raises ``ValueError`` /
-        ``TypeError`` for a bad option and :attr:`error` for moved bindings, before any patch."""
+        """Check ``options``, then replace every binding or none; returns the ``PluginSettings``
+        now in force. Idempotent: a second call only replaces the options. ``before()`` runs
+        after the checks, before any patch. Raises ``ValueError`` / ``TypeError`` (a bad option)
+        or :attr:`error` (missing framework, moved binding), nothing patched then."""
         settings = self.options.configured(**options)
         targets = self.targets()
         if before is not None:
@@ -214,8 +198,7 @@ class Framework:
         return restored
 
     def original(self, module_name: str, name: str) -> Callable:
-        """The framework's own ``module_name.name`` (unwrapped if replaced), for the cases a
-        replacement leaves to the framework. Imports the module."""
+        """The framework's own ``module_name.name`` (unwrapped if replaced); imports the module."""
         return _original(getattr(importlib.import_module(module_name), name))
 
     def is_applied(self) -> bool:

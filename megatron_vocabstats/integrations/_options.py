@@ -1,7 +1,5 @@
-"""The options an integration's ``apply(**options)`` takes, and its notes: the conventions in
-which a replacement differs from the framework's function, logged once per name on rank 0
-(logger ``megatron_vocabstats``, WARNING) at its first call. One :class:`IntegrationOptions`
-per framework.
+"""The options an integration's ``apply(**options)`` takes, and its notes: how a replacement
+differs from the framework's function, logged once per name (rank 0, WARNING) at its first call.
 """
 
 from __future__ import annotations
@@ -21,15 +19,9 @@ NAMES = ("vocab_size", "logprobs_chunk_size", "lm_head_chunk_size", "validate",
 
 
 class IntegrationOptions:
-    """One framework's options in force and the notes already logged.
-
-    Args:
-        framework: the framework's name, used in messages.
-        notes: ``{replaced name: what differs}``, logged by :meth:`note_once`.
-        padding: appended to a note when ``vocab_size`` is set (what the padding columns get,
-            in the framework's words).
-        names: the options ``apply()`` takes (default :data:`NAMES`).
-    """
+    """One framework's options in force and the notes already logged. ``notes``: ``{replaced
+    name: what differs}``; ``padding``: appended to a note when ``vocab_size`` is set (the
+    framework's own treatment of the padding columns); ``names``: the options ``apply()`` takes."""
 
     def __init__(self, framework: str, notes: Mapping[str, str], padding: str = "",
                  names: tuple[str, ...] = NAMES):
@@ -38,8 +30,7 @@ class IntegrationOptions:
         self.noted: set[str] = set()
 
     def configured(self, **options) -> PluginSettings:
-        """``options`` validated as ``PluginSettings`` fields; raises ``ValueError`` for a name
-        not in :attr:`names`, ``TypeError``/``ValueError`` for a bad value."""
+        """``options`` (only :attr:`names`) checked as ``PluginSettings`` fields."""
         unknown = sorted(set(options) - set(self.names))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} of the {self.framework} integration; "
@@ -47,7 +38,7 @@ class IntegrationOptions:
         return PluginSettings(active=True, **options)
 
     def configure(self, settings: PluginSettings) -> None:
-        """Make ``settings`` (from :meth:`configured`) the options of every replacement."""
+        """Make ``settings`` the options of every replacement."""
         self.settings = settings
 
     def reset(self) -> None:

@@ -1,9 +1,5 @@
-"""``import megatron_vocabstats.integrations.areal``: AReaL's engines compute their log-probs and
-entropy with the ops (:mod:`.areal_ops`), rebound wherever AReaL defines or imports
-``gather_logprobs`` and ``gather_logprobs_entropy`` (docs/integrations.md, "AReaL").
-
-Importing calls :func:`apply`; every training process must import it (e.g. at the top of the
-training script, before the engine is built).
+"""``import megatron_vocabstats.integrations.areal`` (calls :func:`apply`; in every training
+process, before the engine is built): AReaL's log-probs and entropy on the ops.
 """
 
 from __future__ import annotations
@@ -18,12 +14,9 @@ __all__ = ["UnsupportedArealError", "apply", "remove", "is_applied", "patched_na
 TESTED = ("1.0",)
 
 _NAMES = ("gather_logprobs", "gather_logprobs_entropy")
-DEFINITIONS = {
-    "areal.utils.functional.vocab_parallel": {
-        "gather_logprobs": areal_ops.gather_logprobs,
-        "gather_logprobs_entropy": areal_ops.gather_logprobs_entropy,
-    },
-}
+DEFINITIONS = {"areal.utils.functional.vocab_parallel": {
+    "gather_logprobs": areal_ops.gather_logprobs,
+    "gather_logprobs_entropy": areal_ops.gather_logprobs_entropy}}
 CONSUMERS = {
     "areal.utils.functional": _NAMES,
     "areal.models.tree_attn.functional": _NAMES,
@@ -48,18 +41,10 @@ remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAM
 
 
 def apply(**options) -> PluginSettings:
-    """Replace AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` with the ops; returns
-    the options in force.
-
-    ``options``: ``logprobs_chunk_size``, ``validate``, ``batch_invariant``, ``kernel``
-    (``PluginSettings`` fields). AReaL always normalises over the W·tp columns and has no fused
-    head, so ``vocab_size`` and ``lm_head_chunk_size`` are not taken. Idempotent: a second call
-    only replaces the options.
-
-    Raises:
-        UnsupportedArealError: AReaL missing or its names moved (nothing is patched then).
-        ValueError, TypeError: an unknown or invalid option (nothing is patched then).
-    """
+    """Replace AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` with the ops
+    (:meth:`._framework.Framework.apply`). ``options``: ``logprobs_chunk_size``, ``validate``,
+    ``batch_invariant``, ``kernel`` (no ``vocab_size``: AReaL normalises over the W·tp columns;
+    no ``lm_head_chunk_size``: no fused head). Raises :class:`UnsupportedArealError`."""
     return FRAMEWORK.apply(options)
 
 

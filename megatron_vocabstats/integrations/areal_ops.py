@@ -1,7 +1,6 @@
-"""AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` on the ops: the replacements that
-:mod:`megatron_vocabstats.integrations.areal` binds, with AReaL's signatures and conventions as
-read from the ``areal-1.0.4`` wheel (``areal/utils/functional/vocab_parallel.py``). Conventions
-and differences (:data:`NOTES`, logged once per function): docs/integrations.md, "AReaL".
+"""AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` on the ops, as read from the
+``areal-1.0.4`` wheel (``areal/utils/functional/vocab_parallel.py``); differences
+(:data:`NOTES`): docs/integrations.md, "AReaL".
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ NOTES = {
 
 OPTIONS = IntegrationOptions(
     "AReaL", NOTES, names=("logprobs_chunk_size", "validate", "batch_invariant", "kernel"))
-"""The options in force (``OPTIONS.settings``; set by ``areal.apply``) and the notes logged."""
 
 
 def _check(logits, labels, chunk_size) -> None:
@@ -91,25 +89,11 @@ def _stats(name, logits, labels, temperature, tp_group, chunk_size, entropy):
 def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                     tp_group: dist.ProcessGroup | None = None,
                     chunk_size: int = 1024) -> torch.Tensor:
-    """AReaL's ``gather_logprobs`` on :func:`~megatron_vocabstats.vocab_parallel_stats`.
-
-    Args:
-        logits: ``[..., W]`` bf16/fp16/fp32, this rank's vocabulary shard (rank r of
-            ``tp_group`` holds ids ``[r W, (r + 1) W)``), or the whole vocabulary without
-            ``tp_group``. Never modified. Dim 0 must not be empty.
-        labels: integer global token ids shaped ``logits.shape[:-1]``.
-        temperature: > 0; the logits are divided by it.
-        tp_group: the tensor-parallel group; None or a one-rank group: no tensor parallelism.
-        chunk_size: a positive int, checked and not used (the op chunks).
-
-    Returns:
-        fp32 ``log p(labels)`` in nats, shaped like ``labels``, differentiable; an id outside
-        ``[0, W tp)`` gives ``max - logsumexp`` (AReaL's rule, here at tp = 1 too).
-
-    Raises:
-        ValueError: naming the argument (``labels``, ``logits``, ``chunk_size``,
-            ``temperature``, ``tp_group``), as :func:`~megatron_vocabstats.vocab_parallel_stats`.
-    """
+    """AReaL's ``gather_logprobs`` on :func:`~megatron_vocabstats.vocab_parallel_stats`: fp32
+    ``log p(labels)`` in nats, differentiable, from this rank's shard ``logits [..., W]`` (dim 0
+    not empty) and integer global ids ``labels`` shaped ``logits.shape[:-1]``; an id outside
+    ``[0, W tp)`` gives ``max - logsumexp`` (AReaL's rule, here at tp = 1 too). ``chunk_size``:
+    a positive int, not used. Raises ``ValueError`` naming the argument."""
     return _stats("gather_logprobs", logits, labels, temperature, tp_group, chunk_size,
                   "off")[0]
 
@@ -117,8 +101,7 @@ def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
 def gather_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                             tp_group: dist.ProcessGroup | None = None,
                             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """AReaL's ``gather_logprobs_entropy``: ``(logprobs, entropy)``, both fp32 shaped like
-    ``labels``, both differentiable; the entropy ``-sum p log p`` in nats of the tempered
-    logits. Arguments and errors as :func:`gather_logprobs`."""
+    """AReaL's ``gather_logprobs_entropy``: :func:`gather_logprobs` and the entropy
+    ``-sum p log p`` (nats) of the tempered logits, both fp32, differentiable."""
     return _stats("gather_logprobs_entropy", logits, labels, temperature, tp_group, chunk_size,
                   "grad")

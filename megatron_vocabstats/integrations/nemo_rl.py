@@ -1,10 +1,5 @@
-"""``import megatron_vocabstats.integrations.nemo_rl``: NeMo-RL's Megatron policy computes its
-log-probs, distillation top-k and entropy with the ops (:mod:`.nemo_rl_ops`), rebound in
-``nemo_rl.distributed.model_utils`` and the modules that import them (read at
-NVIDIA-NeMo/RL ``7ea279a``, NeMo-RL 0.6; docs/integrations.md, "NeMo-RL").
-
-Importing calls :func:`apply`; in a Ray job every worker process that builds the Megatron
-policy must import it.
+"""``import megatron_vocabstats.integrations.nemo_rl`` (calls :func:`apply`; in every Ray worker
+that builds the Megatron policy): NeMo-RL's log-probs, top-k and entropy on the ops.
 """
 
 from __future__ import annotations
@@ -26,13 +21,9 @@ TESTED = ("0.6",)
 MODEL_UTILS = "nemo_rl.distributed.model_utils"
 DEFINITIONS = {
     MODEL_UTILS: {name: getattr(nemo_rl_ops, name) for name in (
-        "from_parallel_logits_to_logprobs",
-        "from_parallel_logits_to_logprobs_packed_sequences",
-        "get_next_token_logprobs_from_logits",
-        "get_distillation_topk_logprobs_from_logits",
-        "distributed_vocab_topk",
-        "from_parallel_hidden_states_to_logprobs",
-    )},
+        "from_parallel_logits_to_logprobs", "from_parallel_logits_to_logprobs_packed_sequences",
+        "get_next_token_logprobs_from_logits", "get_distillation_topk_logprobs_from_logits",
+        "distributed_vocab_topk", "from_parallel_hidden_states_to_logprobs")},
 }
 CONSUMERS = {
     "nemo_rl.algorithms.loss.utils": (
@@ -73,16 +64,8 @@ is_applied, patched_names = FRAMEWORK.is_applied, FRAMEWORK.patched_names
 
 
 def apply(**options) -> PluginSettings:
-    """Replace NeMo-RL's log-prob, top-k and entropy functions with the ops; returns the options
-    in force.
-
-    ``options``: fields of ``PluginSettings``, as for :func:`.verl.apply` (chunk sizes None/0 =
-    auto). Idempotent: a second call only replaces the options.
-
-    Raises:
-        UnsupportedNemoRLError: NeMo-RL missing or its names moved (nothing is patched then).
-        ValueError, TypeError: an unknown or invalid option (nothing is patched then).
-    """
+    """Replace NeMo-RL's functions with the ops (:meth:`._framework.Framework.apply`); options as
+    for :func:`.verl.apply`; raises :class:`UnsupportedNemoRLError`."""
     return FRAMEWORK.apply(options, before=lambda: nemo_rl_ops.set_fallbacks(
         {name: FRAMEWORK.original(MODEL_UTILS, name) for name in DEFINITIONS[MODEL_UTILS]}))
 

@@ -1,8 +1,6 @@
-"""NeMo-RL's vocab-parallel log-prob, entropy and top-k functions on the ops: the replacements
-that :mod:`megatron_vocabstats.integrations.nemo_rl` binds, with NeMo-RL's signatures and
-conventions as read at NVIDIA-NeMo/RL ``7ea279a`` (``nemo_rl/distributed/model_utils.py``).
-What a replacement does not take over (top-k/top-p sampling, DTensor and single-device logits)
-goes to NeMo-RL's own function. Conventions and differences (:data:`NOTES`, logged once):
+"""NeMo-RL's vocab-parallel log-prob, entropy and top-k functions on the ops, as read at
+NVIDIA-NeMo/RL ``7ea279a`` (``nemo_rl/distributed/model_utils.py``); top-k/top-p sampling,
+DTensor and single-device logits go to NeMo-RL's own function. Differences (:data:`NOTES`):
 docs/integrations.md, "NeMo-RL".
 """
 
@@ -53,13 +51,12 @@ NOTES = {
 }
 IGNORE = -100  # the ops' ignore_index: logprob 0, zero gradient
 
-OPTIONS = IntegrationOptions("NeMo-RL", NOTES,
-                             padding="NeMo-RL normalises over all W*tp columns")
+OPTIONS = IntegrationOptions("NeMo-RL", NOTES, padding="NeMo-RL normalises over all W*tp columns")
 _fallbacks: dict[str, Callable] = {}
 
 
 def set_fallbacks(originals: dict[str, Callable]) -> None:
-    """NeMo-RL's own functions by name, for the cases the replacements leave to it."""
+    """NeMo-RL's own functions by name, for the cases left to them."""
     _fallbacks.clear()
     _fallbacks.update(originals)
 
@@ -84,7 +81,7 @@ def _sampling(params) -> bool:
 
 
 def _check_range(width: int, vocab_start_index, vocab_end_index, tp_group) -> None:
-    """NeMo-RL's ranges are always ``rank * W`` to ``(rank + 1) * W``, as the ops derive them."""
+    """``ValueError`` unless the range is ``rank * W`` to ``(rank + 1) * W`` (NeMo-RL's)."""
     start = (0 if tp_group is None else dist.get_rank(tp_group)) * width
     if (int(vocab_start_index), int(vocab_end_index)) != (start, start + width):
         raise ValueError(
@@ -114,8 +111,7 @@ class _SumGradOverCP(torch.autograd.Function):
 
 
 def _cp_gather(x, cp_group, *, cu_seqlens_padded=None, dim=1):
-    """NeMo-RL's ``allgather_cp_sharded_tensor`` (per sequence with ``cu_seqlens_padded``): the
-    layout of ``gather_from_context_parallel`` and the gradient summed over cp."""
+    """NeMo-RL's ``allgather_cp_sharded_tensor``: its layout, the gradient summed over cp."""
     full = gather_from_context_parallel(x, cp_group, cu_seqlens_padded=cu_seqlens_padded,
                                         dim=dim)
     return _SumGradOverCP.apply(full, cp_group) if torch.is_grad_enabled() else full
@@ -126,8 +122,7 @@ def _no_grad_if(inference_only: bool):
 
 
 def _logprobs(logits, target, tp_group, inference_only):
-    """fp32 log-probs of ``target`` (global ids, ``[B, S]``) over the W·tp columns; ids outside
-    them give 0 (``ignore_index``)."""
+    """fp32 log-probs of global ids ``target [B, S]``; ids outside the W·tp columns give 0."""
     total = logits.shape[-1] * _size(tp_group)
     target = torch.where(_inside(target, total), target, IGNORE)
     options = replace(OPTIONS.settings.stats_options(), entropy="off")
@@ -141,8 +136,7 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_
                                      cp_group=None, chunk_size=None, sampling_params=None):
     """NeMo-RL's ``from_parallel_logits_to_logprobs``: fp32 ``log p(target[:, t+1])``
     ``[B, S-1]`` from this rank's logits ``[B, S/cp, W]``, ``target [B, S]`` unshifted; ids
-    outside ``[0, W·tp)`` give 0. ``inference_only``: no graph. Errors: as
-    :func:`~megatron_vocabstats.vocab_parallel_stats` (``ValueError`` naming the argument)."""
+    outside ``[0, W·tp)`` give 0. Raises ``ValueError`` naming the argument."""
     if _sampling(sampling_params):
         return _fallback("from_parallel_logits_to_logprobs")(
             vocab_parallel_logits, target, vocab_start_index, vocab_end_index, tp_group,
@@ -168,9 +162,8 @@ def get_next_token_logprobs_from_logits(input_ids, next_token_logits, seq_index=
                                         vocab_parallel_rank=None, vocab_parallel_group=None,
                                         context_parallel_group=None, sampling_params=None,
                                         chunk_size=None):
-    """NeMo-RL's ``get_next_token_logprobs_from_logits``: with ``vocab_parallel_group``, fp32
-    ``[B, S-1]`` log-probs by :func:`from_parallel_logits_to_logprobs` from the logits in their
-    own dtype; otherwise NeMo-RL's own function."""
+    """NeMo-RL's ``get_next_token_logprobs_from_logits``: with ``vocab_parallel_group``,
+    :func:`from_parallel_logits_to_logprobs` (logits not upcast); otherwise NeMo-RL's own."""
     if vocab_parallel_group is None or _sampling(sampling_params):
         return _fallback("get_next_token_logprobs_from_logits")(
             input_ids, next_token_logits, seq_index, vocab_parallel_rank, vocab_parallel_group,
@@ -187,8 +180,7 @@ def get_next_token_logprobs_from_logits(input_ids, next_token_logits, seq_index=
 
 
 def _roll_within(target: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """Each packed sequence ``[cu[i], cu[i+1])`` of ``target [T]`` rolled left by one within
-    itself; positions after ``cu[-1]`` give 0."""
+    """Each packed sequence of ``target [T]`` rolled left by one; 0 after ``cu[-1]``."""
     pos = torch.arange(target.shape[0], device=target.device)
     seq = torch.searchsorted(cu[1:], pos, right=True).clamp(max=cu.shape[0] - 2)
     nxt = pos + 1
@@ -212,9 +204,8 @@ def from_parallel_logits_to_logprobs_packed_sequences(
         vocab_end_index, group, inference_only=False, cp_group=None, chunk_size=None,
         sampling_params=None, target_is_pre_rolled=False):
     """NeMo-RL's ``from_parallel_logits_to_logprobs_packed_sequences``: fp32 ``[B,
-    unpacked_seqlen-1]`` from packed logits ``[1, T/cp, W]``; ``target`` is ``[1, T]`` unshifted
-    (rolled within each sequence of ``cu_seqlens_padded`` and split over cp here) or, with
-    ``target_is_pre_rolled``, ``[1, T/cp]`` already so. Positions past a sequence give 0."""
+    unpacked_seqlen-1]`` from packed logits ``[1, T/cp, W]`` and ``target [1, T]`` unshifted
+    (``target_is_pre_rolled``: ``[1, T/cp]``, rolled and split). Positions past a sequence: 0."""
     if _sampling(sampling_params):
         return _fallback("from_parallel_logits_to_logprobs_packed_sequences")(
             vocab_parallel_logits, target, cu_seqlens_padded, unpacked_seqlen,
@@ -243,8 +234,7 @@ def _topk_options() -> dict:
 
 
 def _cp_split(ids, logits, cp_group):
-    """NeMo-RL's cp handling of full-sequence ``[B, S, k]`` ids: padded to ``S/cp * cp`` and
-    this rank's load-balanced chunks kept; returns ``(ids, pad)``."""
+    """``(this cp rank's chunks of the padded ids [B, S, k], pad)``, as NeMo-RL splits them."""
     if _size(cp_group) == 1:
         return ids, 0
     pad = logits.shape[1] * _size(cp_group) - ids.shape[1]
@@ -265,12 +255,11 @@ def get_distillation_topk_logprobs_from_logits(student_logits, teacher_topk_logi
                                                calculate_entropy, vocab_parallel_rank=None,
                                                vocab_parallel_group=None,
                                                context_parallel_group=None):
-    """NeMo-RL's ``get_distillation_topk_logprobs_from_logits`` for vocab-parallel student
-    logits ``[B, S/cp, W]`` and the teacher's ``[B, S, k]`` logits and global ids: returns fp32
-    ``(student_topk_logprobs [B, S-1, k], teacher_topk_logprobs [B, S-1, k], H_all [B, S-1] or
-    None)``. ``zero_outside_topk``: the student's log-probs over the full vocabulary and
-    ``H_all = sum p log p`` (if ``calculate_entropy``); otherwise the log-softmax over the k
-    gathered logits. Without ``vocab_parallel_group``: NeMo-RL's own function."""
+    """NeMo-RL's ``get_distillation_topk_logprobs_from_logits`` for student logits
+    ``[B, S/cp, W]`` and the teacher's ``[B, S, k]`` logits and ids: fp32 ``(student [B, S-1, k],
+    teacher [B, S-1, k], H_all = sum p log p [B, S-1] or None)``. ``zero_outside_topk``: the
+    student's log-probs over the full vocabulary, else over the k gathered logits. Without
+    ``vocab_parallel_group``: NeMo-RL's own function."""
     if vocab_parallel_group is None:
         return _fallback("get_distillation_topk_logprobs_from_logits")(
             student_logits, teacher_topk_logits, teacher_topk_indices, zero_outside_topk,
@@ -316,8 +305,7 @@ def get_distillation_topk_logprobs_from_logits(student_logits, teacher_topk_logi
 def distributed_vocab_topk(vocab_parallel_logits, k, tp_group, *, vocab_start_index,
                            vocab_end_index, chunk_size=None):
     """NeMo-RL's ``distributed_vocab_topk``: the global top-``min(k, W·tp)`` of this rank's
-    logits ``[B, S, W]`` as ``(fp32 values [B, S, k], int64 global ids [B, S, k])``, without
-    gathering the vocabulary; ``chunk_size`` is not used (the op chunks itself)."""
+    logits ``[B, S, W]``, ``(fp32 values [B, S, k], int64 global ids [B, S, k])``."""
     OPTIONS.note_once("distributed_vocab_topk")
     width = vocab_parallel_logits.shape[-1]
     _check_range(width, vocab_start_index, vocab_end_index, tp_group)
@@ -331,11 +319,9 @@ def from_parallel_hidden_states_to_logprobs(tensor_parallel_hidden_states, outpu
                                             runtime_gather_output, target, vocab_start_index,
                                             vocab_end_index, tp_group, inference_only=False,
                                             cp_group=None, chunk_size=None):
-    """NeMo-RL's ``from_parallel_hidden_states_to_logprobs`` on the fused head: fp32
-    ``[b, s-1]`` log-probs of ``target [b, s]`` rolled left by one, from this rank's hidden states
-    ``[s/tp, b, H]`` (``[s, b, H]`` at tp 1) and output-layer shard ``[W, H]``. Backward: this
-    rank's shard of the hidden states' gradient, the weight's in its dtype. ``cp_group`` of more
-    than one rank raises ``ValueError`` (NeMo-RL: not supported either)."""
+    """NeMo-RL's ``from_parallel_hidden_states_to_logprobs`` on the fused head: fp32 ``[b, s-1]``
+    log-probs of ``target [b, s]`` rolled left by one, from this rank's hidden states
+    ``[s/tp, b, H]`` and weight shard ``[W, H]``. ``ValueError`` for ``cp_group`` > 1 rank."""
     if _size(cp_group) > 1:
         raise ValueError("cp_group: context parallelism is not supported with the fused "
                          "log-probs from hidden states (NeMo-RL: the same)")

@@ -1,9 +1,5 @@
-"""``import megatron_vocabstats.integrations.skyrl``: SkyRL's Megatron backend computes its
-log-probs and entropy with the ops (:mod:`.skyrl_ops`), rebound in ``model_utils`` and in the
-Megatron model wrapper that imports them (docs/integrations.md, "SkyRL").
-
-Importing calls :func:`apply`; in a Ray job every worker process must import it (e.g. in a
-``sitecustomize`` on the workers' path).
+"""``import megatron_vocabstats.integrations.skyrl`` (calls :func:`apply`; in every Ray worker):
+SkyRL's Megatron log-probs and entropy on the ops.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAM
 
 
 def skyrl_version() -> str | None:
-    """The installed SkyRL's version (its distribution metadata), None if not installed."""
+    """The installed SkyRL's version, None if not installed."""
     return FRAMEWORK.version()
 
 
@@ -54,16 +50,8 @@ def _helpers() -> dict:
 
 
 def apply(**options) -> PluginSettings:
-    """Replace SkyRL's log-prob and entropy functions with the ops; returns the options in force.
-
-    ``options``: fields of ``PluginSettings``, as for :func:`.verl.apply`; with ``vocab_size``
-    ids at or above it give 0. SkyRL's own CP and packing helpers (``skyrl_ops.HELPERS``) are
-    resolved before anything is patched. Idempotent: a second call only replaces the options.
-
-    Raises:
-        UnsupportedSkyRLError: SkyRL missing, or its names or helpers moved (nothing is patched).
-        ValueError, TypeError: an unknown or invalid option (nothing is patched then).
-    """
+    """Replace SkyRL's functions with the ops (:meth:`._framework.Framework.apply`); options as
+    for :func:`.verl.apply`; raises :class:`UnsupportedSkyRLError` (also for a moved helper)."""
     return FRAMEWORK.apply(options, before=lambda: skyrl_ops.set_helpers(_helpers()))
 
 

@@ -1,9 +1,6 @@
-"""SkyRL's Megatron log-prob and entropy functions on the ops: the replacements that
-:mod:`megatron_vocabstats.integrations.skyrl` binds, with SkyRL's signatures and conventions as
-read from the ``skyrl==0.3.0`` wheel
-(``skyrl/backends/skyrl_train/distributed/megatron/model_utils.py``). SkyRL's CP split/gather and
-packed-index helpers and its two packed entropy functions (:data:`HELPERS`) stay SkyRL's code.
-Conventions and differences (:data:`NOTES`, logged once): docs/integrations.md, "SkyRL".
+"""SkyRL's Megatron log-prob and entropy functions on the ops, as read from the ``skyrl==0.3.0``
+wheel (``skyrl/backends/skyrl_train/distributed/megatron/model_utils.py``); its layout helpers
+(:data:`HELPERS`) stay SkyRL's code. Differences (:data:`NOTES`): docs/integrations.md, "SkyRL".
 """
 
 from __future__ import annotations
@@ -64,7 +61,7 @@ OPTIONS = IntegrationOptions("SkyRL", NOTES, padding="SkyRL normalises over all 
 
 
 def set_helpers(helpers: dict[str, Callable]) -> None:
-    """Hand over SkyRL's own functions named in :data:`HELPERS` (``skyrl.apply`` does)."""
+    """Hand over SkyRL's own functions named in :data:`HELPERS`."""
     _helpers.update(helpers)
 
 
@@ -86,8 +83,8 @@ def _rank(group) -> int:
 
 
 def _in_vocabulary(target, width, tp_group, vocab_start_index, vocab_end_index):
-    """``target`` with every id outside the global vocabulary replaced by :data:`IGNORE`;
-    checks that this rank's window is Megatron's equal split, as SkyRL's callers pass it."""
+    """``target`` with ids outside the vocabulary as :data:`IGNORE`; ``ValueError`` unless the
+    window is Megatron's equal split."""
     rank = _rank(tp_group)
     if (int(vocab_start_index), int(vocab_end_index)) != (rank * width, (rank + 1) * width):
         raise ValueError(
@@ -118,8 +115,7 @@ def _fused_kwargs(group, temperature, entropy: str) -> dict:
 
 def _hidden_core(hidden, weight, target, vocab_start_index, vocab_end_index, group,
                  inference_only, temperature):
-    """fp32 ``log p(target)`` of ``hidden [B, S, H] @ weight.T`` (SkyRL's fused Function):
-    ``d hidden`` is this rank's share (SkyRL's sequence-parallel gather sums it)."""
+    """fp32 ``log p(target)`` of ``hidden @ weight.T`` (SkyRL's fused Function)."""
     labels = _in_vocabulary(target, weight.shape[0], group, vocab_start_index, vocab_end_index)
     lead = hidden.shape[:-1]
     with _grad_context(inference_only):
@@ -130,8 +126,7 @@ def _hidden_core(hidden, weight, target, vocab_start_index, vocab_end_index, gro
 
 
 def _unpadded(row_fn, target, local_len, cp_group):
-    """SkyRL's non-packed layout: roll, pad to ``local_len * cp``, keep this CP rank's two
-    chunks; ``row_fn(target)`` gives the rank's log-probs, gathered back, unpadded, shifted."""
+    """SkyRL's non-packed layout (roll, pad, cp split) around ``row_fn(target)``."""
     cp = _size(cp_group)
     target = target.roll(shifts=-1, dims=-1)
     pad = local_len * cp - target.shape[1]
@@ -149,8 +144,7 @@ def _unpadded(row_fn, target, local_len, cp_group):
 
 def _packed(row_fn, target, cu_seqlens_padded, unpacked_seqlen, cp_group, attention_mask,
             sub_seq_lengths):
-    """SkyRL's packed layout around ``row_fn(targets [1, T/cp])``: targets rolled within each
-    sequence and split over cp, results gathered and scattered to ``[B, unpacked_seqlen - 1]``."""
+    """SkyRL's packed layout around ``row_fn(targets [1, T/cp])``."""
     indices = _helper("_packed_sequence_indices")
     target = target.squeeze(0)
     total, device = target.shape[0], target.device
@@ -191,8 +185,7 @@ def from_parallel_logits_to_logprobs(vocab_parallel_logits, target, vocab_start_
                                      cp_group=None, chunk_size=None):
     """SkyRL's ``from_parallel_logits_to_logprobs``: fp32 ``[B, S - 1]`` log-probs of the next
     token of ``target [B, S]`` from this rank's shard ``[B, S/cp, W]``; an id outside the
-    vocabulary gives 0. ``inference_only``: computed without autograd. Raises ``ValueError``
-    naming the argument (:func:`~megatron_vocabstats.vocab_parallel_stats`)."""
+    vocabulary gives 0. Raises ``ValueError`` naming the argument."""
     del chunk_size
     OPTIONS.note_once("from_parallel_logits_to_logprobs")
     return _unpadded(lambda t: _logits_core(vocab_parallel_logits, t, vocab_start_index,
@@ -219,10 +212,8 @@ def from_parallel_hidden_to_logprobs(hidden, lm_head_weight, target, vocab_start
                                      vocab_end_index, tp_group, inference_only=False,
                                      cp_group=None, chunk_size=None, temperature=1.0,
                                      fused_backend="torch"):
-    """SkyRL's fused ``from_parallel_hidden_to_logprobs``: as
-    :func:`from_parallel_logits_to_logprobs` of ``hidden [B, S/cp, H] @ lm_head_weight.T /
-    temperature`` without the logits; backward gives this rank's share of ``d hidden`` and the
-    gradient of the weight shard ``[W, H]``."""
+    """SkyRL's fused ``from_parallel_hidden_to_logprobs``: :func:`from_parallel_logits_to_logprobs`
+    of ``hidden [B, S/cp, H] @ lm_head_weight.T / temperature``, ``d hidden`` this rank's share."""
     del chunk_size, fused_backend
     OPTIONS.note_once("from_parallel_hidden_to_logprobs")
     return _unpadded(lambda t: _hidden_core(hidden, lm_head_weight, t, vocab_start_index,
@@ -235,8 +226,7 @@ def from_parallel_hidden_to_logprobs_packed_sequences(
         hidden, lm_head_weight, target, cu_seqlens_padded, unpacked_seqlen, vocab_start_index,
         vocab_end_index, group, inference_only=False, cp_group=None, chunk_size=None,
         attention_mask=None, sub_seq_lengths=None, temperature=1.0, fused_backend="torch"):
-    """SkyRL's fused packed variant: ``hidden [1, T/cp, H]``; as
-    :func:`from_parallel_logits_to_logprobs_packed_sequences`."""
+    """SkyRL's fused packed variant (``hidden [1, T/cp, H]``)."""
     del chunk_size, fused_backend
     OPTIONS.note_once("from_parallel_hidden_to_logprobs_packed_sequences")
     rows = hidden.squeeze(0).unsqueeze(0)
@@ -248,8 +238,7 @@ def from_parallel_hidden_to_logprobs_packed_sequences(
 
 def vocab_parallel_entropy(vocab_parallel_logits):
     """SkyRL's ``vocab_parallel_entropy``: ``-sum p log p`` (nats) of the shard ``[..., W]`` on
-    Megatron's tensor-parallel group, shaped like its leading dims, in the logits' dtype
-    (computed in fp32, rounded once), differentiable; finite for a ``-inf``-masked vocabulary."""
+    Megatron's tp group, shaped like its leading dims, in the logits' dtype, differentiable."""
     OPTIONS.note_once("vocab_parallel_entropy")
     options = replace(OPTIONS.settings.stats_options(), entropy="grad")
     stats = vocab_parallel_stats(vocab_parallel_logits, None,
@@ -260,8 +249,7 @@ def vocab_parallel_entropy(vocab_parallel_logits):
 def vocab_parallel_entropy_packed_sequences(vocab_parallel_logits, cu_seqlens_padded,
                                             unpacked_seqlen, num_actions, attention_mask,
                                             loss_mask, cp_group, sub_seq_lengths=None):
-    """SkyRL's own function (its action weighting and CP sums), whose per-token entropy is
-    :func:`vocab_parallel_entropy` while the integration is applied."""
+    """SkyRL's own function, on :func:`vocab_parallel_entropy`."""
     OPTIONS.note_once("vocab_parallel_entropy_packed_sequences")
     return _helper("vocab_parallel_entropy_packed_sequences")(
         vocab_parallel_logits, cu_seqlens_padded, unpacked_seqlen, num_actions, attention_mask,
@@ -270,9 +258,8 @@ def vocab_parallel_entropy_packed_sequences(vocab_parallel_logits, cu_seqlens_pa
 
 def _fused_vocab_parallel_entropy_from_hidden(hidden, lm_head_weight, tp_group, chunk_size=None,
                                               temperature=1.0):
-    """SkyRL's fused per-token entropy: fp32 ``[B, S]`` of ``hidden [B, S, H] @
-    lm_head_weight.T / temperature``. With gradients enabled (SkyRL's ``use_entropy_loss``)
-    differentiable, ``d hidden`` this rank's share; otherwise a metric (nothing saved)."""
+    """SkyRL's fused per-token entropy, fp32 ``[B, S]``: differentiable under grad mode (SkyRL's
+    ``use_entropy_loss``; ``d hidden`` this rank's share), else a metric."""
     del chunk_size
     OPTIONS.note_once("_fused_vocab_parallel_entropy_from_hidden")
     mode = "grad" if torch.is_grad_enabled() else "metric"
@@ -285,8 +272,7 @@ def _fused_vocab_parallel_entropy_from_hidden(hidden, lm_head_weight, tp_group, 
 def from_parallel_hidden_to_entropy_packed_sequences(
         hidden, lm_head_weight, cu_seqlens_padded, unpacked_seqlen, num_actions, attention_mask,
         loss_mask, cp_group, tp_group, sub_seq_lengths=None, chunk_size=None, temperature=1.0):
-    """SkyRL's own function, whose per-token entropy is
-    :func:`_fused_vocab_parallel_entropy_from_hidden` while the integration is applied."""
+    """SkyRL's own function, on :func:`_fused_vocab_parallel_entropy_from_hidden`."""
     OPTIONS.note_once("from_parallel_hidden_to_entropy_packed_sequences")
     return _helper("from_parallel_hidden_to_entropy_packed_sequences")(
         hidden, lm_head_weight, cu_seqlens_padded, unpacked_seqlen, num_actions, attention_mask,

@@ -1,8 +1,6 @@
-"""``import megatron_vocabstats.integrations.slime``, or slime's own hook
-``--custom-megatron-init-path megatron_vocabstats.integrations.slime.apply``: slime's Megatron
-trainer computes its log-probs and entropy with the ops (:mod:`.slime_ops`), rebound where slime
-defines and binds ``calculate_log_probs_and_entropy`` (read at THUDM/slime ``624b824``, slime
-0.3.1; docs/integrations.md, "slime").
+"""``import megatron_vocabstats.integrations.slime``, or slime's hook
+``--custom-megatron-init-path megatron_vocabstats.integrations.slime.apply``: slime's log-probs
+and entropy on the ops.
 """
 
 from __future__ import annotations
@@ -21,14 +19,9 @@ __all__ = ["UnsupportedSlimeError", "apply", "remove", "is_applied", "patched_na
 
 TESTED = ("0.3",)
 
-DEFINITIONS = {
-    "slime.utils.ppo_utils": {
-        "calculate_log_probs_and_entropy": slime_ops.calculate_log_probs_and_entropy,
-    },
-}
-CONSUMERS = {
-    "slime.backends.megatron_utils.loss": ("calculate_log_probs_and_entropy",),
-}
+DEFINITIONS = {"slime.utils.ppo_utils": {
+    "calculate_log_probs_and_entropy": slime_ops.calculate_log_probs_and_entropy}}
+CONSUMERS = {"slime.backends.megatron_utils.loss": ("calculate_log_probs_and_entropy",)}
 
 
 class UnsupportedSlimeError(UnsupportedFrameworkError):
@@ -59,18 +52,9 @@ remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAM
 
 
 def apply(args=None, /, **options) -> PluginSettings:
-    """Replace slime's ``calculate_log_probs_and_entropy`` with the ops; returns the options in
-    force.
-
-    ``args``: the namespace slime's hook passes (``load_function(path)(args)``); not read.
-    ``options``: fields of ``PluginSettings``, as for :func:`.verl.apply`; with ``vocab_size`` an
-    id ``>= vocab_size`` counts as outside the vocabulary; ``lm_head_chunk_size`` is accepted and
-    unused (slime has no fused path). Idempotent: a second call only replaces the options.
-
-    Raises:
-        UnsupportedSlimeError: slime missing or its names moved (nothing is patched then).
-        ValueError, TypeError: an unknown or invalid option (nothing is patched then).
-    """
+    """Replace slime's function with the ops (:meth:`._framework.Framework.apply`); ``args``,
+    from slime's hook, is not read; options as for :func:`.verl.apply` (``lm_head_chunk_size``
+    unused); raises :class:`UnsupportedSlimeError`."""
     del args
     return FRAMEWORK.apply(options)
 

@@ -1,7 +1,6 @@
-"""slime's ``calculate_log_probs_and_entropy`` on the ops: the replacement that
-:mod:`megatron_vocabstats.integrations.slime` binds, with slime's conventions as read at
-THUDM/slime ``624b824`` (``slime/utils/ppo_utils.py``). Conventions and differences
-(:data:`NOTES`, logged once): docs/integrations.md, "slime".
+"""slime's ``calculate_log_probs_and_entropy`` on the ops, with slime's conventions as read at
+THUDM/slime ``624b824`` (``slime/utils/ppo_utils.py``). Differences (:data:`NOTES`):
+docs/integrations.md, "slime".
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def _check(logits, tokens, keep):
 
 
 def _peak(z, start, limit, group):
-    """Per row: the global id of the largest of the columns ``< limit`` of the shards ``z``
-    (the lowest id among equal maxima), and whether this rank holds it."""
+    """Per row: the global argmax below ``limit`` (lowest id on ties), and whether it is here."""
     real = max(0, min(z.shape[1], limit - start))
     values, index = z.detach()[:, :real].max(-1) if real else (
         z.new_full(z.shape[:1], float("-inf")), z.new_zeros(z.shape[:1], dtype=torch.long))
@@ -67,9 +65,9 @@ def _peak(z, start, limit, group):
 
 
 def _outside(z, tokens, start, limit, group):
-    """slime's rule for ids outside ``[0, limit)``, ``max z - logZ`` with gradient ``-p``: returns
-    the targets (each such id replaced by the row's argmax) and a zero correction whose gradient
-    cancels the argmax's one-hot on the rank holding it; None for it when every id is inside."""
+    """slime's rule for ids outside ``[0, limit)``, ``max z - logZ`` with gradient ``-p``: the
+    targets (such ids as the row's argmax) and a zero correction cancelling the argmax's one-hot
+    gradient (None when every id is inside)."""
     outside = (tokens < 0) | (tokens >= limit)
     count = outside.sum()
     if group is not None and dist.get_world_size(group) > 1:
@@ -86,29 +84,11 @@ def _outside(z, tokens, start, limit, group):
 def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy: bool = False,
                                     chunk_size: int = -1, log_prob_keep_mask=None,
                                     with_entropy_grad: bool = True):
-    """slime's ``calculate_log_probs_and_entropy`` on
-    :func:`~megatron_vocabstats.vocab_parallel_stats`.
-
-    Args:
-        logits: this rank's shard ``[T, W]`` of one packed row (rank r holds ids
-            ``[r W, (r+1) W)``), bf16/fp16/fp32; never modified.
-        tokens: integer global ids ``[T]`` (already shifted by slime's caller); an id outside
-            every shard gives ``max z - logZ`` with gradient ``-p`` (slime's rule).
-        tp_group: the tensor-parallel group; None: the default group if torch.distributed is
-            initialised, else none (slime's rule).
-        with_entropy: also return the entropy; ``with_entropy_grad``: make it differentiable.
-        chunk_size: accepted, not used (the op chunks by the ``logprobs_chunk_size`` option).
-        log_prob_keep_mask: None, or bool ``[T, W]``: the columns the log-prob is normalised
-            over (with the target's own column); the entropy ignores it.
-
-    Returns:
-        ``(log_prob [T, 1] fp32, entropy [T] fp32 or None)``; for ``T = 0`` ``[0]`` tensors in
-        the logits' dtype. Gradients in the logits' dtype.
-
-    Raises:
-        ValueError: naming ``logits``, ``tokens`` or ``log_prob_keep_mask`` for bad shapes or
-            dtypes, and what ``vocab_parallel_stats`` raises (a row with no finite logit).
-    """
+    """slime's ``calculate_log_probs_and_entropy`` on ``vocab_parallel_stats``: ``(log_prob
+    [T, 1] fp32, entropy [T] fp32 or None)`` from this rank's shard ``logits [T, W]`` of one
+    packed row and integer global ids ``tokens [T]`` (already shifted); ``chunk_size`` is not
+    used; ``log_prob_keep_mask``: None or bool ``[T, W]``, the columns the log-prob (not the
+    entropy) is normalised over. Raises ``ValueError`` naming the argument."""
     del chunk_size
     OPTIONS.note_once(NAME)
     _check(logits, tokens, log_prob_keep_mask)

@@ -1,9 +1,5 @@
-"""``import megatron_vocabstats.integrations.verl``: verl's Megatron engine computes its log-probs
-and entropy with the ops (:mod:`.verl_ops`), rebound in verl's own modules (docs/verl.md).
-
-Importing calls :func:`apply`. In a Ray job every worker process must import it:
-``VERL_USE_EXTERNAL_MODULES=megatron_vocabstats.integrations.verl`` makes each process that
-imports verl do so.
+"""``import megatron_vocabstats.integrations.verl`` (calls :func:`apply`; in every Ray worker via
+``VERL_USE_EXTERNAL_MODULES``, docs/verl.md): verl's log-probs and entropy on the ops.
 """
 
 from __future__ import annotations
@@ -21,12 +17,9 @@ DEFINITIONS = {
     "verl.utils.megatron.tensor_parallel": {
         "vocab_parallel_log_probs_from_logits": verl_ops.log_probs_from_logits,
         "vocab_parallel_entropy": verl_ops.entropy,
-        "vocab_parallel_entropy_with_chunking": verl_ops.entropy_with_chunking,
-    },
+        "vocab_parallel_entropy_with_chunking": verl_ops.entropy_with_chunking},
     "verl.utils.kernel.linear_cross_entropy": {
-        "linear_cross_entropy": verl_ops.linear_cross_entropy,
-    },
-}
+        "linear_cross_entropy": verl_ops.linear_cross_entropy}}
 CONSUMERS = {
     "verl.workers.engine.megatron.transformer_impl": (
         "vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
@@ -47,20 +40,13 @@ remove, is_applied, patched_names = FRAMEWORK.remove, FRAMEWORK.is_applied, FRAM
 
 
 def verl_version() -> str | None:
-    """The installed verl's version (its distribution metadata), None if it is not installed."""
+    """The installed verl's version, None if it is not installed."""
     return FRAMEWORK.version()
 
 
 def apply(**options) -> PluginSettings:
-    """Replace verl's log-prob and entropy functions with the ops; returns the options in force.
-
-    ``options``: fields of ``PluginSettings`` (``verl_ops.OPTIONS.names``; table in docs/verl.md);
-    ``lm_head_chunk_size`` 0 means auto. Idempotent: a second call only replaces the options.
-
-    Raises:
-        UnsupportedVerlError: verl missing or its names moved (nothing is patched then).
-        ValueError, TypeError: an unknown or invalid option (nothing is patched then).
-    """
+    """Replace verl's functions with the ops (:meth:`._framework.Framework.apply`); options: the
+    ``PluginSettings`` fields of docs/verl.md's table; raises :class:`UnsupportedVerlError`."""
     return FRAMEWORK.apply(options)
 
 

@@ -1,8 +1,7 @@
-"""verl's vocab-parallel log-prob and entropy functions on the ops: the replacements that
-:mod:`megatron_vocabstats.integrations.verl` binds. Each takes the arguments of verl's function
-and returns what it returns (sign, dtype, shape), as read from the verl 0.9.1 wheel
+"""verl's vocab-parallel log-prob and entropy functions on the ops, with verl's arguments and
+results (sign, dtype, shape) as read from the verl 0.9.1 wheel
 (``verl/utils/megatron/tensor_parallel.py``, ``verl/utils/kernel/linear_cross_entropy.py``).
-Conventions and differences (:data:`NOTES`, logged once per function): docs/verl.md.
+Differences (:data:`NOTES`): docs/verl.md.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ NOTES = {
 }
 
 OPTIONS = IntegrationOptions("verl", NOTES, padding="verl normalises over all W*tp columns")
-"""The options in force (``OPTIONS.settings``; set by ``verl.apply``) and the notes logged."""
 
 _note_once = OPTIONS.note_once
 
@@ -55,17 +53,15 @@ def _unfused(entropy: str) -> dict:
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """verl's ``vocab_parallel_log_probs_from_logits``: fp32 ``log p(labels)`` in nats, shaped
-    like ``labels`` (int64 global ids), from this rank's logits shard ``[..., W]`` on Megatron's
-    tensor-parallel group (none when ``parallel_state`` is not initialised). Method and errors:
-    :func:`~megatron_vocabstats.vocab_parallel_stats` (``ValueError`` naming the argument)."""
+    like ``labels`` (int64 global ids), from this rank's shard ``[..., W]`` on Megatron's tp group
+    (none before ``parallel_state`` is initialised); errors: ``vocab_parallel_stats``'s."""
     _note_once("vocab_parallel_log_probs_from_logits")
     return vocab_parallel_stats(logits, labels, **_unfused("off")).logprobs
 
 
 def entropy(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
-    """verl's ``vocab_parallel_entropy``: ``-sum p log p`` in nats of the shard ``[..., W]``,
-    shaped like its leading dims, in the logits' dtype (computed in fp32, rounded once),
-    differentiable. Group, method and errors as :func:`log_probs_from_logits`."""
+    """verl's ``vocab_parallel_entropy``: ``-sum p log p`` (nats) of the shard ``[..., W]``,
+    shaped like its leading dims, in the logits' dtype (computed in fp32), differentiable."""
     _note_once("vocab_parallel_entropy")
     stats = vocab_parallel_stats(vocab_parallel_logits, None, **_unfused("grad"))
     return stats.entropy.to(vocab_parallel_logits.dtype)
@@ -73,9 +69,8 @@ def entropy(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
 
 def entropy_with_chunking(vocab_parallel_logits: torch.Tensor,
                           chunk_size: int = 2048) -> torch.Tensor:
-    """verl's ``vocab_parallel_entropy_with_chunking``: :func:`entropy` in fp32, whatever the
-    logits' dtype. ``chunk_size`` is accepted and not used: the op's chunking is
-    ``logprobs_chunk_size`` (the values do not depend on it)."""
+    """verl's ``vocab_parallel_entropy_with_chunking``: :func:`entropy` in fp32; ``chunk_size``
+    is not used (``logprobs_chunk_size`` chunks; the values do not depend on it)."""
     del chunk_size
     _note_once("vocab_parallel_entropy_with_chunking")
     return vocab_parallel_stats(vocab_parallel_logits, None, **_unfused("grad")).entropy
@@ -84,27 +79,11 @@ def entropy_with_chunking(vocab_parallel_logits: torch.Tensor,
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          temperature: float = 1.0, reduction: str = "none",
                          dist_process_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's ``linear_cross_entropy`` (``LinearCrossEntropy.apply``) on
-    :func:`~megatron_vocabstats.linear_vocab_parallel_stats`.
-
-    Args:
-        hidden: ``[..., H]`` bf16/fp16/fp32, the whole sequence on every rank of
-            ``dist_process_group``; flattened to ``[N, H]``.
-        weight: this rank's shard ``[W, H]`` of the output layer, dtype and device of ``hidden``.
-        labels: int64 global ids, ``N`` of them in any shape.
-        temperature: > 0; the logits are divided by it.
-        reduction: ``"none"``, or ``"sum"`` / ``"mean"`` of the log-probs over the ``N`` tokens.
-        dist_process_group: the tensor-parallel group, None for no tensor parallelism.
-
-    Returns:
-        ``(logprobs, entropy)``, fp32 in nats: ``logprobs`` ``[N]`` (0-d for "sum"/"mean"),
-        ``entropy`` ``[N]``. Backward: ``d_hidden`` is this rank's share (verl's convention,
-        ``partial_hidden_grad=True``), ``d_weight`` the gradient of the shard.
-
-    Raises:
-        ValueError: an unknown ``reduction``, and everything ``linear_vocab_parallel_stats``
-            raises (shapes, dtypes, label range with ``validate``), naming the argument.
-    """
+    """verl's ``linear_cross_entropy`` on ``linear_vocab_parallel_stats``: fp32 ``(logprobs [N],
+    entropy [N])`` in nats (``logprobs`` 0-d for ``reduction`` "sum" / "mean") of ``hidden
+    [..., H]`` (flattened to ``[N, H]``, the same on every rank of ``dist_process_group``) and
+    this rank's ``weight [W, H]``; ``d_hidden`` is this rank's share (verl's convention).
+    Raises ``ValueError`` naming the argument."""
     check_choice("reduction", reduction, REDUCTIONS)
     _note_once("linear_cross_entropy")
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:

@@ -1,7 +1,5 @@
 """Reversible attribute replacement with markers: applying twice is a no-op, removal is exact.
-
-:data:`PATCHER` lives here, not in ``megatron_vocabstats.patch``, so that reloading that module
-cannot forget what was replaced.
+:data:`PATCHER` lives here, not in ``patch``, so that reloading that module keeps it.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ class Patcher:
         return getattr(obj, MARKER, False) is True
 
     def replace(self, owner, name: str, make_replacement) -> bool:
-        """Bind ``make_replacement(original)`` as ``owner.name`` (``original``: what a call through
-        it reaches now) unless it is ours already; True if patched."""
+        """Bind ``make_replacement(current)`` as ``owner.name`` unless ours; True if patched."""
         current = getattr(owner, name)
         if self.is_ours(current):
             return False

@@ -1,8 +1,6 @@
-"""The one log line that says the plugin is on, and how: rank 0, first loss of the run, once.
-
-An ``INFO`` record on the ``megatron_vocabstats`` logger (the line and its clauses:
-docs/megatron.md#the-import-and-the-flags); the same first call issues the version warnings
-(:func:`megatron_vocabstats.version_check.warn_untested`). :func:`reset` re-arms it.
+"""The one log line that says the plugin is on, and how: rank 0, first loss of the run, once, on
+the ``megatron_vocabstats`` logger (docs/megatron.md#the-import-and-the-flags), with the
+version warnings.
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ def _on_off(flag) -> str:
 
 def describe(cfg: settings.PluginSettings, *, fused: bool | None = None,
              device: torch.device | None = None) -> str:
-    """How the patched loss path computes with ``cfg``, in words (no parallel layout).
-
-    ``fused``: whether this call takes the fused LM head (None: ``lm_head_chunk_size > 0``);
-    ``device``: where ``kernel="auto"`` is resolved (None: not resolved).
-    """
+    """How the patched loss path computes with ``cfg``, in words. ``fused`` None:
+    ``lm_head_chunk_size > 0``; ``device``: where ``kernel="auto"`` is resolved (None: not)."""
     if not cfg.active:
         return "off (the patched call sites run Megatron's own loss)"
     fused = cfg.lm_head_chunk_size > 0 if fused is None else fused
@@ -77,7 +72,7 @@ def layout(module) -> str:
 
 def superseded(module) -> str:
     """``"; supersedes cross_entropy_loss_fusion=True (...)"`` where the module's config asks for
-    Megatron's fused cross-entropy (Megatron-Bridge's default); else ``""``."""
+    it (Megatron-Bridge's default); else ``""``."""
     config = getattr(module, "config", None)
     if not getattr(config, "cross_entropy_loss_fusion", False):
         return ""
@@ -87,8 +82,7 @@ def superseded(module) -> str:
 
 
 def once(module, cfg: settings.PluginSettings, *, fused: bool, device: torch.device) -> None:
-    """Log the line on rank 0 the first time a patched call site runs the plugin (then never
-    again until :func:`reset`). ``module``: the Megatron model whose loss is computed."""
+    """Log the line on rank 0 the first time a patched call site runs the plugin."""
     global _ANNOUNCED
     if _ANNOUNCED:
         return

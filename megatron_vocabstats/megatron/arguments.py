@@ -1,7 +1,5 @@
-"""The ``--vocab-parallel-stats`` flag family and the config hook run before ``validate_args``.
-
-Where Megatron's parser runs, the hook decides from the flags (without ``--vocab-parallel-stats``
-the plugin is off); where none runs, the import alone keeps it on. See docs/megatron.md.
+"""The ``--vocab-parallel-stats`` flags and the config hook run before ``validate_args``, which
+decides from them; where no Megatron parser runs, the import alone keeps it on (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ BATCH_INVARIANT_FLAG = BATCH_INVARIANT_NAMES
 
 
 def check_flag_values(args) -> None:
-    """Raise ``ValueError`` naming the flag for a value its parser would refuse, set without the
-    parser (a YAML config, a script); flags absent from ``args`` are not checked."""
+    """Raise ``ValueError`` naming the flag for a value, set without the parser, it would refuse."""
     choices = {"vocab_stats_entropy": ENTROPY_MODES,
                "vocab_stats_batch_invariant": tuple(BATCH_INVARIANT_FLAG),
                "vocab_stats_kernel": KERNEL_CHOICES,
@@ -56,8 +53,7 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--vocab-parallel-stats", action="store_true",
                        help="Compute the LM loss with megatron-vocabstats' exact, chunked "
                        "vocab-parallel op (needs `import megatron_vocabstats.patch`).")
-    group.add_argument("--logprobs-chunk-size", type=FLAG_TYPES["logprobs_chunk_size"],
-                       default=0,
+    group.add_argument("--logprobs-chunk-size", type=FLAG_TYPES["logprobs_chunk_size"], default=0,
                        help="Tokens per fp32 chunk of the unfused op; 0 = auto.")
     group.add_argument("--lm-head-chunk-size", type=FLAG_TYPES["lm_head_chunk_size"], default=0,
                        help="Tokens per chunk of the fused LM head (logits never "
@@ -94,8 +90,8 @@ def add_vocab_stats_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--precision-aware-optimizer-bf16", action="store_true",
                        help="Turn on Megatron's precision-aware optimizer with bf16 main grads "
                        "and bf16 Adam moments, after checking its prerequisites.")
-    # Rollout engine's sampler and the mismatch correction: read by the user's forward step
-    # (settings.current().sampler_options() / .rollout_correction()), with or without the switch.
+    # Read by the user's forward step (settings.current().sampler_options() /
+    # .rollout_correction()), with or without the switch.
     group.add_argument("--rollout-temperature", type=FLAG_TYPES["rollout_temperature"],
                        default=1.0, help="Temperature of the rollout engine's sampler (> 0), "
                        "replayed by vocab_parallel_sampling_logprobs.")
@@ -175,8 +171,7 @@ def chain_providers(*providers):
 
 
 def _batch_invariant(args):
-    """The ops' ``batch_invariant`` for the flag; ``tp`` under tp > 1 needs vocabulary shards of
-    whole 128-column blocks, refused now (naming the flags) rather than at the first loss."""
+    """The ops' ``batch_invariant`` for the flag; ``tp`` without 128-column shards refused now."""
     mode = BATCH_INVARIANT_FLAG[args.vocab_stats_batch_invariant]
     if mode != "tp":
         return mode
@@ -197,8 +192,7 @@ def _batch_invariant(args):
 
 
 def _check_kernel(kernel) -> None:
-    """Resolve the kernel as the first loss call will, so that an unusable ``triton`` is refused
-    now, naming the flag, not after the model is built."""
+    """Refuse an unusable ``triton`` now, naming the flag, not at the first loss."""
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -210,25 +204,11 @@ def _check_kernel(kernel) -> None:
 
 def config_hook(args) -> settings.PluginSettings:
     """Set the plugin up from Megatron's parsed ``args``; must run before ``validate_args``.
-
-    Without ``--vocab-parallel-stats`` the plugin is switched off (our other flags, if given,
-    draw a warning); the ``--rollout-*`` flags are stored either way. With it: rejects
-    contradictions, applies ``--precision-aware-optimizer-bf16`` and the FP8 alignment
-    (``make_vocab_size_divisible_by`` made a multiple of 128, the token padding multiple stored
-    as ``args.vocab_stats_token_alignment``), and stores the settings.
-
-    Raises:
-        ValueError: naming the flags: a value the parser would refuse (:func:`check_flag_values`,
-            plugin on or off); a Megatron size the hook reads that is not an int >= 1
-            (:func:`.run_args.megatron_int`); a rollout-correction bound the mode does not take,
-            icepop at sequence level, a band with low >= high; with the switch,
-            ``--cross-entropy-loss-fusion``, an entropy bonus without
-            ``--vocab-stats-entropy grad``, ``--require-fused-lm-head`` without
-            ``--lm-head-chunk-size``, FP8 without bf16, missing precision-aware-optimizer
-            prerequisites (all listed at once), ``--vocab-stats-batch-invariant tp`` under
-            tp > 1 with a ``--make-vocab-size-divisible-by`` that is not a multiple of 128, or a
-            ``triton`` kernel (flag or ``VOCABSTATS_KERNEL``) that cannot run here.
-    """
+    Without ``--vocab-parallel-stats`` the plugin is off (our other flags draw a warning) and
+    only the ``--rollout-*`` flags are stored; with it, it also applies
+    ``--precision-aware-optimizer-bf16`` and the FP8 alignment (stored as
+    ``args.vocab_stats_token_alignment``). Raises ``ValueError`` naming the flags for a value or
+    combination it refuses (docs/megatron.md), or a ``triton`` kernel that cannot run here."""
     check_flag_values(args)
     rollout = _rollout_settings(args)
     if not getattr(args, "vocab_parallel_stats", False):
@@ -245,8 +225,7 @@ def config_hook(args) -> settings.PluginSettings:
         impl = getattr(args, "cross_entropy_fusion_impl", "native")
         raise ValueError(
             f"--vocab-parallel-stats replaces Megatron's loss, but --cross-entropy-loss-fusion "
-            f"(--cross-entropy-fusion-impl {impl}) asks for Megatron's fused one: drop one of them"
-        )
+            f"(--cross-entropy-fusion-impl {impl}) asks for Megatron's fused one: drop one of them")
     if getattr(args, "require_fused_lm_head", False) and not args.lm_head_chunk_size:
         raise ValueError("--require-fused-lm-head needs the fused LM head: set "
                          "--lm-head-chunk-size > 0")
@@ -261,19 +240,13 @@ def config_hook(args) -> settings.PluginSettings:
     kernel = getattr(args, "vocab_stats_kernel", "auto")
     _check_kernel(kernel)
     return settings.update(
-        active=True,
-        logprobs_chunk_size=args.logprobs_chunk_size or None,
+        active=True, logprobs_chunk_size=args.logprobs_chunk_size or None,
         lm_head_chunk_size=args.lm_head_chunk_size,
         require_fused_lm_head=getattr(args, "require_fused_lm_head", False),
-        entropy=args.vocab_stats_entropy,
-        entropy_coef=args.entropy_coef,
+        entropy=args.vocab_stats_entropy, entropy_coef=args.entropy_coef,
         label_smoothing=args.vocab_stats_label_smoothing,
-        validate=not args.vocab_stats_skip_checks,
-        token_alignment=alignment,
-        batch_invariant=batch_invariant,
-        kernel=kernel,
-        **rollout,
-    )
+        validate=not args.vocab_stats_skip_checks, token_alignment=alignment,
+        batch_invariant=batch_invariant, kernel=kernel, **rollout)
 
 
 def _before_validate(original):
@@ -294,12 +267,9 @@ def _with_our_flags(original):
 
 
 def install(patcher) -> list[str]:
-    """Wrap Megatron's parser and validators with ``patcher``; returns what was wrapped.
-
-    ``add_megatron_arguments`` gains our flags; ``validate_args`` (in ``arguments`` and, where
-    imported by name, 0.14-0.17, ``initialize``) and ``validate_yaml`` (``--yaml-cfg``) run
-    :func:`config_hook` first. No-op without ``megatron.training``.
-    """
+    """Add our flags to ``add_megatron_arguments`` and run :func:`config_hook` before
+    ``validate_args`` (and 0.14-0.17 ``initialize``'s copy) and ``validate_yaml``; returns what
+    was wrapped."""
     targets = [("arguments", "add_megatron_arguments", _with_our_flags),
                ("arguments", "validate_args", _before_validate),
                ("initialize", "validate_args", _before_validate),

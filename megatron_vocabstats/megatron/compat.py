@@ -1,7 +1,6 @@
-"""Feature detection across megatron-core releases, in one place.
-
-Lookups are lazy (importing this module imports no Megatron, transformer-engine or apex) and by
-``hasattr`` / ``inspect.signature``; the version string only appears in messages.
+"""Feature detection across megatron-core releases, in one place: lazy lookups (importing this
+module imports no Megatron, transformer-engine or apex) by ``hasattr`` / ``inspect.signature``;
+the version string only appears in messages.
 """
 
 from __future__ import annotations
@@ -22,11 +21,9 @@ class UnsupportedMegatronError(ImportError):
 
 
 def megatron_core_release() -> str | None:
-    """The release of the imported megatron-core (``"0.19.2"``), None if it cannot be imported.
-
-    From ``megatron.core.package_info``, else ``__version__`` without its ``+local`` part (the
-    commit of whatever git repository holds the installed package, maybe another project's).
-    """
+    """The release of the imported megatron-core (``"0.19.2"``), None if it cannot be imported;
+    from ``package_info``, else ``__version__`` without its ``+local`` part (the commit of
+    whatever git repository holds the installed package, maybe another project's)."""
     try:
         import megatron.core
     except ImportError:
@@ -79,8 +76,7 @@ def language_module_class():
         raise UnsupportedMegatronError(
             f"megatron-core {megatron_core_version()} has no "
             "LanguageModule.compute_language_model_loss(self, labels, logits); the plugin "
-            f"supports {SUPPORTED}"
-        )
+            f"supports {SUPPORTED}")
     return LanguageModule
 
 
@@ -103,8 +99,8 @@ def hybrid_model_class():
 
 
 def mtp_loss_bindings() -> list:
-    """The modules binding Megatron's ``process_mtp_loss`` (0.17+: its own and the model modules
-    importing it by name); empty before 0.17 (0.16's MTP loss is inline in ``_postprocess``)."""
+    """The modules binding Megatron's ``process_mtp_loss`` (0.17+); empty before 0.17 (0.16's
+    MTP loss is inline in ``_postprocess``)."""
     bindings = []
     for name in ("megatron.core.transformer.multi_token_prediction",
                  "megatron.core.models.gpt.gpt_model",
@@ -120,17 +116,14 @@ def mtp_loss_bindings() -> list:
 
 
 def has_output_processor(model_cls, method: str = "forward") -> bool:
-    """True where ``method`` (``forward``, ``build_schedule_plan``) takes ``output_processor``
-    (megatron-core 0.18+)."""
+    """True where ``model_cls.method`` takes ``output_processor`` (0.18+)."""
     return "output_processor" in inspect.signature(getattr(model_cls, method)).parameters
 
 
 def training_module(name: str):
-    """``megatron.training.<name>``, or None where the wheel has no ``megatron.training`` (< 0.17).
-
-    Raises :class:`UnsupportedMegatronError` where it is there but fails to import (a missing
-    dependency), so that the patch applies nothing rather than leave the parser without our flags.
-    """
+    """``megatron.training.<name>``, or None where the wheel has none (< 0.17). Raises
+    :class:`UnsupportedMegatronError` where it fails to import, so that the patch applies
+    nothing rather than leave the parser without our flags."""
     module_name = f"megatron.training.{name}"
     try:
         return importlib.import_module(module_name)
@@ -139,8 +132,7 @@ def training_module(name: str):
             return None
         raise UnsupportedMegatronError(
             f"importing {module_name} failed ({exc}); install what it needs, or import the plugin "
-            f"where megatron.training is absent; megatron-core {megatron_core_version()}"
-        ) from exc
+            f"where megatron.training is absent; megatron-core {megatron_core_version()}") from exc
     except ImportError as exc:
         raise UnsupportedMegatronError(
             f"importing {module_name} failed ({exc}); megatron-core {megatron_core_version()}"
@@ -148,8 +140,7 @@ def training_module(name: str):
 
 
 def full_cuda_graph_wrapper_class():
-    """Megatron's ``FullCudaGraphWrapper`` (full-iteration CUDA graphs), or None where the release
-    has none or it lacks ``reset_cuda_graph``."""
+    """Megatron's ``FullCudaGraphWrapper``, None where absent or without ``reset_cuda_graph``."""
     try:
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     except ImportError:

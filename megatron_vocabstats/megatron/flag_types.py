@@ -1,6 +1,5 @@
-"""The value types of the ``--vocab-parallel-stats`` flag family: argparse ``type`` objects that
-also check values set without the parser, by the package's one number rule
-(``ops._argtypes.number_problem``).
+"""The value types of the ``--vocab-parallel-stats`` flags: argparse ``type`` objects that also
+check values set without the parser (``ops._argtypes.number_problem``).
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from ..ops._argtypes import describe_range, number_problem
 
 
 class IntAtLeast:
-    """An argparse ``type``: an integer >= ``minimum``, else ``argparse.ArgumentTypeError``.
-    :meth:`problem` tests a value that did not come through the parser (a YAML config, a
-    script) and returns the complaint or None."""
+    """An argparse ``type``: an integer >= ``minimum``, else ``argparse.ArgumentTypeError``;
+    :meth:`problem` returns the complaint about a value set without the parser, or None."""
 
     def __init__(self, minimum: int, maximum: int | None = 2**63 - 1):
         self.minimum, self.maximum = minimum, maximum

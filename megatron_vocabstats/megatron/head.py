@@ -1,7 +1,6 @@
 """The fused LM head's side of the Megatron integration: a stand-in for the logits of a deferred
-output-layer call, and where the fused head would not reproduce Megatron's output layer (then
-Megatron's own path runs, the reason logged once or raised under ``--require-fused-lm-head``).
-See docs/fused-head.md.
+output-layer call, and where the fused head would not reproduce Megatron's output layer
+(docs/fused-head.md).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ logger = logging.getLogger("megatron_vocabstats")
 
 _REPORTED: set[tuple[str, tuple[str, ...]]] = set()
 
-
 # How to get the logits themselves, said by every refusal of a tensor use.
 _REAL_LOGITS = ("for real logits, turn the fused LM head off (--lm-head-chunk-size 0; "
                 "patch.apply(lm_head_chunk_size=0)) or call the model without labels")
@@ -35,8 +33,7 @@ def _tensor_use(what: str) -> TypeError:
 
 
 def _as_scale(factor, op: str) -> float:
-    """``factor`` as a float: a real number (Python's or numpy's) or a 0-dim real tensor that
-    needs no gradient (read once on the host). Anything else raises ``TypeError``."""
+    """``factor`` (a real number, 0-dim real tensor without grad) as a float, else ``TypeError``."""
     if isinstance(factor, torch.Tensor):
         if (factor.dim() == 0 and not factor.requires_grad and not factor.is_complex()
                 and factor.dtype != torch.bool):
@@ -50,15 +47,9 @@ def _as_scale(factor, op: str) -> float:
 
 
 class DeferredLogits:
-    """The logits ``scale * (hidden @ weight.T)`` of one output-layer call, not computed.
-
-    ``hidden``: the layer's input ``[s(/tp), b, h]``; ``weight``: the ``[V/tp, h]`` shard used
-    (the tied embedding or the layer's own); ``layer``: Megatron's ``ColumnParallelLinear``, which
-    decides the op's collectives (:meth:`op_kwargs`); ``scale``: the logit scale (MuP's output
-    multiplier over a temperature). Only ``*`` and ``/`` (or ``torch.mul``, ``torch.div``) by a
-    Python or numpy real number or a 0-dim real tensor without gradient are allowed; dividing by
-    0 raises ``ValueError``, every other use ``TypeError`` saying how to get real logits.
-    """
+    """The logits ``scale * (hidden @ weight.T)`` of one output-layer ``layer`` call, not
+    computed: only ``*`` and ``/`` by a logit scale are allowed (docs/fused-head.md); dividing by
+    0 raises ``ValueError``, every other use ``TypeError`` saying how to get real logits."""
 
     __slots__ = ("hidden", "weight", "layer", "scale")
     __array_ufunc__ = None  # numpy defers to the reflected operators below (np.float32(2) * x)
@@ -101,8 +92,8 @@ class DeferredLogits:
                 f"{tuple(self.weight.shape)}, scale={self.scale})")
 
     def op_kwargs(self) -> dict:
-        """The fused op's keywords the layer decides (tp group, sequence parallelism, ``main_grad``
-        fusion) and ``temperature = 1 / scale``; ``ValueError`` unless the scale is finite, > 0."""
+        """The fused op's keywords the layer decides and ``temperature = 1 / scale``;
+        ``ValueError`` unless the scale is finite and > 0."""
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"megatron-vocabstats: logit scale {self.scale} (the factors the "
                              f"logits were multiplied by over those they were divided by: MuP's "
@@ -114,8 +105,7 @@ class DeferredLogits:
             sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
             accumulate_into_main_grad=bool(getattr(layer, "gradient_accumulation_fusion", False))
             and hasattr(self.weight, "main_grad"),
-            temperature=1.0 / self.scale,
-        )
+            temperature=1.0 / self.scale)
 
 
 def _refuser(name: str):
@@ -137,8 +127,7 @@ for _name in ("add radd sub rsub rtruediv floordiv rfloordiv mod rmod pow rpow m
 
 @contextlib.contextmanager
 def deferred_output_layer(layer):
-    """Within the context, ``layer(hidden, weight=None, ...)`` returns ``(DeferredLogits, None)``
-    (``weight`` None: the layer's own). Restores the layer's own ``forward`` on exit."""
+    """Within the context ``layer(hidden, weight=None, ...)`` returns ``(DeferredLogits, None)``."""
 
     def forward(input_, weight=None, runtime_gather_output=None, **_):
         return DeferredLogits(input_, layer.weight if weight is None else weight, layer), None
@@ -157,8 +146,8 @@ def deferred_output_layer(layer):
 def deferred_call(layer, hidden: torch.Tensor, weight: torch.Tensor | None = None,
                   runtime_gather_output=None) -> DeferredLogits:
     """``layer(hidden, weight=weight, ...)`` under :func:`deferred_output_layer`, so that the
-    layer's forward pre-hooks and hooks run as on Megatron's own call (parameter gathers are
-    pre-hooks); returns its :class:`DeferredLogits`, ``TypeError`` if a hook replaced them."""
+    layer's hooks run (parameter gathers are pre-hooks); ``TypeError`` if a hook replaced the
+    :class:`DeferredLogits`."""
     with deferred_output_layer(layer):
         logits, _ = layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
     if not isinstance(logits, DeferredLogits):
@@ -180,8 +169,7 @@ def _is_gtp_shard(weight) -> bool:
 
 
 def _modelopt_capture(output_layer) -> bool:
-    """Whether a ModelOpt ``DistillationModel`` forward hook keeps ``output_layer``'s logits
-    (``_intermediate_output``) for its KD loss (docs/integrations.md#megatron-bridge)."""
+    """Whether a ModelOpt ``DistillationModel`` hook keeps ``output_layer``'s logits."""
     if output_layer is None:
         return False
     if "_intermediate_output" in vars(output_layer):
@@ -193,13 +181,9 @@ def _modelopt_capture(output_layer) -> bool:
 
 def not_fused_reasons(output_layer, config, *, deferred: bool = False,
                       weight=None) -> tuple[str, ...]:
-    """Why the fused head would not reproduce ``output_layer`` and its backward (empty: it does);
-    the reasons are the table of docs/fused-head.md#when-the-head-is-not-fused.
-
-    ``deferred``: the head runs inside Megatron's own forward (:func:`deferred_output_layer`),
-    which then must not need the logits; ``weight``: the weight the layer is called with (the
-    tied embedding), if not its own.
-    """
+    """Why the fused head would not reproduce ``output_layer`` and its backward (empty: it does;
+    docs/fused-head.md#when-the-head-is-not-fused). ``deferred``: the head runs inside
+    Megatron's own forward; ``weight``: the tied embedding the layer is called with, if any."""
     reasons = []
     if _modelopt_capture(output_layer):
         reasons.append("ModelOpt distillation captures output_layer's outputs (a "
@@ -234,9 +218,8 @@ def not_fused_reasons(output_layer, config, *, deferred: bool = False,
 
 
 def fused_or_report(where: str, reasons, cfg: settings.PluginSettings) -> bool:
-    """True if ``reasons`` is empty. Otherwise raise ``ValueError`` under
-    ``cfg.require_fused_lm_head``, else log the reasons once (per ``where`` and reasons) on rank
-    0 and return False: the caller runs Megatron's own output layer."""
+    """True if ``reasons`` is empty; else ``ValueError`` under ``cfg.require_fused_lm_head``, or
+    the reasons logged once (rank 0) and False: the caller runs Megatron's own output layer."""
     if not reasons:
         return True
     reasons = tuple(reasons)

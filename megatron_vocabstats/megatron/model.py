@@ -1,8 +1,6 @@
-"""The Megatron call sites the patch replaces, written against :mod:`.settings`.
-
-Each factory takes Megatron's original function and returns the replacement, which runs the
-original unchanged while the plugin is inactive. How the fused LM head reaches each model, per
-release: docs/fused-head.md.
+"""The Megatron call sites the patch replaces: each factory takes Megatron's original function
+and returns the replacement, which runs the original while the plugin is inactive. How the fused
+LM head reaches each model, per release: docs/fused-head.md.
 """
 
 from __future__ import annotations
@@ -67,13 +65,9 @@ def collect_mtp_stats(module, run):
 
 
 def make_compute_language_model_loss(original):
-    """Replacement of ``LanguageModule.compute_language_model_loss(self, labels, logits)``.
-
-    Megatron's contract: labels ``[b, s]``, logits ``[s, b, V/tp]`` -> per-token fp32 loss
-    ``[b, s]``, by :func:`vocab_parallel_stats` with the settings on the module's tp group; given
-    a :class:`~.head.DeferredLogits`, the fused head's (:func:`fused_language_model_loss`). The
-    last call's statistics are kept, detached, ``[b, s]``, as ``module.last_vocab_stats``.
-    """
+    """Replacement of ``LanguageModule.compute_language_model_loss(self, labels, logits)``:
+    labels ``[b, s]``, logits ``[s, b, V/tp]`` (or :class:`~.head.DeferredLogits`: the fused
+    head) -> per-token fp32 loss ``[b, s]``; the statistics kept as ``module.last_vocab_stats``."""
 
     @functools.wraps(original)
     def compute_language_model_loss(self, labels, logits):
@@ -83,11 +77,8 @@ def make_compute_language_model_loss(original):
         if not cfg.active:
             return original(self, labels, logits)
         announce.once(self, cfg, fused=False, device=logits.device)
-        stats = vocab_parallel_stats(
-            logits,
-            labels.transpose(0, 1).contiguous(),
-            **cfg.stats_options().op_kwargs(tp_group=tp_group_of(self)),
-        )
+        stats = vocab_parallel_stats(logits, labels.transpose(0, 1).contiguous(),
+                                     **cfg.stats_options().op_kwargs(tp_group=tp_group_of(self)))
         _stash(self, stats)
         return per_token_loss(stats, cfg).transpose(0, 1).contiguous()
 
@@ -96,10 +87,8 @@ def make_compute_language_model_loss(original):
 
 def fused_stats(logits: DeferredLogits, labels: torch.Tensor, cfg: settings.PluginSettings, *,
                 argmax: bool = False, kernel: str | None = None):
-    """The fused op's statistics ``[s, b]`` of the deferred ``logits`` for ``labels [b, s]``,
-    with the settings' options, the logit scale as temperature and the layer's tp group,
-    sequence parallelism and ``main_grad`` fusion (:meth:`.head.DeferredLogits.op_kwargs`).
-    ``argmax``: also ``VocabStats.argmax [s, b]``; ``kernel`` overrides the settings' backend."""
+    """The fused op's statistics ``[s, b]`` of the deferred ``logits`` for ``labels [b, s]``
+    (:meth:`.head.DeferredLogits.op_kwargs`); ``kernel`` overrides the settings' backend."""
     from ..ops.stats.from_hidden import linear_vocab_parallel_stats
 
     layer = logits.op_kwargs()
@@ -112,8 +101,7 @@ def fused_stats(logits: DeferredLogits, labels: torch.Tensor, cfg: settings.Plug
 
 def fused_language_model_loss(module, logits: DeferredLogits, labels,
                               cfg: settings.PluginSettings) -> torch.Tensor:
-    """Per-token loss ``[b, s]`` from the deferred ``logits``' hidden states ``[s(/tp), b, h]``
-    (:func:`fused_stats`); statistics stashed on ``module`` as on the unfused path."""
+    """Per-token loss ``[b, s]`` by :func:`fused_stats`, the statistics stashed on ``module``."""
     announce.once(module if module is not None else logits.layer, cfg, fused=True,
                   device=logits.hidden.device)
     stats = fused_stats(logits, labels, cfg)
@@ -128,12 +116,9 @@ def _wants_fused(cfg: settings.PluginSettings, labels) -> bool:
 def fused_output_processor(*, hidden_states, output_layer, output_weight, labels,
                            runtime_gather_output=None, compute_language_model_loss=None,
                            scale_logits=None, config=None, **_):
-    """``GPTModel.forward(output_processor=...)`` hook (megatron-core 0.18+): the fused LM head.
-
-    With labels and ``lm_head_chunk_size > 0``: the per-token loss ``[b, s]`` without logits,
-    after the output layer's hooks (:func:`.head.deferred_call`) and ``scale_logits``. Otherwise
-    (no labels, or :func:`.head.fused_or_report` refuses) Megatron's own output layer and loss.
-    """
+    """``GPTModel.forward(output_processor=...)`` hook (0.18+): with labels, the fused head's
+    per-token loss ``[b, s]`` where :func:`.head.fused_or_report` allows; otherwise Megatron's
+    own output layer and loss."""
     cfg = settings.current()
     module = getattr(compute_language_model_loss, "__self__", None)
     if _wants_fused(cfg, labels) and fused_or_report(
@@ -161,9 +146,7 @@ _GPT_HEAD = "GPTModel's LM head"
 
 
 def make_gpt_forward(original):
-    """``GPTModel.forward`` or ``build_schedule_plan`` (0.18+) passing
-    :func:`fused_output_processor` for a loss (labels given) outside inference where
-    :func:`.head.fused_or_report` allows; otherwise Megatron's own output path runs."""
+    """``GPTModel.forward`` or ``build_schedule_plan`` passing :func:`fused_output_processor`."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -181,8 +164,7 @@ def make_gpt_forward(original):
 
 def make_unfused_schedule_plan(original):
     """``GPTModel.build_schedule_plan`` of a release whose ``forward`` takes ``output_processor``
-    but whose schedule plan does not: Megatron's own, the fused head's absence reported once (or
-    raised under ``require_fused_lm_head``)."""
+    but whose schedule plan does not: Megatron's own, the unfused head reported."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -208,10 +190,7 @@ def _tied_weight(model):
 def make_deferred_head(original):
     """A model method ending in ``self.output_layer(...)`` then ``compute_language_model_loss``
     (``HybridModel.forward``; ``GPTModel._postprocess`` of 0.16-0.17), run with the output layer
-    deferred (:func:`.head.deferred_output_layer`) so that the loss comes from the fused head.
-    Only for a loss outside inference on the last pipeline stage that
-    :func:`.head.fused_or_report` allows; otherwise the original runs as it is.
-    """
+    deferred for a loss outside inference on the last pipeline stage, where allowed."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)

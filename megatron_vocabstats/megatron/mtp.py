@@ -1,14 +1,5 @@
-"""The loss of Megatron's multi-token prediction (MTP) heads with the fused LM head.
-
-MTP (DeepSeek-V3, arXiv:2412.19437, section 2.2): depth d predicts token i + 1 + d from position
-i; megatron-core 0.17+ builds each depth's full ``[s, b, V/tp]`` logits in ``process_mtp_loss``
-(``transformer/multi_token_prediction.py``). :func:`make_process_mtp_loss` replaces it: with
-``lm_head_chunk_size > 0`` every depth's loss comes from its hidden states through the fused op,
-without logits, and the acceptance counts from the op's ``argmax`` output (the vocab-parallel
-argmax, exact, nothing gathered); the rolling (Megatron's ``roll_tensor``: context parallelism
-and packed sequences included), masking, scaling, ``mtp_detach_heads``, MuP's logit scale and the
-logging are Megatron's, detected per release. Unfused, Megatron's own runs. Details and the
-per-depth statistics (``model.last_mtp_vocab_stats``): docs/fused-head.md#mtp-heads.
+"""Megatron's multi-token prediction (MTP) loss (0.17+'s ``process_mtp_loss``) with every
+depth's loss and acceptance counts from the fused LM head (docs/fused-head.md#mtp-heads).
 """
 
 from __future__ import annotations
@@ -30,10 +21,9 @@ _NOTED: set[str] = set()
 
 
 def make_process_mtp_loss(original):
-    """Replacement of Megatron's ``process_mtp_loss`` (0.17+, any of its signatures): the fused
-    MTP loss (:func:`fused_mtp_loss`) with ``lm_head_chunk_size > 0`` where
-    :func:`.head.fused_or_report` allows; else Megatron's own, collecting the per-depth
-    statistics while the plugin is on."""
+    """Replacement of ``process_mtp_loss`` (any of its signatures): :func:`fused_mtp_loss` with
+    ``lm_head_chunk_size > 0`` where :func:`.head.fused_or_report` allows; else Megatron's own,
+    collecting the per-depth statistics while the plugin is on."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -56,8 +46,7 @@ def make_process_mtp_loss(original):
 
 
 def _acceptance_kernel(cfg: settings.PluginSettings, device) -> str | None:
-    """None (the settings' backend) if it resolves to torch, else "torch" (noted once): only the
-    torch statistics carry the argmax row of the acceptance counts."""
+    """None, or "torch" (noted once) where only the torch statistics carry the argmax row."""
     if resolve_kernel(cfg.kernel, device) == "torch":
         return None
     if cfg.kernel not in _NOTED and is_rank0():
@@ -71,18 +60,9 @@ def fused_mtp_loss(module, cfg: settings.PluginSettings, *, hidden_states, label
                    output_layer, output_weight, is_training, config, runtime_gather_output=None,
                    cp_group=None,
                    packed_seq_params=None, scale_logits_fn=None, input_ids=None, **_):
-    """Megatron's ``process_mtp_loss`` with each depth's loss from the fused head.
-
-    ``hidden_states``: ``[(1 + D) * s(/tp), b, h]``, the main decoder's then each depth's along
-    dim 0; returns the main part with each depth's scaled loss attached (``MTPLossAutoScaler``).
-    ``labels``/``loss_mask`` ``[b, s]`` (labels None: derived from ``input_ids`` where the
-    release does so, 0.19, else the main part is returned alone; mask None: ones). Logs each
-    depth's loss and, on releases
-    that log them, its acceptance counts ``sum(argmax == label and mask)`` and ``sum(mask)``
-    (the op's ``argmax`` output; the same as Megatron's from its logits up to ties
-    between logits the fused chunks round differently). The statistics go to
-    ``module.last_mtp_vocab_stats``.
-    """
+    """Megatron's ``process_mtp_loss`` with each depth's loss from the fused head: returns the
+    main decoder's part of ``hidden_states [(1 + D) * s(/tp), b, h]`` with each depth's scaled
+    loss attached (``MTPLossAutoScaler``); labels None: derived from ``input_ids`` as 0.19 does."""
     from megatron.core import parallel_state
     from megatron.core.transformer import multi_token_prediction as mtp
 

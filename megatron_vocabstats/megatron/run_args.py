@@ -1,6 +1,5 @@
-"""Megatron's own arguments that the config hook reads, and what it sets from them (the
-precision-aware optimizer, the FP8 alignment). Each number read goes through :func:`megatron_int`,
-so a value set without Megatron's parser is refused naming the flag.
+"""Megatron's own arguments that the config hook reads (each number through
+:func:`megatron_int`), and what it sets from them: the precision-aware optimizer, the FP8 alignment.
 """
 
 from __future__ import annotations
@@ -15,17 +14,15 @@ VOCAB_SHARD_MULTIPLE = 128
 
 
 def megatron_int(args, name: str, default: int = 1) -> int:
-    """``args.<name>``, an int >= 1 (``default`` where ``args`` has no such attribute), else
-    ``ValueError`` (:class:`~megatron_vocabstats.ops._argtypes.InputTypeError` for a wrong type)
-    naming the flag: ``"--tensor-model-parallel-size must be an int >= 1, got '2' (str)"``."""
+    """``args.<name>`` (``default`` if absent), an int >= 1, else ``ValueError`` (``InputTypeError``
+    for a wrong type) naming the flag, so that a value set without the parser is refused."""
     value = getattr(args, name, default)
     return check_number(f"--{name.replace('_', '-')}", value, integer=True, low=1)
 
 
 def precision_aware_optimizer(args) -> None:
     """``--precision-aware-optimizer-bf16``: check every prerequisite (``ValueError`` listing all
-    that are missing) and set Megatron's precision-aware optimizer with bf16 main grads and bf16
-    Adam moments."""
+    that are missing), then set it up with bf16 main grads and Adam moments."""
     missing = []
     if getattr(args, "optimizer", "adam") != "adam":
         missing.append(f"--optimizer adam (got {args.optimizer!r})")
@@ -46,10 +43,8 @@ def precision_aware_optimizer(args) -> None:
 
 
 def fp8_token_alignment(args) -> int:
-    """Per-sequence token padding multiple under FP8: the recipe's per-shard multiple over
-    the run's cp / tp / sequence-parallel shards
-    (:func:`megatron_vocabstats.packing.sequence_alignment`). ``ValueError`` naming the flag for an
-    unknown recipe or a size that is not an int >= 1."""
+    """Per-sequence token padding multiple under FP8 (``packing.sequence_alignment`` of the
+    recipe's multiple); ``ValueError`` naming the flag for an unknown recipe or a bad size."""
     from ..packing import sequence_alignment
 
     recipe = getattr(args, "fp8_recipe", None) or "delayed"
@@ -60,13 +55,11 @@ def fp8_token_alignment(args) -> int:
         cp_size=megatron_int(args, "context_parallel_size"),
         tp_size=megatron_int(args, "tensor_model_parallel_size"),
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-        fp8_multiple=FP8_RECIPE_MULTIPLE[recipe],
-    )
+        fp8_multiple=FP8_RECIPE_MULTIPLE[recipe])
 
 
 def fp8_alignment(args) -> int:
-    """FP8 on (``args.fp8``): needs bf16; makes ``make_vocab_size_divisible_by`` a multiple of
-    128 and returns :func:`fp8_token_alignment`. ``ValueError`` naming the flags otherwise."""
+    """FP8 on: needs bf16; makes the vocabulary divisible by 128; :func:`fp8_token_alignment`."""
     if not getattr(args, "bf16", False):
         raise ValueError("--fp8-format needs --bf16 (the LM head and the statistics stay bf16); "
                          "add --bf16 or drop --fp8-format")

@@ -1,7 +1,5 @@
-"""The plugin's run-time settings, :data:`SETTINGS`: what the patched Megatron call sites read.
-
-Written by ``megatron_vocabstats.patch.apply`` and by the config hook. While ``active`` is False
-the patched call sites run Megatron's original code, so the plugin is either fully on or off.
+"""The plugin's run-time settings, :data:`SETTINGS`, written by ``patch.apply`` and the config
+hook: while ``active`` is False the patched call sites run Megatron's original code.
 """
 
 from __future__ import annotations
@@ -19,39 +17,14 @@ ROLLOUT_CORRECTION_MODES = ("none", *ROLLOUT_MODES)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PluginSettings:
-    """Options of the patched loss path; flags in brackets (their table: docs/megatron.md).
-
-    ``active`` [--vocab-parallel-stats]; ``logprobs_chunk_size``: tokens per fp32 chunk of the
-    unfused op, None = auto [--logprobs-chunk-size, 0 = auto]; ``lm_head_chunk_size``: tokens per
-    chunk of the fused LM head, 0 = unfused [--lm-head-chunk-size]; ``require_fused_lm_head``:
-    raise ``ValueError`` at the first forward where the fused head cannot reproduce the output
-    layer, instead of logging it once and running Megatron's (needs ``lm_head_chunk_size > 0``)
-    [--require-fused-lm-head]; ``entropy``: "off" | "metric" | "grad" [--vocab-stats-entropy];
-    ``entropy_coef``: per-token loss ``-logprob - entropy_coef * H``, needs entropy="grad"
-    [--entropy-coef]; ``label_smoothing`` [--vocab-stats-label-smoothing]; ``vocab_size``: the
-    real vocabulary size, None = the padded size (padding columns then enter the softmax, as in
-    Megatron's own loss; set it with ``patch.apply``); ``validate``: the op's host-side input
-    checks, a host sync per loss call [--vocab-stats-skip-checks turns them off];
-    ``token_alignment``: per-sequence padding multiple set by the config hook, for
-    :mod:`megatron_vocabstats.packing`; ``batch_invariant``: False, True or "tp", the ops'
-    argument [--vocab-stats-batch-invariant {off,batch,tp}]; ``kernel``: "auto" | "torch" |
-    "triton", the backend of the unfused op and of the fused head [--vocab-stats-kernel].
-
-    Rollout fields, read by the user's forward step through :meth:`sampler_options` and
-    :meth:`rollout_correction` (set by the config hook with or without --vocab-parallel-stats):
-    ``rollout_temperature`` > 0, ``rollout_top_k`` >= 1 or None (-1 = off, vLLM's spelling),
-    ``rollout_top_p`` in (0, 1] (1 = off), ``rollout_min_p`` in [0, 1) (0 = off);
-    ``rollout_correction_mode`` "none" | "tis" | "mis" | "icepop", ``rollout_correction_level``
-    "token" | "sequence", ``rollout_correction_threshold`` (tis cap), ``rollout_correction_low``
-    / ``rollout_correction_high`` (mis / icepop band), None = the mode's default
-    (:class:`~megatron_vocabstats.RolloutCorrection`); flags ``--rollout-*`` of the same names
-    (the mode's: ``--rollout-correction``).
-
-    Numbers may be Python or numpy numbers (``ops.options.check_number``). Raises ``TypeError``
-    (a wrong type, a bool for a number) or ``ValueError`` (out of range, NaN or infinite, an
-    unknown mode, ``entropy_coef`` without entropy="grad", ``require_fused_lm_head`` without the
-    fused head), naming the field and the value.
-    """
+    """Options of the patched loss path: each field means what its flag does (docs/megatron.md;
+    ``active``: ``--vocab-parallel-stats``, ``validate``: not ``--vocab-stats-skip-checks``),
+    but ``logprobs_chunk_size`` None is auto and ``batch_invariant`` is the ops' False, True or
+    "tp". Without a flag: ``vocab_size``, the real vocabulary size (None: the padded size, whose
+    padding columns enter the softmax as in Megatron's own loss), and ``token_alignment``, the
+    per-sequence padding multiple the config hook sets for :mod:`megatron_vocabstats.packing`.
+    Raises ``TypeError`` (a wrong type) or ``ValueError`` (out of range, an unknown mode, an
+    inconsistent combination), naming the field."""
 
     active: bool = True
     logprobs_chunk_size: int | None = None
@@ -94,8 +67,7 @@ class PluginSettings:
         if self.entropy_coef != 0.0 and self.entropy != "grad":
             raise ValueError(
                 f"entropy_coef={self.entropy_coef} needs entropy='grad' (got {self.entropy!r}): "
-                "an entropy bonus must be differentiable"
-            )
+                "an entropy bonus must be differentiable")
         if self.require_fused_lm_head and not self.lm_head_chunk_size:
             raise ValueError("require_fused_lm_head=True needs the fused LM head: "
                              "lm_head_chunk_size > 0 (got 0)")
@@ -131,12 +103,8 @@ class PluginSettings:
                 object.__setattr__(self, f"rollout_correction_{name}", value)
 
     def stats_options(self, *, fused: bool = False) -> StatsOptions:
-        """The :class:`~megatron_vocabstats.StatsOptions` of the patched loss path: the chunking
-        of the unfused op (``logprobs_chunk_size``) or, with ``fused``, of the fused LM head
-        (``lm_head_chunk_size``), and the settings' vocabulary size, entropy mode, label
-        smoothing, checks, batch invariance and kernel (temperature 1): the call
-        sites pass
-        ``**settings.current().stats_options().op_kwargs(tp_group=...)`` to the op."""
+        """The :class:`~megatron_vocabstats.StatsOptions` of these settings (temperature 1),
+        chunked by ``logprobs_chunk_size`` or, with ``fused``, ``lm_head_chunk_size``."""
         return StatsOptions(vocab_size=self.vocab_size,
                             chunk_size=(self.lm_head_chunk_size or None) if fused
                             else self.logprobs_chunk_size,
@@ -145,8 +113,8 @@ class PluginSettings:
                             kernel=self.kernel)
 
     def rollout_correction(self) -> RolloutCorrection | None:
-        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings (``validate``
-        included) for ``policy_loss(..., rollout_correction=...)``; None for mode "none"."""
+        """The :class:`~megatron_vocabstats.RolloutCorrection` of these settings for
+        ``policy_loss(..., rollout_correction=...)``; None for mode "none"."""
         if self.rollout_correction_mode == "none":
             return None
         return RolloutCorrection(mode=self.rollout_correction_mode,

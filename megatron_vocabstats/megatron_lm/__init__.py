@@ -1,4 +1,3 @@
-"""Megatron-LM training scripts: the plugin's import line, the shipped per-release patches of
-``pretrain_gpt.py`` and the command that applies them, ``vocabstats-patch-megatron``
-(docs/megatron.md). Standard library only: no torch, no Megatron.
+"""Megatron-LM's ``pretrain_gpt.py``: the plugin's import line, the shipped per-release patches
+and ``vocabstats-patch-megatron`` (docs/megatron.md). Standard library only.
 """

@@ -1,14 +1,6 @@
 """``vocabstats-patch-megatron`` (also ``python -m megatron_vocabstats.megatron_lm``): add the
-plugin's import to a Megatron-LM checkout's ``pretrain_gpt.py``.
-
-    vocabstats-patch-megatron /path/to/Megatron-LM            # apply the patch of its release
-    vocabstats-patch-megatron /path/to/Megatron-LM --check    # only verify; writes nothing
-    vocabstats-patch-megatron /path/to/Megatron-LM --insert   # any release or an edited script
-    vocabstats-patch-megatron --list                          # the shipped patches and their tags
-
-Exit status: 0 when the script imports the plugin afterwards (or, with ``--check``, would), 1
-when the patch does not apply (nothing written), 2 for bad input; errors go to stderr as
-``error: ...``. Details: docs/megatron.md.
+plugin's import to a Megatron-LM checkout's ``pretrain_gpt.py`` (usage and exit status:
+docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -47,9 +39,8 @@ def _list() -> int:
 
 
 def run(argv=None) -> tuple[int, str]:
-    """The command; returns ``(exit status, message)`` and writes the script unless ``--check``.
-    Raises ``ValueError`` for bad input (no checkout, no ``pretrain_gpt.py``, a release without a
-    shipped patch) and ``OSError`` when the script cannot be read or written."""
+    """The command: ``(exit status, message)``, the script written unless ``--check``. Raises
+    ``ValueError`` for bad input and ``OSError`` when the script cannot be read or written."""
     args = _parser().parse_args(argv)
     if args.list:
         return _list(), ""

@@ -1,6 +1,6 @@
-"""The plugin's import line and where it goes in a Megatron-LM training script (any release):
-right after the first ``import torch`` line, which every release's ``pretrain_gpt.py`` has before
-argument parsing and model building. The shipped patches (:mod:`.releases`) are this change.
+"""The plugin's import line and where it goes in a Megatron-LM training script: right after the
+first ``import torch`` line, before argument parsing and model building in every release. The
+shipped patches (:mod:`.releases`) are this change.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ def has_import(text: str) -> bool:
 
 
 def add_import(text: str) -> str:
-    """``text`` with :data:`LINE` (after a blank line) following its first ``import torch`` line;
-    unchanged if it already imports the plugin. Raises ``ValueError`` when no line is exactly
-    ``import torch``."""
+    """``text`` with a blank line and :data:`LINE` after its first ``import torch`` line (unchanged
+    if it imports the plugin); ``ValueError`` when no line is exactly ``import torch``."""
     if has_import(text):
         return text
     lines = text.splitlines(keepends=True)

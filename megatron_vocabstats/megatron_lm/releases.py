@@ -1,11 +1,6 @@
-"""The shipped per-release ``pretrain_gpt.py`` patches: which release each fits, applying one.
-
-Each ``pretrain_gpt.core_v0.NN.patch`` records the Megatron-LM tag and commit it was made from
-(header lines that ``git apply`` skips) and is :func:`.inserter.add_import`'s change of that
-commit's script: one hunk, three lines of context, applied exactly (no fuzz). Maintainers check
-them against a clone holding the tags (``--write`` regenerates them)::
-
-    python -m megatron_vocabstats.megatron_lm.releases /path/to/Megatron-LM [--write]
+"""The shipped per-release ``pretrain_gpt.py`` patches (:func:`.inserter.add_import`'s change of
+a recorded commit's script, one hunk): which release each fits, applying one; ``python -m
+megatron_vocabstats.megatron_lm.releases /path/to/Megatron-LM [--write]`` checks them.
 """
 
 from __future__ import annotations
@@ -23,10 +18,9 @@ from .inserter import add_import
 
 SCRIPT = "pretrain_gpt.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The repository (a source checkout, an editable install): two folders above this module.
 REPO = os.path.dirname(os.path.dirname(HERE))
-# release -> (Megatron-LM tag, commit of that tag). The newest patch release of each line; a line
-# not yet tagged names the branch (``main``) and the commit the patch was made from.
+# release -> (Megatron-LM tag, its commit): the newest patch release of each line; a line not
+# yet tagged names the branch (``main``) and the commit the patch was made from.
 RELEASES = {
     "0.16": ("core_v0.16.1", "55ac7082517c3878ae653c07c09c534b8aed49f6"),
     "0.17": ("core_v0.17.1", "266f1c97dca477ca8b92c16087506da2000b0b84"),
@@ -38,9 +32,8 @@ PACKAGE_INFO = os.path.join("megatron", "core", "package_info.py")
 
 
 def patches_dir() -> str:
-    """The shipped patches' folder: ``patches/`` next to this module (an installed wheel), else the
-    repository's top-level ``patches/`` (a source checkout or an editable install). Raises
-    ``FileNotFoundError`` naming both when neither exists."""
+    """The shipped patches' folder: ``patches/`` next to this module (a wheel), else the
+    repository's (a source checkout); ``FileNotFoundError`` naming both when neither exists."""
     installed, source = os.path.join(HERE, "patches"), os.path.join(REPO, "patches")
     if os.path.isdir(installed):
         return installed
@@ -76,8 +69,7 @@ def make_patch(release: str, original: str) -> str:
 
 @dataclass(frozen=True)
 class Hunk:
-    """The single hunk of a shipped patch: its stated start line (1-based) and the lines before
-    (context and removed) and after (context and added) the change."""
+    """The single hunk of a shipped patch: its 1-based start line, old and new lines."""
 
     start: int
     old: tuple[str, ...]
@@ -100,9 +92,8 @@ def read_hunk(text: str) -> Hunk:
 
 
 def apply_to_text(patch: str, text: str) -> str:
-    """``text`` with the patch's hunk applied as ``git apply`` does without fuzz: the pre-image must
-    occur exactly (the occurrence nearest the stated line wins). Raises ``ValueError`` when it does
-    not (another release, or an edited script)."""
+    """``text`` with the patch's hunk applied as ``git apply`` does without fuzz (the occurrence
+    nearest the stated line); ``ValueError`` when the pre-image does not occur exactly."""
     hunk = read_hunk(patch)
     lines = text.splitlines(keepends=True)
     n = len(hunk.old)
@@ -115,7 +106,7 @@ def apply_to_text(patch: str, text: str) -> str:
 
 
 def release_of(megatron_lm: str) -> str:
-    """``"0.19"`` for a Megatron-LM checkout, read from its ``megatron/core/package_info.py``;
+    """``"0.19"`` for a Megatron-LM checkout, from its ``megatron/core/package_info.py``;
     ``ValueError`` naming the file when it is missing or has no ``MAJOR``/``MINOR``."""
     path = os.path.join(megatron_lm, PACKAGE_INFO)
     try:
@@ -128,9 +119,6 @@ def release_of(megatron_lm: str) -> str:
     if not all(parts):
         raise ValueError(f"{path} has no MAJOR / MINOR version numbers")
     return ".".join(p.group(1) for p in parts)
-
-
-# ------------------------------------------------------------------------------ maintainers
 
 
 def upstream_script(megatron_lm: str, commit: str) -> str:

@@ -1,8 +1,5 @@
-"""Measurement and profiling tools: peak memory, collective counts, and the trace analysis.
-
-This module holds the measurement helpers of the tests and benchmarks; the submodules record
-and analyse the raw files of a profile run (``python -m megatron_vocabstats.profiling summarize
-OUT``). See docs/profiling.md.
+"""Measurement and profiling tools: the peak-memory and collective-count helpers of the tests
+and benchmarks here; the submodules record and analyse a profile run (docs/profiling.md).
 """
 
 from __future__ import annotations
@@ -25,15 +22,13 @@ __all__ = ["COLLECTIVES", "classify_frames", "count_collectives", "default_ranks
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
     "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-    "broadcast", "all_to_all",
-    "all_to_all_single", "reduce", "gather", "scatter", "barrier",
-)
+    "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier")
 
 
 @contextmanager
 def count_collectives():
-    """Yield a list of the names of the ``torch.distributed`` collectives called in the block;
-    only calls through the module's attributes are seen, not names bound earlier."""
+    """Yield the list of ``torch.distributed`` collectives called in the block (by name; only
+    calls through the module's attributes are seen)."""
     calls: list[str] = []
     saved = {}
     for name in COLLECTIVES:

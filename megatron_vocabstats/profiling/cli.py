@@ -1,8 +1,5 @@
-"""Command line of the trace analysis: ``python -m megatron_vocabstats.profiling summarize OUT``.
-
-Recording a profile needs a training job, so it lives in the GSM8K example
-(``python -m examples.gsm8k.profile run``, docs/profiling.md). Exit status 0 on success, 2 for
-bad input (``error: ...`` on stderr, printed by rank 0).
+"""Command line of the trace analysis: ``python -m megatron_vocabstats.profiling summarize OUT``
+(docs/profiling.md); exit status 0, or 2 with ``error: ...`` on stderr for bad input.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ def add_summarize_command(commands) -> None:
 
 
 def summarize_command(out: str) -> int:
-    """Rewrite the summaries of ``out``; prints one line per trial. ``ValueError`` on bad input."""
+    """Rewrite the summaries of ``out``, one line printed per trial."""
     for s in postprocess.summarize(out):
         print(f"{s['trial']}: {os.path.join(out, s['trial'], 'summary.md')}")
     return 0
@@ -63,5 +60,5 @@ def main(argv=None, prog: str = PROG) -> int:
 
 
 def console_main() -> int:
-    """The ``vocabstats-profile`` console script: :func:`main`, its usage under that name."""
+    """The ``vocabstats-profile`` console script."""
     return main(prog=CONSOLE_PROG)

@@ -1,8 +1,5 @@
-"""Kernel trials: a ``torch.profiler`` Chrome trace of a step, split into device and host views.
-
-The views keep the Chrome trace format (Perfetto, ``chrome://tracing``): ``trace.device.json``
-holds GPU work (:data:`DEVICE_CATEGORIES`), ``trace.host.json`` everything else, each with the
-names of its tracks; host-to-device flow arrows are in neither (their ends lie in both views).
+"""Kernel trials: a ``torch.profiler`` Chrome trace of a step, split into a device view (GPU
+work) and a host view, each with its tracks' names; host-to-device flow arrows are in neither.
 """
 
 from __future__ import annotations
@@ -24,13 +21,12 @@ COLLECTIVE_MARKERS = ("c10d::", "nccl", "gloo", "all_reduce", "allreduce", "all_
 
 
 def is_device_event(event: Mapping) -> bool:
-    """Whether a Chrome trace event is GPU work (its ``cat`` in :data:`DEVICE_CATEGORIES`)."""
+    """Whether a Chrome trace event is GPU work."""
     return event.get("cat", "") in DEVICE_CATEGORIES
 
 
 def split_trace(trace: Mapping) -> tuple[dict, dict]:
-    """``(device_view, host_view)`` of a Chrome trace dict (see the module docstring); the
-    input is not modified."""
+    """``(device_view, host_view)`` of a Chrome trace dict; the input is not modified."""
     events = trace.get("traceEvents", [])
     timed = [e for e in events if e.get("ph") != "M" and e.get("cat", "") not in FLOW_CATEGORIES]
     device = [e for e in timed if is_device_event(e)]
@@ -87,7 +83,7 @@ def trace_stats(trace: Mapping, top: int = 15) -> dict:
 
 
 def write_views(trial_dir: str) -> None:
-    """Write ``trace.device.json`` and ``trace.host.json`` from ``trace.json`` in ``trial_dir``."""
+    """Write the two views of ``trial_dir``'s ``trace.json`` beside it."""
     with open(os.path.join(trial_dir, TRACE_FILE)) as f:
         trace = json.load(f)
     for name, view in zip((DEVICE_VIEW, HOST_VIEW), split_trace(trace)):
@@ -97,8 +93,8 @@ def write_views(trial_dir: str) -> None:
 
 @contextmanager
 def kernel_step(trial_dir: str, step: int):
-    """Profile one step (CPU, plus CUDA when available; shapes but no memory or stacks, which
-    would shift the kernel timeline) and export ``trace.json`` and its views into ``trial_dir``."""
+    """Profile one step (CPU and CUDA; shapes, but no memory or stacks, which would shift the
+    kernel timeline) into ``trial_dir``'s ``trace.json`` and its views."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

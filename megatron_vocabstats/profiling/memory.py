@@ -1,9 +1,6 @@
-"""Memory trials: what is alive at the peak of a training step, by kind, with a timeline.
-
-Two back ends with torch's own instruments write the same raw record (:func:`raw_record`), from
-which :mod:`.summary` writes the summaries: on CPU ``MemTracker``, sampled after every operator;
-on CUDA the caching allocator's history, replayed by :func:`replay_trace` with each block's kind
-taken from its stack (:func:`classify_frames`). What the numbers mean: docs/profiling.md.
+"""Memory trials: what is alive at the peak of a training step, by kind, with a timeline. On CPU
+``MemTracker`` is sampled after every operator; on CUDA the allocator's history is replayed
+(:func:`replay_trace`); both write one raw record (:func:`raw_record`). docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -26,9 +23,8 @@ MEMTRACKER_KINDS = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": 
                     "Activation": "activations", "Temp": "backward temporaries",
                     "Optstate": "optimizer state", "Other": "other"}
 
-# Kinds of CUDA blocks, decided from the Python frames of the allocating stack: the first rule
-# with a frame whose function name is in ``names`` or whose file path holds one of ``paths``
-# wins; a block matching none is "workspace".
+# Kinds of CUDA blocks, (kind, function names, path parts) matched against the allocating stack's
+# Python frames by classify_frames.
 KIND_RULES: tuple[tuple[str, frozenset, tuple], ...] = (
     ("logits and their gradients",
      frozenset({"_postprocess", "output_layer", "compute_language_model_loss",
@@ -49,9 +45,8 @@ CUDA_KINDS = tuple(rule[0] for rule in KIND_RULES) + (NO_STACK, WORKSPACE)
 
 
 def classify_frames(frames: Sequence[Mapping]) -> str:
-    """The kind of an allocation from its stack (``[{"filename", "line", "name"}, ...]``):
-    :data:`NO_STACK` if empty, else the first of :data:`KIND_RULES` that a frame matches, else
-    :data:`WORKSPACE` (collective buffers, clipping temporaries, ...)."""
+    """The kind of an allocation from its stack (``[{"filename", "line", "name"}, ...]``): the
+    first of :data:`KIND_RULES` a frame matches, :data:`NO_STACK` or :data:`WORKSPACE`."""
     if not frames:
         return NO_STACK
     for kind, names, paths in KIND_RULES:
@@ -71,12 +66,8 @@ def _where(frames: Sequence[Mapping]) -> str:
     return "(torch internals)" if frames else "(no stack recorded)"
 
 
-# --------------------------------------------------------------------------- raw record
-
-
 def thin(n: int, keep: Iterable[int], max_points: int = MAX_TIMELINE_POINTS) -> list[int]:
-    """Indices of ``n`` samples to store: every k-th so that at most ~``max_points`` remain,
-    plus ``keep``, sorted."""
+    """Sorted indices of ``n`` samples: every k-th up to ~``max_points``, plus ``keep``."""
     stride = max(1, -(-n // max_points))
     return sorted(set(range(0, n, stride)) | {i for i in keep if 0 <= i < n})
 
@@ -85,13 +76,9 @@ def raw_record(*, backend: str, x: Sequence[float], x_label: str, phase: Sequenc
                by_kind: Mapping[str, Sequence[int]], largest: Sequence[Mapping] = (),
                modules: Sequence[Mapping] = (), reported_peak: int | None = None,
                extra: Mapping | None = None) -> dict:
-    """The raw memory record of one trial (what ``memory.raw.json`` holds).
-
-    ``by_kind[k][i]``: bytes of kind ``k`` alive at sample ``i``; ``largest``: blocks alive at
-    the peak (``{"bytes", "kind", "where"}``), largest first; ``reported_peak``: the
-    instrument's own peak. The timeline is thinned to about :data:`MAX_TIMELINE_POINTS` samples,
-    keeping the last one and each phase's maximum, so the summary's end and peaks stay exact.
-    """
+    """The raw memory record of one trial (``memory.raw.json``). ``by_kind[k][i]``: bytes of
+    kind ``k`` alive at sample ``i``; ``largest``: the blocks alive at the peak. The timeline is
+    thinned keeping the last sample and each phase's maximum, so the end and peaks stay exact."""
     kinds = list(by_kind)
     total = [sum(by_kind[k][i] for k in kinds) for i in range(len(x))]
     phase_peak: dict[str, int] = {}
@@ -115,21 +102,18 @@ def raw_record(*, backend: str, x: Sequence[float], x_label: str, phase: Sequenc
 
 
 def write_raw(trial_dir: str, raw: Mapping) -> None:
-    """Write ``raw`` as ``trial_dir/memory.raw.json`` (the input of the summaries)."""
+    """Write ``raw`` as ``trial_dir/memory.raw.json``."""
     os.makedirs(trial_dir, exist_ok=True)
     with open(os.path.join(trial_dir, RAW_FILE), "w") as f:
         json.dump(raw, f)
-
-
-# --------------------------------------------------------------------------- CPU: MemTracker
 
 
 def _memtracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class TimelineMemTracker(MemTracker):
-        """``MemTracker`` that also samples ``(phase, {kind: bytes})`` on entry and where it
-        updates its peak after each operator, so that its peak is the samples' maximum."""
+        """``MemTracker`` sampling ``(phase, {kind: bytes})`` on entry and after each operator,
+        so that its peak is the samples' maximum."""
 
         def __init__(self, device: torch.device):
             super().__init__()
@@ -163,13 +147,13 @@ def _memtracker_class():
 
 
 def _snapshot_total(snaps: Sequence[Mapping], device: torch.device) -> int:
-    """Largest ``Total`` of a module's snapshots (one per call) on ``device``; 0 if none."""
+    """Largest ``Total`` of a module's snapshots on ``device``; 0 if none."""
     return max((int(s.get(device, {}).get("Total", 0)) for s in snaps), default=0)
 
 
 def memtracker_modules(tracker, device: torch.device) -> list[dict]:
-    """Per-module numbers of a MemTracker in call order: parameter, buffer, input and output
-    bytes, and the device total at the module's forward and backward peaks."""
+    """Per-module rows of a MemTracker in call order: parameter, buffer, input and output bytes,
+    and the device total at its forward and backward peaks."""
     from torch.distributed._tools.mem_tracker import _ModState
 
     rows = []
@@ -200,9 +184,8 @@ def memtracker_raw(tracker, device: torch.device) -> dict:
 
 @contextmanager
 def cpu_memory_step(trial_dir: str, model, optimizer, device: torch.device):
-    """Track one step under MemTracker and write the raw record; registered: the model, the
-    optimizer and the ops' cached chunk buffers (as "other"); other tensors older than the step
-    are not seen (docs/profiling.md)."""
+    """Track one step under MemTracker and write the raw record; of the tensors older than the
+    step it sees the model, the optimizer and the ops' cached chunk buffers only."""
     from ..ops.workspace import WORKSPACE
 
     tracker = _memtracker_class()(device)
@@ -214,12 +197,8 @@ def cpu_memory_step(trial_dir: str, model, optimizer, device: torch.device):
     write_raw(trial_dir, memtracker_raw(tracker, device))
 
 
-# --------------------------------------------------------------------------- CUDA: snapshots
-
-
 def live_blocks(snapshot: Mapping, device: int) -> list[dict]:
-    """Blocks in use (``state == "active_allocated"``) on ``device`` in a ``_snapshot()`` dict:
-    ``[{"addr", "size", "frames"}]``."""
+    """``[{"addr", "size", "frames"}]`` of the blocks in use on ``device`` in a ``_snapshot()``."""
     out = []
     for seg in snapshot.get("segments", []):
         if seg.get("device", device) != device:
@@ -232,8 +211,7 @@ def live_blocks(snapshot: Mapping, device: int) -> list[dict]:
 
 
 def events_after(before: Mapping, after: Mapping, device: int) -> list[dict]:
-    """The allocator actions of ``after``'s trace later than ``before``'s last (by ``time_us``;
-    without it, those past ``before``'s length: right while the ring buffer has not wrapped)."""
+    """The allocator actions of ``after``'s trace later than ``before``'s last."""
     old = before.get("device_traces", [[]] * (device + 1))[device]
     new = after.get("device_traces", [[]] * (device + 1))[device]
     if old and all("time_us" in e for e in old[-1:]) and all("time_us" in e for e in new):
@@ -243,8 +221,7 @@ def events_after(before: Mapping, after: Mapping, device: int) -> list[dict]:
 
 
 def history_wrapped(before: Mapping, after: Mapping, device: int) -> bool:
-    """Whether the allocator's ring buffer lost actions taken after ``before`` (none of its
-    entries is left in ``after``'s trace); False without ``time_us``."""
+    """Whether the ring buffer lost actions taken after ``before``; False without ``time_us``."""
     old = before.get("device_traces", [[]] * (device + 1))[device]
     new = after.get("device_traces", [[]] * (device + 1))[device]
     if not old or not new or "time_us" not in old[-1] or "time_us" not in new[0]:
@@ -253,10 +230,9 @@ def history_wrapped(before: Mapping, after: Mapping, device: int) -> bool:
 
 
 def replay_trace(baseline: Sequence[Mapping], events: Sequence[Mapping]) -> dict:
-    """The raw record (:func:`raw_record`) from the blocks alive at the start
-    (:func:`live_blocks`) and the trace entries after: ``alloc`` adds a block,
-    ``free_completed`` (not ``free_requested``: a block used on another stream is in use until
-    then) removes it. ``x``: us since the first action (its index without ``time_us``)."""
+    """The raw record from the blocks alive at the start and the trace entries after: ``alloc``
+    adds a block, ``free_completed`` (not ``free_requested``: a block used on another stream is
+    in use until then) removes it. ``x``: us since the first action (else its index)."""
     live: dict[int, tuple[int, str, list]] = {}
     sums = dict.fromkeys(CUDA_KINDS, 0)
     for block in baseline:
@@ -299,24 +275,20 @@ def replay_trace(baseline: Sequence[Mapping], events: Sequence[Mapping]) -> dict
 
 
 class CudaMemoryRecorder:
-    """The CUDA allocator history of one rank: :meth:`start` before the model is built,
-    :meth:`step` around each profiled step, :meth:`stop` at the end; ``max_entries`` bounds the
-    history's ring buffer."""
+    """One rank's CUDA allocator history: :meth:`start`, :meth:`step` per step, :meth:`stop`."""
 
     def __init__(self, max_entries: int = 1_000_000):
         self.max_entries = max_entries
 
     def start(self) -> None:
-        """Start recording allocations with their Python stacks (and frees)."""
         torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python")
 
     def stop(self) -> None:
-        """Stop recording (the history is dropped)."""
         torch.cuda.memory._record_memory_history(enabled=None)
 
     @contextmanager
     def step(self, trial_dir: str):
-        """Around one step: write ``snapshot.pickle`` (memory_viz) and ``memory.raw.json``."""
+        """Around one step: write ``snapshot.pickle`` and ``memory.raw.json``."""
         device = torch.cuda.current_device()
         torch.cuda.synchronize()
         before = torch.cuda.memory._snapshot()

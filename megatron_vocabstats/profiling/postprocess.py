@@ -1,6 +1,5 @@
 """``python -m megatron_vocabstats.profiling summarize OUT``: rewrite every trial's summaries
-from the raw files only, so it works on a copied directory, after an interrupted run, or after
-the summary code changed.
+from the raw files only (a copied directory, an interrupted run, changed summary code).
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def write_index(out_dir: str, summaries: list[dict]) -> None:
 
 def summarize(out_dir: str) -> list[dict]:
     """Rewrite every trial's summaries in ``out_dir`` and ``index.md``; returns the summaries.
-    ``ValueError`` if ``out_dir`` is no directory or holds no trial, and, after the good trials
-    and their index are written, one line per broken trial (unfinished or corrupt)."""
+    ``ValueError`` if it holds no trial, or (after writing the rest) naming each broken one."""
     if not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} is not a directory")
     dirs = trial_dirs(out_dir)

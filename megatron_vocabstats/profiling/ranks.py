@@ -1,5 +1,5 @@
 """Which ranks, steps and trials to profile: the selection flags, parsed without a process group
-or files, so that a bad selection is refused on every rank before any model is built.
+or files so that every rank refuses a bad one before building a model.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ TRIAL_KINDS = ("memory", "kernels")
 
 
 def _parse_int_list(spec: str, flag: str, limit: int) -> tuple[list[int], list[str]]:
-    """``"0,2-4"`` -> ``([0, 2, 3, 4], [])``: the numbers up to ``limit`` and the parts beyond it
-    (never expanded past ``limit``); ``ValueError`` naming ``flag`` for a malformed list."""
+    """``"0,2-4"`` -> ``([0, 2, 3, 4], [])``: the numbers up to ``limit`` and the parts beyond
+    it, unexpanded; ``ValueError`` naming ``flag`` for a malformed list."""
     out: set[int] = set()
     beyond: list[str] = []
     for part in spec.split(","):
@@ -33,8 +33,8 @@ def _parse_int_list(spec: str, flag: str, limit: int) -> tuple[list[int], list[s
 
 
 def default_ranks(world: int, pipeline_stages: int = 1) -> list[int]:
-    """Rank 0 of each pipeline stage (in Megatron's tp-cp-dp-pp order, stage ``s`` holds the
-    ``world // pp`` ranks from ``s * world // pp``); ``ValueError`` unless ``pp`` divides it."""
+    """Rank 0 of each pipeline stage in Megatron's tp-cp-dp-pp order; ``ValueError`` unless
+    ``pipeline_stages`` divides ``world``."""
     if pipeline_stages < 1 or world % pipeline_stages:
         raise ValueError(f"the pipeline-parallel size {pipeline_stages} must divide the world "
                          f"size {world}")

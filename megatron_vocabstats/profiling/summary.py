@@ -22,8 +22,7 @@ MIB = 1024 * 1024
 
 
 def _load(path: str):
-    """The JSON in ``path``; ``ValueError`` naming the file if it is not valid JSON (a run
-    stopped while writing it)."""
+    """The JSON in ``path``; ``ValueError`` naming the file if it is not valid JSON."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -45,12 +44,8 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- memory
-
-
 def memory_summary(meta: Mapping, raw: Mapping) -> dict:
-    """The summary of a memory trial: peak (the maximum of the timeline's total), what is alive
-    at it by kind and by block, the peak of each phase, and the per-module table."""
+    """The summary of a memory trial: the peak, what is alive at it, phase peaks, modules."""
     tl = raw["timeline"]
     total = tl["total"]
     lengths = {"x": len(tl["x"]), "total": len(total), "phase": len(tl["phase"]),
@@ -83,7 +78,6 @@ def memory_summary(meta: Mapping, raw: Mapping) -> dict:
 
 
 def memory_markdown(s: Mapping) -> str:
-    """``summary.md`` of a memory trial from its :func:`memory_summary`."""
     at = s["peak_at"]
     out = [f"# {s['trial']}: memory of step {s['step']} on rank {s['rank']}", "",
            f"Backend: {s['backend']} ({s.get('device')}). Peak **{mib(s['peak_bytes'])}** "
@@ -124,8 +118,7 @@ PHASE_COLOURS = {"forward": "#e8f0fb", "backward": "#fbeee8", "optimizer": "#eef
 
 
 def _runs(x: Sequence[float], phase: Sequence[str]) -> list[tuple[float, float, str]]:
-    """``(first x, last x, phase)`` of each run of samples in one forward/backward/optimizer
-    phase (other phases are left unshaded)."""
+    """``(first x, last x, phase)`` of each run of samples in a shaded phase."""
     runs, first = [], 0
     for i in range(1, len(phase) + 1):
         if i == len(phase) or phase[i] != phase[first]:
@@ -136,8 +129,7 @@ def _runs(x: Sequence[float], phase: Sequence[str]) -> list[tuple[float, float, 
 
 
 def require_matplotlib():
-    """The ``matplotlib`` module; ``ValueError`` if it is not installed (checked before a run
-    with memory trials, so that it fails before training rather than after)."""
+    """The ``matplotlib`` module; ``ValueError`` if it is not installed."""
     try:
         import matplotlib
     except ImportError:
@@ -147,8 +139,7 @@ def require_matplotlib():
 
 
 def timeline_figure(raw: Mapping, s: Mapping, path: str) -> None:
-    """Stacked memory by kind over the step, phases shaded, the peak marked; written to
-    ``path``. ``ValueError`` if matplotlib is not installed."""
+    """Write to ``path`` the memory by kind over the step, phases shaded, the peak marked."""
     matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -173,16 +164,11 @@ def timeline_figure(raw: Mapping, s: Mapping, path: str) -> None:
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------- kernels
-
-
 def kernel_summary(meta: Mapping, trace: Mapping) -> dict:
-    """The summary of a kernel trial: its metadata and :func:`kernels.trace_stats`."""
     return {**dict(meta), **kernels.trace_stats(trace, TOP)}
 
 
 def kernel_markdown(s: Mapping) -> str:
-    """``summary.md`` of a kernel trial from its :func:`kernel_summary`."""
     host, device = s["host"], s["device"]
 
     def rows(items):
@@ -205,11 +191,8 @@ def kernel_markdown(s: Mapping) -> str:
     return "\n".join(out) + "\n"
 
 
-# --------------------------------------------------------------------------- per trial
-
-
 def _is_trial_record(meta) -> bool:
-    """Whether ``trial.json`` holds a trial record: its keys with values of their types."""
+    """Whether ``trial.json`` holds a trial record."""
     return (isinstance(meta, dict) and all(k in meta for k in TRIAL_KEYS)
             and isinstance(meta["trial"], str) and isinstance(meta["kind"], str)
             and meta["kind"] in RAW_FILES
@@ -218,9 +201,8 @@ def _is_trial_record(meta) -> bool:
 
 
 def write_trial_summary(trial_dir: str) -> dict:
-    """(Re)write a trial's summaries from its raw files, plus ``timeline.png`` (memory) or the
-    trace views (kernels); returns the summary. ``ValueError`` naming the file if ``trial.json``
-    or the raw file is missing, not valid JSON or lacks what the summary reads."""
+    """(Re)write a trial's summaries, ``timeline.png`` or the trace views; returns the summary.
+    ``ValueError`` naming the file if ``trial.json`` or the raw file is missing or malformed."""
     meta_path = os.path.join(trial_dir, TRIAL_FILE)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{trial_dir} is not a trial directory ({TRIAL_FILE} missing)")

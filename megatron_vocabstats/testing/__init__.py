@@ -1,5 +1,5 @@
-"""Public test and tool utilities, never imported by the plugin: :func:`forbid_host_sync` (from
-:mod:`.host_sync`) and the CPU shims of :mod:`.megatron_cpu` (import that submodule).
+"""Public test and tool utilities, never imported by the plugin: :func:`forbid_host_sync` and the
+CPU shims of :mod:`.megatron_cpu` (import that submodule).
 """
 
 from .host_sync import HostSyncError, forbid_host_sync

@@ -1,10 +1,6 @@
-"""Public test utilities: prove that a code path never synchronises with the host, as a CUDA
-graph requires. :func:`forbid_host_sync` turns each host read or value-dependent output shape
-into an error, on CPU as on GPU, so a CPU-only unit test can show a hot path is graph-safe.
-
-Method: a ``TorchDispatchMode`` checks every aten op against the tags torch attaches for
-``torch.compile`` (``data_dependent_output``, ``dynamic_output_shape``), and a
-``TorchFunctionMode`` catches the ``Tensor`` methods that copy data to Python without an aten op.
+"""Prove, on CPU as on GPU, that a code path never synchronises with the host (as a CUDA graph
+requires): aten ops checked against torch's ``data_dependent_output`` and ``dynamic_output_shape``
+tags, and the ``Tensor`` methods that copy data to Python.
 """
 
 from __future__ import annotations
@@ -104,31 +100,16 @@ class _FunctionGuard(TorchFunctionMode):
 
 @contextmanager
 def forbid_host_sync(*, allow: Iterable[str] = ()) -> Iterator[None]:
-    """Raise :class:`HostSyncError` on any op inside the block that would synchronise with the host.
+    """Raise :class:`HostSyncError`, naming the op, at the first op inside the block that would
+    synchronise with the host, on every device: host reads of a value (``.item()``, ``int(t)``,
+    ``bool(t)``, ``if t:``, ``aten.equal``, ``aten.allclose``, ``Tensor.tolist``, ``.numpy``,
+    ``__array__``), value-dependent output shapes (``nonzero``, ``argwhere``, ``masked_select``,
+    ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``, boolean-mask
+    indexing; integer-tensor indexing is allowed), device-to-CPU copies.
 
-    Rejected on every device (so CPU tests catch what would stall a GPU):
-
-    * ops that read a value on the host (torch's ``data_dependent_output`` tag):
-      ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``, ``if t:``, f-strings
-      of 0-d tensors), ``aten.equal``, ``aten.allclose`` and ``aten.is_nonzero``;
-    * ``Tensor.tolist``, ``Tensor.numpy`` and ``Tensor.__array__``;
-    * ops whose output shape depends on values (``dynamic_output_shape``): ``nonzero``,
-      ``argwhere``, ``masked_select``, ``unique``/``unique_consecutive``, ``bincount``,
-      ``repeat_interleave`` without ``output_size``, and indexing or index-put with a boolean (or
-      uint8) mask; integer-tensor indexing is allowed;
-    * copies from a non-CPU device to the CPU (``.cpu()``, ``.to("cpu")``, ``copy_``).
-
-    Args:
-        allow: op names to let through, as ``func.name()`` (``"aten::nonzero"``), ``str(func)``
-            (``"aten.nonzero.default"``) or a method name above (``"Tensor.tolist"``), for code
-            that syncs on purpose, e.g. a validation branch.
-
-    Raises:
-        HostSyncError: at the first offending op, naming it.
-
-    Limits: only ops torch dispatches in this thread (and the autograd threads, which inherit the
-    modes) are seen, not syncs inside a C++ kernel or extension. Shapes and Python numbers are free.
-    """
+    ``allow``: op names to let through, as ``func.name()`` (``"aten::nonzero"``), ``str(func)``
+    (``"aten.nonzero.default"``) or ``"Tensor.tolist"`` and the like. Only ops dispatched in this
+    thread and the autograd threads are seen, not syncs inside a C++ kernel or extension."""
     allowed = frozenset(allow)
     with _DispatchGuard(allowed), _FunctionGuard(allowed):
         yield

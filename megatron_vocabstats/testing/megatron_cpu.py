@@ -1,5 +1,5 @@
 """CPU shims that let Megatron-Core's ``GPTModel`` run without CUDA, for the tests and the CPU
-examples (docs/megatron.md); not part of the plugin's training path.
+examples (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -61,14 +61,12 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
 
 
 def cuda_factories_on_cpu():
-    """A context in which tensor factories asked for ``device="cuda"`` build on the CPU; a no-op
-    with CUDA. Wrap Megatron's pipeline schedules (``get_forward_backward_func()(...)``, whose
-    token counter is made on ``cuda`` unconditionally) in it on a CPU-only machine."""
+    """A context in which ``device="cuda"`` tensor factories build on the CPU (no-op with CUDA), for
+    Megatron's pipeline schedules, whose token counter is made on ``cuda`` unconditionally."""
     return contextlib.nullcontext() if torch.cuda.is_available() else _CudaFactoriesOnCpu()
 
 
 def _cpu_memory_buffer():
-    """A ``GlobalMemoryBuffer`` whose tensors are made on the CPU."""
     from megatron.core import utils
 
     class _CpuMemoryBuffer(utils.GlobalMemoryBuffer):
@@ -85,14 +83,9 @@ def _cpu_memory_buffer():
 
 
 def install_cpu_shims() -> bool:
-    """Replace what Megatron-Core builds on ``cuda`` unconditionally (the global memory buffer, the
-    default causal masks, the CUDA RNG tracker) with CPU versions when CUDA is absent; returns
-    True if they are (now) installed.
-
-    Call after ``parallel_state.initialize_model_parallel`` (which creates the memory buffer) and
-    before building the model. Idempotent; after Megatron's state was torn down and made again it
-    replaces the new memory buffer too.
-    """
+    """Without CUDA, replace what Megatron-Core builds on ``cuda`` (the global memory buffer, the
+    causal masks, the RNG tracker) with CPU versions; True if installed. Call after
+    ``initialize_model_parallel`` and before building the model; idempotent."""
     global _INSTALLED
     if torch.cuda.is_available():
         return False
@@ -120,10 +113,9 @@ def install_cpu_shims() -> bool:
 
 
 def tag_torch_norm_for_sequence_parallel() -> None:
-    """Test support: let Megatron's torch norm (``WrappedTorchNorm``, used without Apex or
-    transformer-engine) run under ``sequence_parallel``, its parameters tagged
-    ``sequence_parallel`` as Apex's are so that ``finalize_model_grads`` all-reduces their partial
-    gradients over tp (docs/fused-head.md). Idempotent."""
+    """Let Megatron's ``WrappedTorchNorm`` (without Apex or transformer-engine) run under
+    ``sequence_parallel``, its parameters tagged as Apex's are, so that ``finalize_model_grads``
+    all-reduces their gradients over tp (docs/fused-head.md). Idempotent."""
     from megatron.core.transformer import torch_norm
 
     build = torch_norm.WrappedTorchNorm.__new__
