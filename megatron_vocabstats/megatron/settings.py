@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..losses.stats import StatsOptions
-from ..ops.options import KERNEL_CHOICES, check_bool, check_choice, check_number, check_option
+from ..ops.options import check_bool, check_choice, check_number, check_option
 from ..ops.sampling.from_logits import sampler_problem
 from ..rollout import ROLLOUT_LEVELS, ROLLOUT_MODES, RolloutCorrection, correction_bounds
 
@@ -61,9 +61,8 @@ class PluginSettings:
                            ("entropy_coef", {}),
                            ("rollout_temperature", dict(low=0.0, low_open=True))):
             object.__setattr__(self, name, check_number(name, getattr(self, name), **rule))
-        for name in ("label_smoothing", "batch_invariant", "entropy"):  # the ops' own checks
+        for name in ("label_smoothing", "batch_invariant", "entropy", "kernel"):  # the ops' own
             object.__setattr__(self, name, check_option(name, getattr(self, name)))
-        check_choice("kernel", self.kernel, KERNEL_CHOICES)
         if self.entropy_coef != 0.0 and self.entropy != "grad":
             raise ValueError(
                 f"entropy_coef={self.entropy_coef} needs entropy='grad' (got {self.entropy!r}): "

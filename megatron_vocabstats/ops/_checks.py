@@ -200,18 +200,21 @@ def _check_no_missing_group(width: int) -> None:
             "if they really hold the whole vocabulary")
 
 
-def option_field(label: str, option: Option) -> tuple[Field, Callable[[object], int]]:
-    """The agreement column of a declared option: its :class:`Field` and the encoding of its
-    checked value as an int64 (see :class:`~.options.Option`)."""
-    if option.kind == "choice":
-        return Field(label, show=option.choices.__getitem__), option.choices.index
-    if option.kind == "float":
-        return Field(label, show=bits_float), float_bits
-    return Field(label, show=bool if option.kind == "bool" else int), int
+def agreed_options(options: dict[str, Option]) -> tuple[tuple[str, Field, Callable], ...]:
+    """``(name, Field, encode)`` of each of ``options`` that the ranks must agree on: its
+    agreement column and the encoding of its checked value as an int64 (see
+    :class:`~.options.Option`)."""
+    def column(option: Option) -> tuple[Field, Callable[[object], int]]:
+        if option.kind == "choice":
+            return Field(option.agree, show=option.choices.__getitem__), option.choices.index
+        if option.kind == "float":
+            return Field(option.agree, show=bits_float), float_bits
+        return Field(option.agree, show=bool if option.kind == "bool" else int), int
+
+    return tuple((name, *column(option)) for name, option in options.items() if option.agree)
 
 
-_AGREED = tuple((name, *option_field(option.agree, option))
-                for name, option in STATS_OPTIONS.items() if option.agree)
+_AGREED = agreed_options(STATS_OPTIONS)
 _AGREEMENT = (
     Field("vocab_start", show=lambda given: "given" if given else None),
     Field("logits shard width"), Field("token count"), Field("vocab_size"),

@@ -15,7 +15,7 @@ import torch
 
 from . import _comm
 from ._argtypes import bool_error
-from ._checks import LogitsSpec, checked_config, option_field
+from ._checks import LogitsSpec, agreed_options, checked_config
 from .agreement import Field, tensor_checksum
 from .engine.linear import LinearStatsConfig, auto_linear_chunk_size
 from .options import LINEAR_HEAD_OPTIONS, LOGITS_DTYPES, STATS_OPTIONS
@@ -91,8 +91,10 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, tp: int,
         if bool_error("argmax", argmax) is None and argmax:
             return ValueError("argmax=True cannot be combined with grad_weights (the "
                               "forward-gradient mode merges its statistics chunk by chunk)")
-    for name, value in head.items():
-        if (error := bool_error(name, value)) is not None:
+    for name, option in LINEAR_HEAD_OPTIONS.items():  # their declared checks
+        try:
+            option.check(name, head[name])
+        except ValueError as error:  # InputTypeError included
             return error
     if partial_hidden_grad and sequence_parallel:
         return ValueError("partial_hidden_grad=True cannot be combined with sequence_parallel=True "
@@ -108,8 +110,7 @@ def linear_problem(hidden, weight, target, grad_weights, *, lead_shape, tp: int,
     return None
 
 
-_HEAD = tuple((name, *option_field(option.agree, option))
-              for name, option in LINEAR_HEAD_OPTIONS.items())
+_HEAD = agreed_options(LINEAR_HEAD_OPTIONS)
 
 
 def first_device(*candidates) -> torch.device:

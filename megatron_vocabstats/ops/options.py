@@ -250,15 +250,20 @@ class LinearStatsOpKwargs(StatsOpKwargs, LinearHeadKwargs, total=False):
 def declared(kwargs: type) -> dict[str, Option]:
     """The :class:`Option` of each keyword of the ``TypedDict`` ``kwargs``, in declaration order
     (bases first)."""
-    hints = get_type_hints(kwargs, include_extras=True)
-    return {name: next(m for m in hint.__metadata__ if isinstance(m, Option))
-            for name, hint in hints.items()}
+    return {name: _option_of(hint)
+            for name, hint in get_type_hints(kwargs, include_extras=True).items()}
+
+
+def _option_of(hint) -> Option:
+    """The :class:`Option` of an ``Annotated[type, Option(...)]`` hint."""
+    return next(m for m in hint.__metadata__ if isinstance(m, Option))
 
 
 # The options of the core statistics (:class:`StatsConfig`) and of the fused LM head.
 STATS_OPTIONS = declared(StatsOpKwargs)
 LINEAR_HEAD_OPTIONS = declared(LinearHeadKwargs)
 SAMPLER_OPTIONS = declared(SamplerKwargs)
+_ALL_OPTIONS = {**STATS_OPTIONS, **LINEAR_HEAD_OPTIONS, **SAMPLER_OPTIONS}
 # The options that define the shard layout (``StatsConfig.layout``) rather than a field.
 LAYOUT_OPTIONS = ("vocab_size", "vocab_start")
 
@@ -266,7 +271,7 @@ LAYOUT_OPTIONS = ("vocab_size", "vocab_start")
 def check_option(name: str, value):
     """``value`` checked and normalised by the declared check of option ``name`` (unchanged if
     the option is checked with the call's tensors)."""
-    option = {**STATS_OPTIONS, **LINEAR_HEAD_OPTIONS, **SAMPLER_OPTIONS}[name]
+    option = _ALL_OPTIONS[name]
     return value if option.check is None else option.check(name, value)
 
 
@@ -276,7 +281,6 @@ def takes_options(op):
     does not declare raises ``TypeError`` as Python's own does, naming the ones it does."""
     # (the annotation is a string, "Unpack[K]": the modules use postponed annotations)
     keyword_set = eval(op.__annotations__["options"], op.__globals__).__args__[0]
-    options = declared(keyword_set)
     signature = inspect.signature(op)
     params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     taken = {p.name for p in params if p.kind is not p.POSITIONAL_ONLY}
@@ -294,7 +298,8 @@ def takes_options(op):
         return op(*args, **kwargs)
 
     checked.__signature__ = signature.replace(parameters=[*params, *(
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=options[name].default,
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                          default=_option_of(hints[name]).default,
                           annotation=hints[name].__origin__) for name in names)])
     return checked
 
