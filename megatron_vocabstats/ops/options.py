@@ -270,7 +270,9 @@ LAYOUT_OPTIONS = ("vocab_size", "vocab_start")
 
 def check_option(name: str, value):
     """``value`` checked and normalised by the declared check of option ``name`` (unchanged if
-    the option is checked with the call's tensors)."""
+    the option is checked with the call's tensors). Raises what that check raises, naming
+    ``name`` (``InputTypeError`` for a wrong type, ``ValueError`` out of range); ``KeyError``
+    for a name no keyword set declares."""
     option = _ALL_OPTIONS[name]
     return value if option.check is None else option.check(name, value)
 
